@@ -1,0 +1,1 @@
+"""ZeRO partitioning and the offload engine."""
