@@ -1,0 +1,116 @@
+"""The ``"aio"`` section: DeepSpeed's async-I/O keys and defaults, plus our ``backend`` choice."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, Mapping, Union
+
+from ._reader import ConfigError, Context, Section
+
+AIO_BACKENDS = ("auto", "io_uring", "aio", "psync")
+
+# DeepSpeed's newer "io_backend" key names the library, not the kernel interface. "async_io" means "the
+# fastest asynchronous path", which is what our "auto" picks; "posix" means plain pread/pwrite.
+_DS_IO_BACKEND = {
+    "async_io": "auto",
+    "aio": "auto",
+    "async": "auto",
+    "deepnvme": "auto",
+    "posix": "psync",
+    "sync": "psync",
+    "simple": "psync",
+}
+
+_AIO_KEYS = (
+    "block_size",
+    "queue_depth",
+    "intra_op_parallelism",
+    "thread_count",
+    "single_submit",
+    "overlap_events",
+    "use_gds",
+    "backend",
+    "io_backend",
+)
+
+
+@dataclass(frozen=True)
+class AioConfig:
+    """Async I/O settings for NVMe swapping; the field names are DeepSpeed's ``"aio"`` keys."""
+
+    block_size: int = 1048576
+    queue_depth: int = 8
+    intra_op_parallelism: int = 1
+    single_submit: bool = False
+    overlap_events: bool = True
+    use_gds: bool = False
+    backend: str = "auto"
+
+    @classmethod
+    def from_dict(cls, d: Union[Mapping[str, Any], None], *, source: str = "<dict>") -> AioConfig:
+        """Validate the inner ``{...}`` of an ``"aio"`` section (None or {} gives the defaults)."""
+        return parse_aio(d, Context(source), "aio")
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def parse_aio(raw: Any, ctx: Context, path: str = "aio") -> AioConfig:
+    s = Section(raw, path, ctx, _AIO_KEYS)
+    # "thread_count" is DeepSpeed's old name for intra_op_parallelism; DeepSpeed lets the new key win when
+    # both are given, which hides typos, so a disagreement is an error here.
+    threads = s.int("thread_count", None, min=1, allow_none=True)
+    parallelism = s.int("intra_op_parallelism", None, min=1, allow_none=True)
+    if threads is not None and parallelism is not None and threads != parallelism:
+        raise s.fail(
+            "intra_op_parallelism",
+            f"{parallelism} disagrees with {s.key('thread_count')} = {threads} (its old name); give one",
+        )
+    intra = parallelism if parallelism is not None else (threads if threads is not None else 1)
+
+    backend = s.choice("backend", "auto", AIO_BACKENDS)
+    if s.has("io_backend"):
+        io_backend = s.choice("io_backend", "async_io", tuple(_DS_IO_BACKEND))
+        if s.has("backend"):
+            raise s.fail(
+                "io_backend",
+                f"give either '{s.key('backend')}' or DeepSpeed's '{s.key('io_backend')}', not both",
+            )
+        backend = _DS_IO_BACKEND[io_backend]
+
+    use_gds = s.bool("use_gds", False)
+    if use_gds:
+        raise s.not_supported("use_gds", "GPUDirect Storage (use_gds: true)")
+
+    return AioConfig(
+        block_size=s.int("block_size", 1048576, min=1),
+        queue_depth=s.int("queue_depth", 8, min=1),
+        intra_op_parallelism=intra,
+        single_submit=s.bool("single_submit", False),
+        overlap_events=s.bool("overlap_events", True),
+        use_gds=use_gds,
+        backend=backend,
+    )
+
+
+def validate_aio_section(d: Union[Mapping[str, Any], str, os.PathLike]) -> AioConfig:
+    """Check a written ``{"aio": {...}}`` document (a dict or a JSON file path) and return its AioConfig.
+
+    Tools that tune the aio settings write such a file for the user to merge into their DeepSpeed config;
+    this checks it with exactly the rules ``load_config`` applies to the same section.
+    """
+    if isinstance(d, (str, os.PathLike)):
+        from .loader import read_json_file
+
+        source = os.fspath(d)
+        d = read_json_file(source)
+    else:
+        source = "<dict>"
+    ctx = Context(source)
+    top = Section(d, "", ctx, ("aio",))
+    if not top.has("aio"):
+        raise ConfigError(f"{source}: expected an object with an 'aio' key, e.g. {json.dumps({'aio': {}})}")
+    return parse_aio(top.get("aio"), ctx, "aio")

@@ -1,0 +1,319 @@
+"""``load_config``: a DeepSpeed JSON config (dict, file or None) -> a validated, frozen ZeroOffloadConfig."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
+
+from ._reader import ConfigError, Context, Section, is_off_value
+from .aio import AioConfig, parse_aio
+from .optimizer import OptimizerConfig, SchedulerConfig, parse_optimizer, parse_scheduler
+from .precision import BF16Config, FP16Config, parse_bf16, parse_fp16
+from .zero import ZeroConfig, parse_zero
+
+_MODELLED = (
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "gradient_clipping",
+    "steps_per_print",
+    "wall_clock_breakdown",
+    "optimizer",
+    "scheduler",
+    "fp16",
+    "bf16",
+    "zero_optimization",
+    "aio",
+    "zero_offload",
+)
+
+# Legacy spellings DeepSpeed still reads.
+_ALIASES = ("bfloat16", "allgather_size")
+
+# Logging, profiling, monitoring and tooling keys: they do not change what a step computes, so they are
+# accepted, reported once with a warning (unless they are switched off anyway) and otherwise ignored.
+IGNORED_TOP_LEVEL: Dict[str, str] = {
+    "tensorboard": "zero-offload has no TensorBoard monitor",
+    "wandb": "zero-offload has no Weights & Biases monitor",
+    "csv_monitor": "zero-offload has no CSV monitor",
+    "comet": "zero-offload has no Comet monitor",
+    "flops_profiler": "zero-offload has no FLOPs profiler",
+    "comms_logger": "zero-offload does not log collectives",
+    "timers": "DeepSpeed's throughput timers; use zero_offload.report",
+    "memory_breakdown": "DeepSpeed's memory printout; use zero_offload.report",
+    "dump_state": "DeepSpeed's debug dump of its own state",
+    "autotuning": "read by DeepSpeed's autotuner launcher, not by the engine",
+    "activation_checkpointing": (
+        "only read by deepspeed.checkpointing, which zero-offload lacks; use torch.utils.checkpoint"
+    ),
+    "pipeline": "only read by DeepSpeed's PipelineEngine (pipeline parallelism)",
+    "dataloader_drop_last": "only read by DeepSpeed's own data loader, which zero-offload does not provide",
+    "zero_allow_untested_optimizer": "zero-offload builds the optimizer from the 'optimizer' section",
+    "zero_force_ds_cpu_optimizer": "zero-offload always steps offloaded states with its own CPU optimizer",
+    "vocabulary_size": "a hint for DeepSpeed's sparse-embedding path",
+    "seq_parallel_communication_data_type": "only used by DeepSpeed's sequence parallelism",
+    "checkpoint": "checkpoint tag validation is not implemented",
+}
+
+
+def _enabled_false(value: Any) -> bool:
+    return is_off_value(value)
+
+
+# Keys that change what training computes (or how state is stored): accepted only while off, i.e. exactly
+# as if they were absent; turned on they are a ConfigError "not supported yet".
+OFF_ONLY_TOP_LEVEL: Dict[str, Tuple[Any, str]] = {
+    "amp": (_enabled_false, "NVIDIA Apex AMP (amp.enabled: true)"),
+    "torch_autocast": (_enabled_false, "torch autocast (torch_autocast.enabled: true)"),
+    "communication_data_type": (lambda v: v is None, "a communication data type other than the default"),
+    "prescale_gradients": (lambda v: v is False, "gradient prescaling (prescale_gradients: true)"),
+    "gradient_predivide_factor": (
+        lambda v: v == 1 and not isinstance(v, bool),
+        "gradient_predivide_factor != 1.0",
+    ),
+    "sparse_gradients": (lambda v: v is False, "sparse gradients (sparse_gradients: true)"),
+    "disable_allgather": (lambda v: v is False, "disable_allgather: true"),
+    "graph_harvesting": (lambda v: v is False, "graph harvesting (graph_harvesting: true)"),
+    "elasticity": (_enabled_false, "elastic training (elasticity.enabled: true)"),
+    "compression_training": (lambda v: v is None or v == {}, "compression training"),
+    "data_efficiency": (_enabled_false, "data efficiency (data_efficiency.enabled: true)"),
+    "curriculum_learning": (_enabled_false, "curriculum learning (curriculum_learning.enabled: true)"),
+    "progressive_layer_drop": (
+        _enabled_false,
+        "progressive layer drop (progressive_layer_drop.enabled: true)",
+    ),
+    "eigenvalue": (_enabled_false, "eigenvalue computation (eigenvalue.enabled: true)"),
+    "quantize_training": (_enabled_false, "quantized training (quantize_training.enabled: true)"),
+    "sparse_attention": (lambda v: v is None or v == {}, "DeepSpeed sparse attention"),
+    "hybrid_engine": (_enabled_false, "the RLHF hybrid engine (hybrid_engine.enabled: true)"),
+    "compile": (_enabled_false, "DeepSpeed compile (compile.enabled: true)"),
+    "nebula": (_enabled_false, "the Nebula checkpoint service (nebula.enabled: true)"),
+    "weight_quantization": (lambda v: v is None or v == {}, "weight quantization"),
+    "tensor_parallel": (
+        lambda v: v is None or (isinstance(v, Mapping) and v.get("autotp_size", 0) in (0, 1)),
+        "automatic tensor parallelism (tensor_parallel.autotp_size > 1)",
+    ),
+    "data_types": (
+        lambda v: v is None or (isinstance(v, Mapping) and v.get("grad_accum_dtype") is None),
+        "a gradient accumulation dtype (data_types.grad_accum_dtype)",
+    ),
+    "use_data_before_expert_parallelism": (lambda v: v is False, "mixture-of-experts topology options"),
+}
+
+TOP_LEVEL_KEYS = _MODELLED + _ALIASES + tuple(IGNORED_TOP_LEVEL) + tuple(OFF_ONLY_TOP_LEVEL)
+
+# Keys inside "checkpoint" that would change where or how checkpoints are read/written.
+_CHECKPOINT_OFF_ONLY = {
+    "load_universal": "loading universal checkpoints (load_universal: true)",
+    "use_node_local_storage": "node-local checkpoint storage (use_node_local_storage: true)",
+}
+
+
+@dataclass(frozen=True)
+class ZeroOffloadSection:
+    """Our own keys (DeepSpeed has none of them): the per-step report of time and bytes per phase."""
+
+    report: bool = False
+    report_every: int = 1
+
+
+@dataclass(frozen=True)
+class ZeroOffloadConfig:
+    """A validated DeepSpeed config. Attribute names are DeepSpeed's JSON keys; batch sizes are resolved."""
+
+    train_batch_size: int = 1
+    train_micro_batch_size_per_gpu: int = 1
+    gradient_accumulation_steps: int = 1
+    gradient_clipping: float = 0.0
+    steps_per_print: int = 10
+    wall_clock_breakdown: bool = False
+    optimizer: Optional[OptimizerConfig] = None
+    scheduler: Optional[SchedulerConfig] = None
+    fp16: FP16Config = field(default_factory=FP16Config)
+    bf16: BF16Config = field(default_factory=BF16Config)
+    zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
+    aio: AioConfig = field(default_factory=AioConfig)
+    zero_offload: ZeroOffloadSection = field(default_factory=ZeroOffloadSection)
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Every modelled key with its resolved value, as JSON-ready dicts and lists; loads back equal."""
+        return _jsonable(dataclasses.asdict(self))
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def read_json_file(path: str) -> Any:
+    """Parse a JSON file; missing files and syntax errors become ConfigErrors naming file, line, column."""
+
+    def no_duplicates(pairs: List[Tuple[str, Any]]) -> Dict[str, Any]:
+        # DeepSpeed refuses duplicate keys as well; json would silently keep the last one.
+        out: Dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out:
+                raise ConfigError(f"config file {path}: duplicate key '{key}'")
+            out[key] = value
+        return out
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} not found") from None
+    except OSError as e:
+        raise ConfigError(f"config file {path} cannot be read: {e.strerror} (errno {e.errno})") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path} is not UTF-8 text: {e}") from None
+    try:
+        return json.loads(text, object_pairs_hook=no_duplicates)
+    except json.JSONDecodeError as e:
+        raise ConfigError(
+            f"config file {path} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
+        ) from None
+
+
+def load_config(
+    config: Union[Mapping[str, Any], str, os.PathLike, None] = None, world_size: int = 1
+) -> ZeroOffloadConfig:
+    """Validate a DeepSpeed config (a dict, a path to a JSON file, or None for all defaults).
+
+    ``world_size`` is the number of data-parallel ranks, used to resolve the batch sizes as DeepSpeed does:
+    ``train_batch_size = train_micro_batch_size_per_gpu * gradient_accumulation_steps * world_size``.
+    Raises ConfigError naming the key, the source and the closest valid key for anything not accepted.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"world_size must be an integer >= 1, got {world_size!r}")
+    if config is None:
+        raw: Any = {}
+        source = "<defaults>"
+    elif isinstance(config, (str, os.PathLike)):
+        source = os.fspath(config)
+        raw = read_json_file(source)
+    elif isinstance(config, Mapping):
+        raw = config
+        source = "<dict>"
+    else:
+        raise ConfigError(
+            f"config must be a dict, a path to a JSON file, or None; got {type(config).__name__}"
+        )
+    return _parse(raw, Context(source), world_size)
+
+
+def _parse(raw: Any, ctx: Context, world_size: int) -> ZeroOffloadConfig:
+    top = Section(raw, "", ctx, TOP_LEVEL_KEYS)
+
+    for name, (is_off, what) in OFF_ONLY_TOP_LEVEL.items():
+        top.off_only(name, is_off, what)
+    for name, reason in IGNORED_TOP_LEVEL.items():
+        top.ignored(name, reason)
+    if top.has("checkpoint"):
+        _check_checkpoint_section(top.get("checkpoint"), ctx)
+
+    if top.has("bf16") and top.has("bfloat16"):
+        raise top.fail("bfloat16", "is the old spelling of 'bf16'; give only one of them")
+    bf16 = parse_bf16(
+        top.get("bf16", top.get("bfloat16")), ctx, "bfloat16" if top.has("bfloat16") else "bf16"
+    )
+    fp16 = parse_fp16(top.get("fp16"), ctx)
+    if fp16.enabled and bf16.enabled:
+        raise ConfigError(
+            f"fp16.enabled and bf16.enabled in {ctx.source}: enable at most one of fp16 and bf16"
+        )
+
+    if top.has("allgather_size") and not isinstance(top.get("zero_optimization"), bool):
+        raise top.fail(
+            "allgather_size",
+            "only applies to the deprecated 'zero_optimization': true; use"
+            " zero_optimization.allgather_bucket_size",
+        )
+    zero = parse_zero(top.get("zero_optimization"), ctx, legacy_allgather_size=top.get("allgather_size"))
+
+    train, micro, acc = _resolve_batch(top, world_size)
+    steps_per_print = top.int("steps_per_print", 10, min=1, allow_none=True)
+
+    return ZeroOffloadConfig(
+        train_batch_size=train,
+        train_micro_batch_size_per_gpu=micro,
+        gradient_accumulation_steps=acc,
+        gradient_clipping=top.float("gradient_clipping", 0.0, min=0.0),
+        # DeepSpeed's newest releases let null mean "never print"; 10 is its documented default.
+        steps_per_print=10 if steps_per_print is None else steps_per_print,
+        wall_clock_breakdown=top.bool("wall_clock_breakdown", False),
+        optimizer=parse_optimizer(top.get("optimizer"), ctx),
+        scheduler=parse_scheduler(top.get("scheduler"), ctx),
+        fp16=fp16,
+        bf16=bf16,
+        zero_optimization=zero,
+        aio=parse_aio(top.get("aio"), ctx),
+        zero_offload=_parse_zero_offload(top.get("zero_offload"), ctx),
+    )
+
+
+def _parse_zero_offload(raw: Any, ctx: Context) -> ZeroOffloadSection:
+    s = Section(raw, "zero_offload", ctx, ("report", "report_every"))
+    return ZeroOffloadSection(report=s.bool("report", False), report_every=s.int("report_every", 1, min=1))
+
+
+def _check_checkpoint_section(raw: Any, ctx: Context) -> None:
+    s = Section(
+        raw,
+        "checkpoint",
+        ctx,
+        ("tag_validation", "load_universal", "use_node_local_storage", "parallel_write", "writer"),
+    )
+    s.choice("tag_validation", "Warn", ("Ignore", "Warn", "Fail"))
+    for name, what in _CHECKPOINT_OFF_ONLY.items():
+        s.bool(name, False)
+        s.off_only(name, lambda v: v is False, what)
+    s.off_only("writer", lambda v: v is None, "a custom checkpoint writer (checkpoint.writer)")
+    if s.has("parallel_write"):
+        pw = Section(s.get("parallel_write"), "checkpoint.parallel_write", ctx, ("pipeline_stage",))
+        pw.bool("pipeline_stage", False)
+        pw.off_only("pipeline_stage", lambda v: v is False, "pipeline-stage parallel checkpoint writes")
+
+
+def _resolve_batch(top: Section, world_size: int) -> Tuple[int, int, int]:
+    """DeepSpeed's rule: any two of the three batch keys determine the third; all three must agree."""
+    train = top.int("train_batch_size", None, min=1, allow_none=True)
+    micro = top.int("train_micro_batch_size_per_gpu", None, min=1, allow_none=True)
+    acc = top.int("gradient_accumulation_steps", None, min=1, allow_none=True)
+
+    if train is not None and micro is not None and acc is None:
+        acc = train // micro // world_size
+    elif train is not None and acc is not None and micro is None:
+        micro = train // world_size // acc
+    elif micro is not None and train is None:
+        acc = 1 if acc is None else acc
+        train = micro * acc * world_size
+    elif train is not None and micro is None and acc is None:
+        acc = 1
+        micro = train // world_size
+    elif train is None and micro is None:
+        # DeepSpeed refuses a config without a batch size; zero-offload defaults to micro batch 1 so that
+        # a config can be just {"zero_optimization": ...}.
+        micro = 1
+        acc = 1 if acc is None else acc
+        train = micro * acc * world_size
+
+    assert train is not None and micro is not None and acc is not None
+    if micro < 1 or acc < 1 or train != micro * acc * world_size:
+        names = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+        t, m, a = (_given(top, n, v) for n, v in zip(names, (train, micro, acc)))
+        raise ConfigError(
+            f"inconsistent batch sizes in {top.ctx.source}: train_batch_size ({t}) must equal"
+            f" train_micro_batch_size_per_gpu ({m}) * gradient_accumulation_steps ({a})"
+            f" * world_size ({world_size})"
+        )
+    return train, micro, acc
+
+
+def _given(top: Section, name: str, value: int) -> str:
+    return str(value) if top.has(name) else f"{value}, derived"

@@ -1,0 +1,306 @@
+"""The ``"zero_optimization"`` section with its ``offload_optimizer`` / ``offload_param`` subsections.
+
+Defaults are DeepSpeed's (deepspeed/runtime/zero/config.py and offload_config.py). Stage 3 and parameter
+offload are parsed and validated fully; whether the engine can run them is the engine's decision.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+from ._reader import Context, Section, is_off_value
+
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+
+_OFFLOAD_OPTIMIZER_KEYS = (
+    "device",
+    "nvme_path",
+    "pin_memory",
+    "buffer_count",
+    "pipeline_read",
+    "pipeline_write",
+    "fast_init",
+    "ratio",
+    "super_offload",
+    "convert_grad_on_cpu",
+    "cpuadam_cores_perc",
+)
+
+_OFFLOAD_PARAM_KEYS = ("device", "nvme_path", "pin_memory", "buffer_count", "buffer_size", "max_in_cpu")
+
+# Modelled keys (fields of ZeroConfig) in the order to_dict writes them.
+_ZERO_FIELDS = (
+    "stage",
+    "contiguous_gradients",
+    "overlap_comm",
+    "reduce_scatter",
+    "reduce_bucket_size",
+    "use_multi_rank_bucket_allreduce",
+    "allgather_partitions",
+    "allgather_bucket_size",
+    "load_from_fp32_weights",
+    "ignore_unused_parameters",
+    "round_robin_gradients",
+    "sub_group_size",
+    "offload_optimizer",
+    "offload_param",
+    "stage3_prefetch_bucket_size",
+    "stage3_param_persistence_threshold",
+    "stage3_model_persistence_threshold",
+    "stage3_max_live_parameters",
+    "stage3_max_reuse_distance",
+    "stage3_gather_16bit_weights_on_model_save",
+    "stage3_module_granularity_threshold",
+    "stage3_use_all_reduce_for_fetch_params",
+    "stage3_allgather_sequential",
+    "memory_efficient_linear",
+    "override_module_apply",
+)
+
+# DeepSpeed's deprecated spellings, mapped onto the modern keys.
+_LEGACY = (
+    "cpu_offload",
+    "cpu_offload_param",
+    "cpu_offload_use_pin_memory",
+    "stage3_gather_fp16_weights_on_model_save",
+)
+
+# Keys accepted only while they leave their feature off; each names what turning it on would mean.
+_OFF_ONLY = {
+    "elastic_checkpoint": (lambda v: v is False, "elastic checkpoints (true)"),
+    "legacy_stage1": (lambda v: v is False, "the legacy stage-1 implementation (true)"),
+    "zero_hpz_partition_size": (lambda v: v in (0, 1), "ZeRO++ hierarchical partitioning (size > 1)"),
+    "zero_quantized_weights": (lambda v: v is False, "ZeRO++ quantized weights (true)"),
+    "zero_quantized_nontrainable_weights": (lambda v: v is False, "quantized non-trainable weights (true)"),
+    "zero_quantized_gradients": (lambda v: v is False, "ZeRO++ quantized gradients (true)"),
+    "zeropp_loco_param": (is_off_value, "LoCo-ZeRO++ (zeropp_loco_param)"),
+    "mics_shard_size": (lambda v: v in (-1, 0), "MiCS sharding (mics_shard_size > 0)"),
+    "mics_hierarchical_params_gather": (lambda v: v is False, "MiCS hierarchical gather (true)"),
+    "pipeline_loading_checkpoint": (lambda v: v is False, "pipelined checkpoint loading (true)"),
+    "save_muon_momentum_buffer_in_memory": (lambda v: v is False, "the Muon optimizer's buffers (true)"),
+    "zenflow": (is_off_value, "ZenFlow (zenflow section)"),
+}
+
+# Keys that only tune logging, debugging or zero.Init memory use: accepted, warned about, not acted on.
+_IGNORED = {
+    "log_trace_cache_warnings": "trace-cache logging of DeepSpeed's stage-3 prefetcher",
+    "enable_sanity_checks": "DeepSpeed-internal debugging checks",
+    "stage3_partition_stream_chunk_size": "a zero.Init memory-bound knob of DeepSpeed's partitioner",
+    "leaf_module": "DeepSpeed's stage-3 leaf-module hook grouping",
+}
+
+ZERO_KEYS = _ZERO_FIELDS + _LEGACY + tuple(_OFF_ONLY) + tuple(_IGNORED)
+
+
+@dataclass(frozen=True)
+class OffloadOptimizerConfig:
+    """Where optimizer states live and the optimizer step runs (``device`` cpu or nvme: on the CPU)."""
+
+    device: str = "none"
+    nvme_path: Optional[str] = None
+    pin_memory: bool = False
+    buffer_count: int = 4
+    pipeline_read: bool = False
+    pipeline_write: bool = False
+    fast_init: bool = False
+    ratio: float = 1.0
+
+    @property
+    def pipeline(self) -> bool:
+        return self.pipeline_read or self.pipeline_write
+
+
+@dataclass(frozen=True)
+class OffloadParamConfig:
+    """Where stage-3 parameter partitions live; the buffer sizes are in elements (DeepSpeed's unit)."""
+
+    device: str = "none"
+    nvme_path: Optional[str] = None
+    pin_memory: bool = False
+    buffer_count: int = 5
+    buffer_size: int = 100_000_000
+    max_in_cpu: int = 1_000_000_000
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """ZeRO partitioning and offload; sizes are element counts, as in DeepSpeed."""
+
+    stage: int = 0
+    contiguous_gradients: bool = True
+    overlap_comm: bool = False
+    reduce_scatter: bool = True
+    reduce_bucket_size: int = 500_000_000
+    use_multi_rank_bucket_allreduce: bool = True
+    allgather_partitions: bool = True
+    allgather_bucket_size: int = 500_000_000
+    load_from_fp32_weights: bool = True
+    ignore_unused_parameters: bool = True
+    round_robin_gradients: bool = False
+    sub_group_size: int = 1_000_000_000
+    offload_optimizer: Optional[OffloadOptimizerConfig] = None
+    offload_param: Optional[OffloadParamConfig] = None
+    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_param_persistence_threshold: int = 100_000
+    stage3_model_persistence_threshold: int = sys.maxsize
+    stage3_max_live_parameters: int = 1_000_000_000
+    stage3_max_reuse_distance: int = 1_000_000_000
+    stage3_gather_16bit_weights_on_model_save: bool = False
+    stage3_module_granularity_threshold: int = 0
+    stage3_use_all_reduce_for_fetch_params: bool = False
+    stage3_allgather_sequential: bool = False
+    memory_efficient_linear: bool = True
+    override_module_apply: bool = True
+
+    @property
+    def offloads_optimizer(self) -> bool:
+        return self.offload_optimizer is not None and self.offload_optimizer.device != "none"
+
+    @property
+    def offloads_params(self) -> bool:
+        return self.offload_param is not None and self.offload_param.device != "none"
+
+
+def _nvme_path(s: Section, device: str) -> Optional[str]:
+    path = s.str("nvme_path", None, allow_none=True)
+    if path is not None and not path.strip():
+        raise s.fail("nvme_path", "must be a non-empty path")
+    if device == "nvme" and path is None:
+        raise s.fail("nvme_path", "is required when device is 'nvme' (the directory to swap to)")
+    return path
+
+
+def parse_offload_optimizer(raw: Any, ctx: Context, path: str) -> OffloadOptimizerConfig:
+    s = Section(raw, path, ctx, _OFFLOAD_OPTIMIZER_KEYS)
+    device = s.choice("device", "none", OFFLOAD_DEVICES)
+    s.off_only("super_offload", lambda v: v is False, "SuperOffload for superchips (true)")
+    # Only read by DeepSpeed's SuperOffload, which is refused above; still checked for type and range.
+    s.bool("convert_grad_on_cpu", True)
+    s.float("cpuadam_cores_perc", 0.8, min=0.0, max=1.0)
+    return OffloadOptimizerConfig(
+        device=device,
+        nvme_path=_nvme_path(s, device),
+        pin_memory=s.bool("pin_memory", False),
+        buffer_count=s.int("buffer_count", 4, min=0),
+        pipeline_read=s.bool("pipeline_read", False),
+        pipeline_write=s.bool("pipeline_write", False),
+        fast_init=s.bool("fast_init", False),
+        ratio=s.float("ratio", 1.0, min=0.0, max=1.0),
+    )
+
+
+def parse_offload_param(raw: Any, ctx: Context, path: str) -> OffloadParamConfig:
+    s = Section(raw, path, ctx, _OFFLOAD_PARAM_KEYS)
+    device = s.choice("device", "none", OFFLOAD_DEVICES)
+    return OffloadParamConfig(
+        device=device,
+        nvme_path=_nvme_path(s, device),
+        pin_memory=s.bool("pin_memory", False),
+        buffer_count=s.int("buffer_count", 5, min=0),
+        buffer_size=s.int("buffer_size", 100_000_000, min=0),
+        max_in_cpu=s.int("max_in_cpu", 1_000_000_000, min=0),
+    )
+
+
+def _legacy_replacing(s: Section, old: str, new: str) -> None:
+    """DeepSpeed refuses a deprecated key next to the key that replaced it; so do we."""
+    if s.has(old) and s.has(new):
+        raise s.fail(old, f"is the deprecated spelling of '{s.key(new)}'; give only one of them")
+
+
+def parse_zero(raw: Any, ctx: Context, *, legacy_allgather_size: Any = None) -> ZeroConfig:
+    if isinstance(raw, bool):
+        # DeepSpeed's oldest format: "zero_optimization": true means stage 1.
+        ctx.warn_once(
+            "zero_optimization",
+            "'zero_optimization': true/false is DeepSpeed's deprecated format; use {\"stage\": N}",
+        )
+        raw = {"stage": 1 if raw else 0}
+        if raw["stage"] and legacy_allgather_size is not None:
+            raw["allgather_bucket_size"] = legacy_allgather_size
+    s = Section(raw, "zero_optimization", ctx, ZERO_KEYS)
+
+    for name, (is_off, what) in _OFF_ONLY.items():
+        s.off_only(name, is_off, what)
+    for name, reason in _IGNORED.items():
+        s.ignored(name, reason)
+
+    stage = s.int("stage", 0, min=0, max=3)
+
+    _legacy_replacing(s, "cpu_offload", "offload_optimizer")
+    _legacy_replacing(s, "cpu_offload_param", "offload_param")
+    _legacy_replacing(
+        s, "stage3_gather_fp16_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save"
+    )
+
+    legacy_pin = s.bool("cpu_offload_use_pin_memory", None)
+    offload_optimizer = _offload_section(
+        s, "offload_optimizer", "cpu_offload", legacy_pin, parse_offload_optimizer
+    )
+    offload_param = _offload_section(s, "offload_param", "cpu_offload_param", legacy_pin, parse_offload_param)
+    if legacy_pin is not None and not (s.has("cpu_offload") or s.has("cpu_offload_param")):
+        ctx.warn_once(
+            s.key("cpu_offload_use_pin_memory"),
+            f"'{s.key('cpu_offload_use_pin_memory')}' only applies together with the deprecated 'cpu_offload'"
+            " or 'cpu_offload_param'; set pin_memory inside offload_optimizer / offload_param instead",
+        )
+
+    if offload_optimizer is not None and offload_optimizer.ratio < 1.0 and stage != 3:
+        raise s.fail("offload_optimizer", f"ratio < 1.0 (partial offload) needs stage 3, got stage {stage}")
+    if offload_param is not None and offload_param.device != "none" and stage != 3:
+        ctx.warn_once(
+            s.key("offload_param"),
+            f"'{s.key('offload_param')}' only applies to stage 3; it has no effect at stage {stage}",
+        )
+
+    gather16_name = "stage3_gather_16bit_weights_on_model_save"
+    if s.has("stage3_gather_fp16_weights_on_model_save"):
+        gather16_name = "stage3_gather_fp16_weights_on_model_save"
+
+    # DeepSpeed resolves an unset overlap_comm to "on for stage 3 only".
+    overlap_comm = s.bool("overlap_comm", None)
+    if overlap_comm is None:
+        overlap_comm = stage == 3
+
+    return ZeroConfig(
+        stage=stage,
+        contiguous_gradients=s.bool("contiguous_gradients", True),
+        overlap_comm=overlap_comm,
+        reduce_scatter=s.bool("reduce_scatter", True),
+        reduce_bucket_size=s.int("reduce_bucket_size", 500_000_000, min=0),
+        use_multi_rank_bucket_allreduce=s.bool("use_multi_rank_bucket_allreduce", True),
+        allgather_partitions=s.bool("allgather_partitions", True),
+        allgather_bucket_size=s.int("allgather_bucket_size", 500_000_000, min=0),
+        load_from_fp32_weights=s.bool("load_from_fp32_weights", True),
+        ignore_unused_parameters=s.bool("ignore_unused_parameters", True),
+        round_robin_gradients=s.bool("round_robin_gradients", False),
+        sub_group_size=s.int("sub_group_size", 1_000_000_000, min=0),
+        offload_optimizer=offload_optimizer,
+        offload_param=offload_param,
+        stage3_prefetch_bucket_size=s.int("stage3_prefetch_bucket_size", 50_000_000, min=0),
+        stage3_param_persistence_threshold=s.int("stage3_param_persistence_threshold", 100_000, min=0),
+        stage3_model_persistence_threshold=s.int("stage3_model_persistence_threshold", sys.maxsize, min=0),
+        stage3_max_live_parameters=s.int("stage3_max_live_parameters", 1_000_000_000, min=0),
+        stage3_max_reuse_distance=s.int("stage3_max_reuse_distance", 1_000_000_000, min=0),
+        stage3_gather_16bit_weights_on_model_save=s.bool(gather16_name, False),
+        stage3_module_granularity_threshold=s.int("stage3_module_granularity_threshold", 0, min=0),
+        stage3_use_all_reduce_for_fetch_params=s.bool("stage3_use_all_reduce_for_fetch_params", False),
+        stage3_allgather_sequential=s.bool("stage3_allgather_sequential", False),
+        memory_efficient_linear=s.bool("memory_efficient_linear", True),
+        override_module_apply=s.bool("override_module_apply", True),
+    )
+
+
+def _offload_section(s: Section, name: str, legacy: str, legacy_pin: Optional[bool], parse: Any) -> Any:
+    if s.has(legacy):
+        # "cpu_offload": true is DeepSpeed's old spelling of {"device": "cpu"}.
+        if not s.bool(legacy, False):
+            return None
+        raw: Mapping[str, Any] = {"device": "cpu", "pin_memory": bool(legacy_pin)}
+        return parse(raw, s.ctx, s.key(name))
+    raw_section = s.mapping(name)
+    if raw_section is None:
+        return None
+    return parse(raw_section, s.ctx, s.key(name))
