@@ -1,0 +1,373 @@
+"""ds-estimate-memory: will it fit, and where? Bytes per GPU, per node's host memory and NVMe for every
+ZeRO stage and offload choice, with a breakdown; --fit checks this machine and recommends one.
+
+Bad input prints one line on stderr and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import List, Optional, Sequence, Tuple
+
+from offload.estimate.activations import ActivationSettings
+from offload.estimate.counting import count_parameters, hf_activation_shape, load_model_on_meta
+from offload.estimate.deepspeed_compat import DEFAULT_ADDITIONAL_BUFFER_FACTOR, deepspeed_rows
+from offload.estimate.ds_config import ConfigChoices, read_ds_config
+from offload.estimate.errors import EstimateInputError
+from offload.estimate.formulas import (
+    OFFLOAD_DEVICES,
+    OPTIMIZER_STATES_PER_PARAM,
+    PRECISIONS,
+    STAGES,
+    STATE_DTYPE_BYTES,
+    MemoryEstimate,
+    SwapBufferSettings,
+    TrainingSetup,
+    check_combination,
+    estimate_all,
+    largest_layer_heuristic,
+)
+from offload.estimate.machine import (
+    MachineProfile,
+    check_fit,
+    detect_machine,
+    load_machine_profile,
+    recommend,
+)
+from offload.estimate.report import deepspeed_json, estimates_json, render_deepspeed, render_estimates
+from offload.estimate.units import parse_count
+
+PROG = "ds-estimate-memory"
+HEURISTIC_SOURCE = "heuristic; pass --largest-layer for the exact value"
+EXIT_BAD_INPUT = 2
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse prints usage plus the error; we want the error alone, on one line."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise EstimateInputError(message)
+
+
+# argparse turns a type function's ValueError into a vague "invalid value"; ArgumentTypeError keeps our text.
+def _count(what: str):
+    def parse(text: str) -> int:
+        try:
+            return parse_count(text, what)
+        except EstimateInputError as exc:
+            # argparse already names the flag: "argument --params: must be positive, got '-5'"
+            raise argparse.ArgumentTypeError(
+                str(exc).replace(what + ": ", "").replace(what + " ", "")
+            ) from None
+
+    return parse
+
+
+def _positive_int(what: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+        return value
+
+    return parse
+
+
+def _stage(text: str) -> int:
+    if text not in ("0", "1", "2", "3"):
+        raise argparse.ArgumentTypeError(f"must be 0, 1, 2 or 3, got {text!r}")
+    return int(text)
+
+
+def _positive_float(what: str):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
+        if not value > 0 or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+        return value
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _OneLineParser(
+        prog=PROG,
+        description="Estimate training memory per GPU, per node's CPU memory and per node's NVMe for "
+        "ZeRO stages 0-3 with CPU/NVMe offload. Omitted choices: every valid combination is printed.",
+        epilog="Sizes accept 7.5e9, 7.5B, 350M, 1.3b, 125k. See docs/estimator.md.",
+    )
+    model = parser.add_argument_group("model")
+    model.add_argument("--params", type=_count("--params"), help="total parameters, e.g. 7.5B")
+    model.add_argument(
+        "--largest-layer",
+        type=_count("--largest-layer"),
+        help="parameters of the largest single module (default with --params: a conservative heuristic)",
+    )
+    model.add_argument(
+        "--model",
+        help="a Hugging Face config.json (or its folder; needs transformers) or module:callable returning "
+        "an nn.Module; built on the meta device, nothing allocated",
+    )
+
+    hw = parser.add_argument_group("hardware")
+    hw.add_argument("--gpus-per-node", type=_positive_int("--gpus-per-node"), default=1)
+    hw.add_argument("--nodes", type=_positive_int("--nodes"), default=1)
+
+    zero = parser.add_argument_group("ZeRO (omitted: every valid choice)")
+    zero.add_argument("--stage", type=_stage, help="0, 1, 2 or 3")
+    zero.add_argument("--offload-optimizer", choices=OFFLOAD_DEVICES)
+    zero.add_argument("--offload-param", choices=OFFLOAD_DEVICES, help="stage 3 only")
+    zero.add_argument("--config", help="DeepSpeed-style ds_config.json: stage, offload and buffer settings")
+    zero.add_argument(
+        "--sub-group-size", type=_count("--sub-group-size"), help="elements per optimizer sub-group"
+    )
+    zero.add_argument(
+        "--buffer-count", type=_positive_int("--buffer-count"), help="offload_optimizer.buffer_count (NVMe)"
+    )
+    zero.add_argument(
+        "--param-buffer-count", type=_positive_int("--param-buffer-count"), help="offload_param.buffer_count"
+    )
+    zero.add_argument(
+        "--param-buffer-size", type=_count("--param-buffer-size"), help="offload_param.buffer_size"
+    )
+    zero.add_argument(
+        "--no-pin-memory", action="store_true", help="offloaded states in pageable host memory (not pinned)"
+    )
+
+    train = parser.add_argument_group("training")
+    train.add_argument(
+        "--precision", choices=PRECISIONS, help="bf16/fp16 mixed precision or fp32 (default bf16)"
+    )
+    train.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES_PER_PARAM), help="default adam")
+    train.add_argument("--optimizer-state-dtype", choices=sorted(STATE_DTYPE_BYTES), default="fp32")
+
+    act = parser.add_argument_group("activations (counted when --batch-size and --seq-len are given)")
+    act.add_argument("--batch-size", type=_positive_int("--batch-size"), help="micro-batch per GPU")
+    act.add_argument("--seq-len", type=_positive_int("--seq-len"))
+    act.add_argument("--hidden-size", type=_positive_int("--hidden-size"))
+    act.add_argument("--num-layers", type=_positive_int("--num-layers"))
+    act.add_argument("--num-heads", type=_positive_int("--num-heads"))
+    act.add_argument("--vocab-size", type=_positive_int("--vocab-size"), help="adds the logits")
+    act.add_argument("--attention", choices=("flash", "eager"), default="flash")
+    act.add_argument("--activation-checkpointing", action="store_true")
+
+    out = parser.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    out.add_argument(
+        "--deepspeed-compat",
+        action="store_true",
+        help="print DeepSpeed's own estimate (estimate_zero2/zero3_model_states_mem_needs_all_cold)",
+    )
+    out.add_argument(
+        "--additional-buffer-factor",
+        type=_positive_float("--additional-buffer-factor"),
+        default=DEFAULT_ADDITIONAL_BUFFER_FACTOR,
+        help="DeepSpeed's host-memory factor, for --deepspeed-compat (default 1.5)",
+    )
+    out.add_argument("--fit", action="store_true", help="check which configurations fit this machine")
+    out.add_argument("--nvme-path", default=".", help="where swap files would go, for --fit (default .)")
+    out.add_argument(
+        "--machine-profile",
+        help="machine profile JSON (ram_bytes, gpu_bytes, nvme_free_bytes, nvme_read_gbps, nvme_write_gbps); "
+        "implies --fit and predicts each step's NVMe I/O time",
+    )
+    return parser
+
+
+def _model_sizes(args: argparse.Namespace) -> Tuple[int, int, str]:
+    """(params, largest layer, where the largest layer came from)."""
+    if args.model is not None and args.params is not None:
+        raise EstimateInputError("give either --params or --model, not both")
+    if args.model is None and args.params is None:
+        raise EstimateInputError("give the model size: --params 7B (with --largest-layer) or --model PATH")
+    if args.model is not None:
+        counted = count_parameters(load_model_on_meta(args.model))
+        if counted.params == 0:
+            raise EstimateInputError(f"--model {args.model}: the model has no parameters")
+        if args.largest_layer is not None:
+            return counted.params, args.largest_layer, "given"
+        name = f"module {counted.largest_layer_name!r}" if counted.largest_layer_name else "the root module"
+        return counted.params, counted.largest_layer_params, f"counted: {name}"
+    if args.largest_layer is not None:
+        if args.largest_layer > args.params:
+            raise EstimateInputError(f"--largest-layer {args.largest_layer} exceeds --params {args.params}")
+        return args.params, args.largest_layer, "given"
+    return (
+        args.params,
+        largest_layer_heuristic(args.params),
+        HEURISTIC_SOURCE,
+    )
+
+
+def _activation_settings(
+    args: argparse.Namespace, config: Optional[ConfigChoices]
+) -> Optional[ActivationSettings]:
+    batch = args.batch_size if args.batch_size is not None else (config.micro_batch_size if config else None)
+    shape_flags = (args.hidden_size, args.num_layers, args.num_heads, args.vocab_size)
+    if args.seq_len is None:
+        if (
+            args.batch_size is not None
+            or any(v is not None for v in shape_flags)
+            or args.activation_checkpointing
+        ):
+            raise EstimateInputError("activation flags need --seq-len (and --batch-size)")
+        return None
+    if batch is None:
+        raise EstimateInputError(
+            "--seq-len needs --batch-size (or train_micro_batch_size_per_gpu in --config)"
+        )
+    shape = hf_activation_shape(args.model) if args.model else {}
+    for key in ("hidden_size", "num_layers", "num_heads", "vocab_size"):
+        value = getattr(args, key)
+        if value is not None:
+            shape[key] = value
+    missing = [f"--{k.replace('_', '-')}" for k in ("hidden_size", "num_layers") if k not in shape]
+    if missing:
+        raise EstimateInputError(f"activations need {' and '.join(missing)} (or --model with a config.json)")
+    return ActivationSettings(
+        batch_size=batch,
+        seq_len=args.seq_len,
+        hidden_size=shape["hidden_size"],
+        num_layers=shape["num_layers"],
+        checkpointing=args.activation_checkpointing,
+        attention=args.attention,
+        num_heads=shape.get("num_heads"),
+        vocab_size=shape.get("vocab_size"),
+    )
+
+
+def _buffers(args: argparse.Namespace, config: Optional[ConfigChoices]) -> SwapBufferSettings:
+    values = dict(config.buffers) if config else {}
+    for flag, name in (
+        ("buffer_count", "optimizer_buffer_count"),
+        ("sub_group_size", "sub_group_size"),
+        ("param_buffer_count", "param_buffer_count"),
+        ("param_buffer_size", "param_buffer_size"),
+    ):
+        if getattr(args, flag) is not None:
+            values[name] = getattr(args, flag)
+    if args.no_pin_memory:
+        values["optimizer_pin_memory"] = False
+        values["param_pin_memory"] = False
+    return SwapBufferSettings(**values)  # type: ignore[arg-type]
+
+
+def _choices(
+    args: argparse.Namespace, config: Optional[ConfigChoices]
+) -> Tuple[List[int], List[str], List[str]]:
+    """The stages and offload devices to print: the flag, else the config, else all."""
+
+    def pick(flag, from_config, everything):
+        if flag is not None:
+            return [flag]
+        if from_config is not None:
+            return [from_config]
+        return list(everything)
+
+    stages = pick(args.stage, config.stage if config else None, STAGES)
+    opts = pick(args.offload_optimizer, config.offload_optimizer if config else None, OFFLOAD_DEVICES)
+    pars = pick(args.offload_param, config.offload_param if config else None, OFFLOAD_DEVICES)
+    return stages, opts, pars
+
+
+def _first_reason(stages: Sequence[int], opts: Sequence[str], pars: Sequence[str]) -> str:
+    for stage in stages:
+        for opt in opts:
+            for par in pars:
+                try:
+                    check_combination(stage, opt, par)
+                except EstimateInputError as exc:
+                    return str(exc)
+    return "no valid combination"  # pragma: no cover - only reached when a valid one exists
+
+
+def _machine(args: argparse.Namespace) -> MachineProfile:
+    detected = detect_machine(args.nvme_path)
+    if args.machine_profile:
+        return load_machine_profile(args.machine_profile).merged_over(detected)
+    return detected
+
+
+def run(argv: Optional[Sequence[str]] = None) -> str:
+    """Parse argv and return the text to print; raises EstimateInputError on bad input."""
+    args = build_parser().parse_args(argv)
+    config = read_ds_config(args.config) if args.config else None
+    stages, opts, pars = _choices(args, config)
+
+    if args.deepspeed_compat:
+        params, largest, _ = _model_sizes(args)
+        rows = deepspeed_rows(
+            params,
+            largest,
+            args.gpus_per_node,
+            args.nodes,
+            args.additional_buffer_factor,
+            stages=None if len(stages) == len(STAGES) else stages,
+            offload_optimizers=opts,
+            offload_params=pars,
+        )
+        if not rows:
+            raise EstimateInputError(
+                "DeepSpeed's estimator has no row for these choices (it covers stages 1-3 with "
+                "offload none or cpu; stage 0 and NVMe are ours only)"
+            )
+        if args.json:
+            return json.dumps(deepspeed_json(rows, params, largest, args.additional_buffer_factor), indent=2)
+        return render_deepspeed(
+            rows, params, largest, args.gpus_per_node, args.nodes, args.additional_buffer_factor
+        )
+
+    params, largest, source = _model_sizes(args)
+    precision = args.precision or (config.precision if config else None) or "bf16"
+    optimizer = args.optimizer or (config.optimizer if config else None) or "adam"
+    if optimizer not in OPTIMIZER_STATES_PER_PARAM:
+        raise EstimateInputError(
+            f"--config {config.path if config else ''}: optimizer.type {optimizer!r} is not one the "
+            f"estimator knows ({', '.join(sorted(OPTIMIZER_STATES_PER_PARAM))}); pass --optimizer"
+        )
+    setup = TrainingSetup(
+        params=params,
+        largest_layer_params=largest,
+        gpus_per_node=args.gpus_per_node,
+        nodes=args.nodes,
+        precision=precision,
+        optimizer=optimizer,
+        optimizer_state_dtype=args.optimizer_state_dtype,
+        buffers=_buffers(args, config),
+        activations=_activation_settings(args, config),
+    )
+    estimates: List[MemoryEstimate] = estimate_all(setup, stages, opts, pars)
+    if not estimates:
+        raise EstimateInputError(_first_reason(stages, opts, pars))
+
+    checks = machine = recommended = None
+    if args.fit or args.machine_profile:
+        machine = _machine(args)
+        checks = [check_fit(est, machine) for est in estimates]
+        recommended = recommend(estimates, checks)
+    if args.json:
+        return json.dumps(estimates_json(setup, estimates, source, checks, machine, recommended), indent=2)
+    return render_estimates(setup, estimates, source, checks, machine, recommended)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    try:
+        text = run(argv)
+    except EstimateInputError as exc:
+        message = " ".join(str(exc).split())  # one line, whatever the message held
+        print(f"{PROG}: error: {message}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""Activation memory of a decoder-style transformer, per GPU.
+
+Counts follow Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models"
+(2022): one layer saves about s*b*h*(34 + 5*a*s/h) bytes with 16-bit activations, i.e. 16 elements of
+s*b*h in the compute dtype plus two 1-byte dropout masks (34 = 16 * 2 + 2), and with eager attention
+a*s*s*b*(2 + 2 + 1) bytes for the score matrix, its softmax and its dropout mask. Flash / SDPA
+memory-efficient attention never materialises the score matrix, so that term is dropped for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from .errors import EstimateInputError
+
+# Per-layer saved tensors measured in units of s*b*h elements (Korthikanti et al., Table 2).
+SAVED_SBH_ELEMENTS_PER_LAYER = 16
+DROPOUT_MASK_BYTES_PER_SBH = 2  # attention-output and MLP dropout masks, 1 byte per element each
+# Eager attention: QK^T and softmax output in the compute dtype, plus a 1-byte dropout mask, per a*s*s*b.
+EAGER_SCORE_TENSORS = 2
+EAGER_SCORE_MASK_BYTES = 1
+LOSS_FP32_BYTES = 4  # the loss upcasts logits to fp32 before the softmax
+
+
+@dataclass(frozen=True)
+class ActivationSettings:
+    """Inputs for activation memory; batch_size is the micro-batch per GPU."""
+
+    batch_size: int
+    seq_len: int
+    hidden_size: int
+    num_layers: int
+    checkpointing: bool = False
+    attention: str = "flash"  # "flash" (SDPA / flash: no s*s matrix) or "eager"
+    num_heads: Optional[int] = None  # needed for eager attention
+    vocab_size: Optional[int] = None  # adds the logits; omitted -> not counted
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "seq_len", "hidden_size", "num_layers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise EstimateInputError(f"activations: {name} must be a positive integer, got {value!r}")
+        if self.attention not in ("flash", "eager"):
+            raise EstimateInputError(
+                f"activations: attention must be 'flash' or 'eager', got {self.attention!r}"
+            )
+        if self.attention == "eager" and not self.num_heads:
+            raise EstimateInputError("activations: eager attention needs num_heads (--num-heads)")
+        for name in ("num_heads", "vocab_size"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise EstimateInputError(f"activations: {name} must be a positive integer, got {value!r}")
+
+
+def layer_activation_bytes(act: ActivationSettings, element_bytes: int) -> int:
+    """Bytes one transformer layer keeps for backward when nothing is recomputed."""
+    sbh = act.seq_len * act.batch_size * act.hidden_size
+    total = sbh * (SAVED_SBH_ELEMENTS_PER_LAYER * element_bytes + DROPOUT_MASK_BYTES_PER_SBH)
+    if act.attention == "eager":
+        assert act.num_heads is not None
+        scores = act.num_heads * act.seq_len * act.seq_len * act.batch_size
+        total += scores * (EAGER_SCORE_TENSORS * element_bytes + EAGER_SCORE_MASK_BYTES)
+    return total
+
+
+def activation_bytes(act: ActivationSettings, element_bytes: int) -> int:
+    """Peak activation bytes per GPU for one micro-batch.
+
+    Without checkpointing every layer keeps its saved tensors. With full activation checkpointing each
+    layer keeps only its input (s*b*h elements), and during backward one layer at a time is recomputed,
+    so one layer's full activations are added once.
+    """
+    sbh = act.seq_len * act.batch_size * act.hidden_size
+    per_layer = layer_activation_bytes(act, element_bytes)
+    if act.checkpointing:
+        total = act.num_layers * sbh * element_bytes + per_layer
+    else:
+        total = act.num_layers * per_layer
+    if act.vocab_size:
+        total += act.batch_size * act.seq_len * act.vocab_size * (element_bytes + LOSS_FP32_BYTES)
+    return total

@@ -1,0 +1,450 @@
+"""Model-state, buffer and activation bytes per GPU, per node's CPU memory and per node's NVMe.
+
+ZeRO's accounting (Rajbhandari et al. 2020): mixed-precision training keeps 2 bytes of 16-bit
+parameters, 2 bytes of 16-bit gradients and K bytes of optimizer state per parameter (K = 12 for Adam:
+fp32 master 4 + momentum 4 + variance 4); stage 1 partitions the optimizer state over the N data-parallel
+ranks, stage 2 also the gradients, stage 3 also the parameters. On top of that we count what our engine
+really keeps: an fp32 gradient partition for the optimizer, pinned staging buffers for NVMe swapping,
+the gathered layers of stage 3, and activations. Where each piece lives is ENGINE_PLACEMENT below.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Mapping, Optional, Tuple
+
+from .activations import ActivationSettings, activation_bytes
+from .errors import EstimateInputError
+
+COMPONENTS: Tuple[str, ...] = (
+    "params_16bit",
+    "grads_16bit",
+    "master_params_fp32",
+    "optimizer_states",
+    "grads_fp32",
+    "swap_buffers",
+    "activations",
+)
+STAGES: Tuple[int, ...] = (0, 1, 2, 3)
+OFFLOAD_DEVICES: Tuple[str, ...] = ("none", "cpu", "nvme")
+PRECISIONS: Tuple[str, ...] = ("bf16", "fp16", "fp32")
+# Elements of optimizer state per parameter. sgd counts its momentum buffer (torch's SGD with
+# momentum=0 keeps none; the estimate is then 4 bytes/param high for the states).
+OPTIMIZER_STATES_PER_PARAM: Dict[str, int] = {"adam": 2, "adamw": 2, "adagrad": 1, "lion": 1, "sgd": 1}
+STATE_DTYPE_BYTES: Dict[str, int] = {"fp32": 4, "bf16": 2}
+FP32_BYTES = 4
+
+# ---------------------------------------------------------------------------------------------------
+# ENGINE_PLACEMENT: where the engine keeps each piece of state. THE table to adjust when the engine's
+# design changes; docs/estimator.md describes the same table. Tiers: "gpu", "cpu" (host memory, pinned
+# or pageable per the offload section's pin_memory), "nvme" (swap files).
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EnginePlacement:
+    # ZeRO stage from which each state is split over the data-parallel ranks (below it: a full copy).
+    partitioned_from_stage: Mapping[str, int]
+    # offload_optimizer -> home of the fp32 master, the optimizer states and the fp32 gradient partition.
+    optimizer_homes: Mapping[str, Mapping[str, str]]
+    # offload_param -> home of the rank's parameter partition (stage 3).
+    param_homes: Mapping[str, str]
+    # Stages at which each offload is accepted.
+    offload_optimizer_stages: Tuple[int, ...]
+    offload_param_stages: Tuple[int, ...]
+    # Stage 3 working set on the GPU: gathered full layers (the current one plus prefetched ones).
+    stage3_live_layers: int
+    # Stages 2-3: un-reduced gradients of this many layers wait on the GPU for the reduce-scatter.
+    grad_bucket_layers: int
+    # True: one flat 16-bit gradient buffer for the whole model stays on the GPU at every stage (what the
+    # engine's first version does: autograd writes every gradient into its place in one buffer), so stage 2
+    # saves no gradient memory. False: ZeRO's stage-2 accounting (the rank's partition plus a bucket).
+    full_grad_buffer_on_gpu: bool
+    # Host copies of offloaded state are pinned unless the config says pin_memory: false.
+    pin_memory_default: bool
+    # An NVMe staging buffer is never larger than the rank's partition it stages, and there are never
+    # more optimizer staging slots than sub-groups to stage.
+    cap_swap_buffers_to_partition: bool
+    # Copies of master + states kept on NVMe: the swapper writes each step's result to the other copy and
+    # switches only when the whole step succeeded, so a failed step leaves the previous state intact.
+    optimizer_nvme_copies: int
+    # With the optimizer off the GPU, updated parameters go back to the GPU through this many pinned
+    # staging slots of one sub-group each (compute dtype).
+    param_copy_back_slots: int
+
+
+ENGINE_PLACEMENT = EnginePlacement(
+    partitioned_from_stage={"optimizer": 1, "grads": 2, "params": 3},
+    # With NVMe, master + states live in swap files and stream through pinned staging buffers of
+    # buffer_count x min(sub_group_size, partition) elements x (4 + state bytes); the fp32 gradient
+    # partition stays in host memory (accumulated during backward, read by the step).
+    optimizer_homes={
+        "none": {"master_params_fp32": "gpu", "optimizer_states": "gpu", "grads_fp32": "gpu"},
+        "cpu": {"master_params_fp32": "cpu", "optimizer_states": "cpu", "grads_fp32": "cpu"},
+        "nvme": {"master_params_fp32": "nvme", "optimizer_states": "nvme", "grads_fp32": "cpu"},
+    },
+    # With NVMe the host holds pinned read buffers of buffer_count x buffer_size compute-dtype elements.
+    param_homes={"none": "gpu", "cpu": "cpu", "nvme": "nvme"},
+    offload_optimizer_stages=(1, 2, 3),
+    offload_param_stages=(3,),
+    stage3_live_layers=2,
+    grad_bucket_layers=1,
+    full_grad_buffer_on_gpu=False,
+    pin_memory_default=True,
+    cap_swap_buffers_to_partition=True,
+    optimizer_nvme_copies=2,
+    param_copy_back_slots=2,
+)
+
+# DeepSpeed's defaults for the swap-buffer settings (our config schema is DeepSpeed-compatible).
+DEFAULT_OPTIMIZER_BUFFER_COUNT = 4
+DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
+DEFAULT_PARAM_BUFFER_COUNT = 5
+DEFAULT_PARAM_BUFFER_SIZE = 100_000_000
+
+_TIERS = ("gpu", "cpu_pinned", "cpu_pageable", "nvme")
+
+
+@dataclass(frozen=True)
+class SwapBufferSettings:
+    """The buffer settings of a DeepSpeed-style config (zero_optimization.offload_* and sub_group_size)."""
+
+    optimizer_buffer_count: int = DEFAULT_OPTIMIZER_BUFFER_COUNT
+    sub_group_size: int = DEFAULT_SUB_GROUP_SIZE
+    param_buffer_count: int = DEFAULT_PARAM_BUFFER_COUNT
+    param_buffer_size: int = DEFAULT_PARAM_BUFFER_SIZE
+    optimizer_pin_memory: bool = ENGINE_PLACEMENT.pin_memory_default
+    param_pin_memory: bool = ENGINE_PLACEMENT.pin_memory_default
+
+    def __post_init__(self) -> None:
+        for name in ("optimizer_buffer_count", "sub_group_size", "param_buffer_count", "param_buffer_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise EstimateInputError(f"buffer setting {name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class TrainingSetup:
+    """Everything that does not change between the rows of one estimate."""
+
+    params: int
+    largest_layer_params: int
+    gpus_per_node: int = 1
+    nodes: int = 1
+    precision: str = "bf16"
+    optimizer: str = "adam"
+    optimizer_state_dtype: str = "fp32"
+    buffers: SwapBufferSettings = field(default_factory=SwapBufferSettings)
+    activations: Optional[ActivationSettings] = None
+
+    def __post_init__(self) -> None:
+        for name in ("params", "largest_layer_params", "gpus_per_node", "nodes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise EstimateInputError(f"{name} must be a positive integer, got {value!r}")
+        if self.largest_layer_params > self.params:
+            raise EstimateInputError(
+                f"largest_layer_params ({self.largest_layer_params}) exceeds params ({self.params})"
+            )
+        if self.precision not in PRECISIONS:
+            raise EstimateInputError(
+                f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}"
+            )
+        if self.optimizer not in OPTIMIZER_STATES_PER_PARAM:
+            raise EstimateInputError(
+                f"optimizer must be one of {', '.join(OPTIMIZER_STATES_PER_PARAM)}, got {self.optimizer!r}"
+            )
+        if self.optimizer_state_dtype not in STATE_DTYPE_BYTES:
+            raise EstimateInputError(
+                f"optimizer_state_dtype must be one of {', '.join(STATE_DTYPE_BYTES)}, "
+                f"got {self.optimizer_state_dtype!r}"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    @property
+    def mixed_precision(self) -> bool:
+        return self.precision != "fp32"
+
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes of a parameter or gradient element as the model computes with it."""
+        return 2 if self.mixed_precision else FP32_BYTES
+
+    @property
+    def optimizer_state_bytes(self) -> int:
+        """K without the master copy: optimizer state bytes per parameter."""
+        return OPTIMIZER_STATES_PER_PARAM[self.optimizer] * STATE_DTYPE_BYTES[self.optimizer_state_dtype]
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """One configuration's bytes. GPU figures are per GPU; CPU and NVMe figures are per node."""
+
+    stage: int
+    offload_optimizer: str
+    offload_param: str
+    gpu: Dict[str, int]
+    cpu_pinned: Dict[str, int]
+    cpu_pageable: Dict[str, int]
+    nvme: Dict[str, int]
+    nvme_read_bytes_per_step: int = 0  # per node, one optimizer step (forward + backward + update)
+    nvme_write_bytes_per_step: int = 0
+    notes: Tuple[str, ...] = ()
+
+    @property
+    def cpu(self) -> Dict[str, int]:
+        return {name: self.cpu_pinned[name] + self.cpu_pageable[name] for name in COMPONENTS}
+
+    @property
+    def per_gpu_bytes(self) -> int:
+        return sum(self.gpu.values())
+
+    @property
+    def per_cpu_pinned_bytes(self) -> int:
+        return sum(self.cpu_pinned.values())
+
+    @property
+    def per_cpu_pageable_bytes(self) -> int:
+        return sum(self.cpu_pageable.values())
+
+    @property
+    def per_cpu_bytes(self) -> int:
+        return self.per_cpu_pinned_bytes + self.per_cpu_pageable_bytes
+
+    @property
+    def nvme_bytes(self) -> int:
+        return sum(self.nvme.values())
+
+    @property
+    def options(self) -> str:
+        return (
+            f"stage={self.stage}, offload_optimizer={self.offload_optimizer}, "
+            f"offload_param={self.offload_param}"
+        )
+
+    def to_dict(self) -> Dict[str, object]:
+        return {
+            "stage": self.stage,
+            "offload_optimizer": self.offload_optimizer,
+            "offload_param": self.offload_param,
+            "per_gpu_bytes": self.per_gpu_bytes,
+            "per_cpu_bytes": self.per_cpu_bytes,
+            "per_cpu_pinned_bytes": self.per_cpu_pinned_bytes,
+            "per_cpu_pageable_bytes": self.per_cpu_pageable_bytes,
+            "nvme_bytes": self.nvme_bytes,
+            "breakdown": {
+                "gpu": dict(self.gpu),
+                "cpu": self.cpu,
+                "nvme": dict(self.nvme),
+                "cpu_pinned": dict(self.cpu_pinned),
+                "cpu_pageable": dict(self.cpu_pageable),
+            },
+            "nvme_read_bytes_per_step": self.nvme_read_bytes_per_step,
+            "nvme_write_bytes_per_step": self.nvme_write_bytes_per_step,
+            "notes": list(self.notes),
+        }
+
+
+def check_combination(stage: int, offload_optimizer: str, offload_param: str) -> None:
+    """Raise EstimateInputError with the reason when this stage/offload combination is not valid."""
+    if isinstance(stage, bool) or stage not in STAGES:
+        raise EstimateInputError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
+    for name, device in (("offload_optimizer", offload_optimizer), ("offload_param", offload_param)):
+        if device not in OFFLOAD_DEVICES:
+            raise EstimateInputError(f"{name} must be none, cpu or nvme, got {device!r}")
+    if offload_param != "none" and stage not in ENGINE_PLACEMENT.offload_param_stages:
+        raise EstimateInputError(
+            f"offload_param={offload_param} needs ZeRO stage 3 (stages 0-2 keep the full parameters on "
+            f"every GPU, so there is no partition to offload), got stage {stage}"
+        )
+    if offload_optimizer != "none" and stage not in ENGINE_PLACEMENT.offload_optimizer_stages:
+        raise EstimateInputError(
+            f"offload_optimizer={offload_optimizer} needs ZeRO stage 1, 2 or 3 (stage 0 does not partition "
+            f"the optimizer), got stage {stage}"
+        )
+
+
+def valid_combinations(
+    stages: Optional[Iterable[int]] = None,
+    offload_optimizers: Optional[Iterable[str]] = None,
+    offload_params: Optional[Iterable[str]] = None,
+) -> List[Tuple[int, str, str]]:
+    """Every valid (stage, offload_optimizer, offload_param) among the given choices (None = all)."""
+    combos = []
+    for stage in STAGES if stages is None else stages:
+        for opt in OFFLOAD_DEVICES if offload_optimizers is None else offload_optimizers:
+            for par in OFFLOAD_DEVICES if offload_params is None else offload_params:
+                try:
+                    check_combination(stage, opt, par)
+                except EstimateInputError:
+                    continue
+                combos.append((stage, opt, par))
+    return combos
+
+
+class _Ledger:
+    """Per-rank bytes by tier and component."""
+
+    def __init__(self) -> None:
+        self.bytes = {tier: dict.fromkeys(COMPONENTS, 0) for tier in _TIERS}
+
+    def add(self, tier: str, component: str, nbytes: int) -> None:
+        self.bytes[tier][component] += int(nbytes)
+
+
+def _host_tier(pinned: bool) -> str:
+    return "cpu_pinned" if pinned else "cpu_pageable"
+
+
+def estimate(
+    setup: TrainingSetup, stage: int, offload_optimizer: str = "none", offload_param: str = "none"
+) -> MemoryEstimate:
+    """Bytes per GPU, per node's host memory (pinned and pageable) and per node's NVMe for one setting."""
+    check_combination(stage, offload_optimizer, offload_param)
+    plan = ENGINE_PLACEMENT
+    partitioned_from = plan.partitioned_from_stage
+    opt_home = plan.optimizer_homes[offload_optimizer]
+    param_home = plan.param_homes[offload_param]
+
+    n = setup.world_size
+    P = setup.params
+    L = setup.largest_layer_params
+    bufs = setup.buffers
+    mixed = setup.mixed_precision
+    cb = setup.compute_bytes
+    state_bytes = setup.optimizer_state_bytes
+
+    def partition(count: int, kind: str) -> int:
+        return math.ceil(count / n) if stage >= partitioned_from[kind] else count
+
+    def tier_of(home: str, pinned: bool) -> str:
+        return _host_tier(pinned) if home == "cpu" else home
+
+    ledger = _Ledger()
+    notes: List[str] = []
+    param_component = "params_16bit" if mixed else "master_params_fp32"
+    grad_component = "grads_16bit" if mixed else "grads_fp32"
+
+    # Parameters as the model computes with them: 16-bit copies, or the fp32 params themselves.
+    param_part = partition(P, "params")
+    param_tier = tier_of(param_home, bufs.param_pin_memory)
+    ledger.add(param_tier, param_component, param_part * cb)
+    if stage == 3:
+        ledger.add("gpu", param_component, plan.stage3_live_layers * L * cb)
+
+    # Gradients as backward produces them, on the GPU. From stage 2 only the rank's partition is kept,
+    # and with an offloaded optimizer not even that: each reduced gradient goes straight to the host.
+    if stage < partitioned_from["grads"] or (plan.full_grad_buffer_on_gpu and stage < 3):
+        ledger.add("gpu", grad_component, P * cb)
+    else:
+        ledger.add("gpu", grad_component, plan.grad_bucket_layers * L * cb)
+        if offload_optimizer == "none":
+            ledger.add("gpu", grad_component, partition(P, "grads") * cb)
+
+    # Optimizer: fp32 master, states and fp32 gradients of the rank's partition.
+    opt_part = partition(P, "optimizer")
+    master_tier = tier_of(opt_home["master_params_fp32"], bufs.optimizer_pin_memory)
+    states_tier = tier_of(opt_home["optimizer_states"], bufs.optimizer_pin_memory)
+    grads32_tier = tier_of(opt_home["grads_fp32"], bufs.optimizer_pin_memory)
+    # In fp32 training the compute params are the master: a second copy exists only when the optimizer
+    # keeps its partition in another tier than the parameters. Likewise for fp32 gradients.
+    sub_group = bufs.sub_group_size
+    if plan.cap_swap_buffers_to_partition:
+        sub_group = min(sub_group, opt_part)
+    n_sub_groups = math.ceil(opt_part / sub_group)
+    if offload_optimizer == "nvme":
+        # Swap files hold whole sub-group regions (the last one padded), in optimizer_nvme_copies copies.
+        stored = plan.optimizer_nvme_copies * n_sub_groups * sub_group
+    else:
+        stored = opt_part
+    if mixed or master_tier != param_tier:
+        ledger.add(master_tier, "master_params_fp32", stored * FP32_BYTES)
+    ledger.add(states_tier, "optimizer_states", stored * state_bytes)
+    if mixed or grads32_tier != "gpu":
+        ledger.add(grads32_tier, "grads_fp32", opt_part * FP32_BYTES)
+
+    # Pinned staging buffers (always pinned: DMA and O_DIRECT I/O go through them).
+    if offload_optimizer != "none":
+        ledger.add("cpu_pinned", "swap_buffers", plan.param_copy_back_slots * sub_group * cb)
+    nvme_read = nvme_write = 0
+    if offload_optimizer == "nvme":
+        slots = bufs.optimizer_buffer_count
+        if plan.cap_swap_buffers_to_partition:
+            slots = min(slots, n_sub_groups)
+        staged_bytes = FP32_BYTES + state_bytes
+        buffer_bytes = slots * sub_group * staged_bytes
+        ledger.add("cpu_pinned", "swap_buffers", buffer_bytes)
+        if 2 * buffer_bytes > opt_part * staged_bytes:
+            notes.append(
+                f"optimizer swap buffers ({slots} x {sub_group} elements) are over "
+                "half the state they stage, so NVMe saves little host memory: lower sub_group_size (e.g. 1e8)"
+            )
+        # Each step reads and writes back master + states of the whole partition.
+        nvme_read += opt_part * (FP32_BYTES + state_bytes)
+        nvme_write += opt_part * (FP32_BYTES + state_bytes)
+    if offload_param == "nvme":
+        buffer_elems = bufs.param_buffer_size
+        if plan.cap_swap_buffers_to_partition:
+            buffer_elems = min(buffer_elems, param_part)
+        ledger.add("cpu_pinned", "swap_buffers", bufs.param_buffer_count * buffer_elems * cb)
+        # Forward and backward each read the partition; the update writes it once.
+        nvme_read += 2 * param_part * cb
+        nvme_write += param_part * cb
+        largest_param_partition = math.ceil(L / n)
+        if bufs.param_buffer_size < largest_param_partition:
+            notes.append(
+                f"offload_param.buffer_size {bufs.param_buffer_size} is smaller than the largest layer's "
+                f"partition ({largest_param_partition} elements); raise it"
+            )
+
+    if setup.activations is not None:
+        ledger.add("gpu", "activations", activation_bytes(setup.activations, cb))
+
+    per_node = setup.gpus_per_node  # host memory and NVMe are shared by the node's ranks
+    scaled = {
+        tier: {name: value * (1 if tier == "gpu" else per_node) for name, value in ledger.bytes[tier].items()}
+        for tier in _TIERS
+    }
+    return MemoryEstimate(
+        stage=stage,
+        offload_optimizer=offload_optimizer,
+        offload_param=offload_param,
+        gpu=scaled["gpu"],
+        cpu_pinned=scaled["cpu_pinned"],
+        cpu_pageable=scaled["cpu_pageable"],
+        nvme=scaled["nvme"],
+        nvme_read_bytes_per_step=nvme_read * per_node,
+        nvme_write_bytes_per_step=nvme_write * per_node,
+        notes=tuple(notes),
+    )
+
+
+def estimate_all(
+    setup: TrainingSetup,
+    stages: Optional[Iterable[int]] = None,
+    offload_optimizers: Optional[Iterable[str]] = None,
+    offload_params: Optional[Iterable[str]] = None,
+) -> List[MemoryEstimate]:
+    """Estimates for every valid combination among the given choices (None = all choices)."""
+    return [
+        estimate(setup, stage, opt, par)
+        for stage, opt, par in valid_combinations(stages, offload_optimizers, offload_params)
+    ]
+
+
+def largest_layer_heuristic(params: int) -> int:
+    """A conservative guess of the largest single module when only the total is known.
+
+    Assumes a GPT-style decoder with P = 12 * layers * hidden^2 and hidden = 128 * layers (the aspect
+    ratio of GPT-3 175B and LLaMA-7B), and takes the larger of a 4h x h MLP projection and a
+    32000-token embedding. Real embeddings are often smaller (T5-3B: 33M against 100M here), so the
+    guess errs high; it only feeds working buffers. Capped at P.
+    """
+    layers = (params / (12 * 128 * 128)) ** (1.0 / 3.0)
+    hidden = 128.0 * layers
+    guess = int(max(4.0 * hidden * hidden, 32000.0 * hidden))
+    return max(1, min(params, guess))

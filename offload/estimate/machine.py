@@ -1,0 +1,165 @@
+"""This machine's memory tiers, a saved machine profile, and which configurations fit on it.
+
+A machine profile is a JSON object with any of the fields ram_bytes, gpu_bytes, nvme_free_bytes,
+nvme_read_gbps, nvme_write_gbps (bandwidths in GB/s, 1e9 bytes per second); the NVMe benchmark writes
+one. Fields it leaves out are detected here.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, Optional, Sequence
+
+from .counting import read_json_file
+from .errors import EstimateInputError
+from .formulas import MemoryEstimate
+
+_TIER_RANK = {"none": 0, "cpu": 1, "nvme": 2}
+_PROFILE_FIELDS = ("ram_bytes", "gpu_bytes", "nvme_free_bytes", "nvme_read_gbps", "nvme_write_gbps")
+
+
+@dataclass(frozen=True)
+class MachineProfile:
+    gpu_bytes: Optional[int] = None  # memory of one GPU
+    ram_bytes: Optional[int] = None  # host memory of one node usable for training
+    nvme_free_bytes: Optional[int] = None  # free space where the swap files go
+    nvme_read_gbps: Optional[float] = None  # GB/s (1e9 bytes/s)
+    nvme_write_gbps: Optional[float] = None
+    sources: Dict[str, str] = field(default_factory=dict, compare=False)  # field -> where it came from
+
+    def merged_over(self, base: MachineProfile) -> MachineProfile:
+        """This profile's fields, falling back to base's where this one has none."""
+        values = {}
+        sources = dict(base.sources)
+        for name in _PROFILE_FIELDS:
+            mine = getattr(self, name)
+            values[name] = mine if mine is not None else getattr(base, name)
+            if mine is not None:
+                sources[name] = self.sources.get(name, "given")
+        return MachineProfile(**values, sources=sources)
+
+
+def detect_machine(nvme_path: str = ".") -> MachineProfile:
+    """GPU memory through torch (CUDA device 0), available RAM through psutil, free space at nvme_path."""
+    import psutil
+    import torch
+
+    sources: Dict[str, str] = {}
+    gpu_bytes = None
+    if torch.cuda.is_available():
+        gpu_bytes = int(torch.cuda.get_device_properties(0).total_memory)
+        sources["gpu_bytes"] = f"torch.cuda device 0 ({torch.cuda.get_device_name(0)})"
+    # available, not total: memory other processes hold now is not ours to plan with.
+    ram_bytes = int(psutil.virtual_memory().available)
+    sources["ram_bytes"] = "psutil available memory"
+    if not os.path.isdir(nvme_path):
+        raise EstimateInputError(f"--nvme-path {nvme_path}: no such directory")
+    nvme_free = int(shutil.disk_usage(nvme_path).free)
+    sources["nvme_free_bytes"] = f"free space of {os.path.abspath(nvme_path)}"
+    return MachineProfile(
+        gpu_bytes=gpu_bytes, ram_bytes=ram_bytes, nvme_free_bytes=nvme_free, sources=sources
+    )
+
+
+def load_machine_profile(path: str) -> MachineProfile:
+    """Read a machine profile JSON; every field optional, each a non-negative number."""
+    data = read_json_file(path, "--machine-profile")
+    if not isinstance(data, dict):
+        raise EstimateInputError(f"--machine-profile {path}: expected a JSON object")
+    values = {}
+    for name in _PROFILE_FIELDS:
+        if name not in data or data[name] is None:
+            continue
+        value = data[name]
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+            or value < 0
+        ):
+            raise EstimateInputError(
+                f"--machine-profile {path}: {name} must be a non-negative number, got {value!r}"
+            )
+        if name == "gpu_bytes" and value == 0:
+            continue  # the NVMe bench writes 0 when it found no CUDA device: unknown, not a 0-byte GPU
+        values[name] = value if name.endswith("_gbps") else int(value)
+    for name in ("nvme_read_gbps", "nvme_write_gbps"):
+        if values.get(name) == 0:
+            raise EstimateInputError(f"--machine-profile {path}: {name} must be positive, got 0")
+    return MachineProfile(**values, sources=dict.fromkeys(values, f"machine profile {path}"))
+
+
+@dataclass(frozen=True)
+class FitCheck:
+    """Per tier: True fits, False does not, None unknown (the machine has no figure for it)."""
+
+    gpu: Optional[bool]
+    cpu: Optional[bool]
+    nvme: Optional[bool]
+    nvme_io_seconds: Optional[float]
+
+    @property
+    def fits(self) -> bool:
+        return self.gpu is not False and self.cpu is not False and self.nvme is not False
+
+    @property
+    def label(self) -> str:
+        if not self.fits:
+            short = [tier for tier in ("gpu", "cpu", "nvme") if getattr(self, tier) is False]
+            return "no (" + ", ".join(short) + ")"
+        unknown = [tier for tier in ("gpu", "cpu", "nvme") if getattr(self, tier) is None]
+        return "yes" if not unknown else "yes? (" + ", ".join(unknown) + " unknown)"
+
+    def to_dict(self) -> Dict[str, object]:
+        return {
+            "fits": self.fits,
+            "gpu": self.gpu,
+            "cpu": self.cpu,
+            "nvme": self.nvme,
+            "nvme_io_seconds_per_step": self.nvme_io_seconds,
+        }
+
+
+def nvme_io_seconds(estimate: MemoryEstimate, machine: MachineProfile) -> Optional[float]:
+    """One optimizer step's NVMe time: bytes read / read bandwidth + bytes written / write bandwidth.
+
+    Reads and writes share the device, so they are added rather than overlapped; compute overlaps them
+    in the engine, so this is the step's I/O floor, not its total. None without bandwidth figures.
+    """
+    read, write = estimate.nvme_read_bytes_per_step, estimate.nvme_write_bytes_per_step
+    if read == 0 and write == 0:
+        return 0.0
+    if not machine.nvme_read_gbps or not machine.nvme_write_gbps:
+        return None
+    return read / (machine.nvme_read_gbps * 1e9) + write / (machine.nvme_write_gbps * 1e9)
+
+
+def _within(need: int, have: Optional[int]) -> Optional[bool]:
+    return None if have is None else need <= have
+
+
+def check_fit(estimate: MemoryEstimate, machine: MachineProfile) -> FitCheck:
+    return FitCheck(
+        gpu=_within(estimate.per_gpu_bytes, machine.gpu_bytes),
+        cpu=_within(estimate.per_cpu_bytes, machine.ram_bytes),
+        nvme=_within(estimate.nvme_bytes, machine.nvme_free_bytes) if estimate.nvme_bytes else True,
+        nvme_io_seconds=nvme_io_seconds(estimate, machine),
+    )
+
+
+def speed_rank(estimate: MemoryEstimate) -> tuple:
+    """Sort key, fastest first: the slowest tier used, then total offload, then parameter offload
+    (it moves parameters every forward and backward), then the stage (less partitioning, less
+    communication)."""
+    opt = _TIER_RANK[estimate.offload_optimizer]
+    par = _TIER_RANK[estimate.offload_param]
+    return (max(opt, par), opt + par, par, estimate.stage)
+
+
+def recommend(estimates: Iterable[MemoryEstimate], checks: Sequence[FitCheck]) -> Optional[MemoryEstimate]:
+    """The fitting configuration with the least offload, or None when nothing fits."""
+    fitting = [est for est, check in zip(estimates, checks) if check.fits]
+    return min(fitting, key=speed_rank) if fitting else None

@@ -1,0 +1,293 @@
+"""ds-estimate-memory: JSON schema, config and machine-profile inputs, and one-line errors with exit 2."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from offload.cli.estimate_memory import main, run
+from offload.estimate import (
+    COMPONENTS,
+    ActivationSettings,
+    SwapBufferSettings,
+    TrainingSetup,
+    activation_bytes,
+    estimate,
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROW_KEYS = {
+    "stage",
+    "offload_optimizer",
+    "offload_param",
+    "per_gpu_bytes",
+    "per_cpu_bytes",
+    "nvme_bytes",
+    "breakdown",
+}
+
+
+def cli(*args: str, cwd: str = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "offload.cli.estimate_memory", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
+
+
+def write(path, text: str) -> str:
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+def test_json_schema_and_every_valid_combination():
+    proc = cli("--params", "2851e6", "--largest-layer", "32e6", "--gpus-per-node", "8", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["params"] == 2_851_000_000 and out["largest_layer_params"] == 32_000_000
+    assert len(out["rows"]) == 16  # stage 0: 1, stages 1-2: 3 each, stage 3: 9
+    for row in out["rows"]:
+        assert ROW_KEYS <= set(row)
+        assert set(row["breakdown"]) >= {"gpu", "cpu", "nvme"}
+        for tier in ("gpu", "cpu", "nvme"):
+            assert list(row["breakdown"][tier]) == list(COMPONENTS)
+            assert all(isinstance(v, int) and v >= 0 for v in row["breakdown"][tier].values())
+        assert row["per_gpu_bytes"] == sum(row["breakdown"]["gpu"].values())
+        assert row["per_cpu_bytes"] == sum(row["breakdown"]["cpu"].values())
+        assert row["nvme_bytes"] == sum(row["breakdown"]["nvme"].values())
+    stage0 = out["rows"][0]
+    assert (stage0["stage"], stage0["per_gpu_bytes"]) == (0, 20 * 2_851_000_000)
+
+
+def test_table_output_and_size_formats():
+    proc = cli("--params", "1.3b", "--largest-layer", "125k", "--stage", "0")
+    assert proc.returncode == 0, proc.stderr
+    assert "per GPU" in proc.stdout and "per CPU" in proc.stdout and "NVMe" in proc.stdout
+    assert "24.21 GiB" in proc.stdout  # 1.3e9 x 20 bytes
+    assert "stage=0, offload_optimizer=none, offload_param=none" in proc.stdout
+
+
+def test_deepspeed_compat_prints_deepspeed_numbers():
+    args = ("--params", "2851e6", "--largest-layer", "32e6", "--gpus-per-node", "8", "--deepspeed-compat")
+    proc = cli(*args, "--stage", "3")
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if "zero_init" in line]
+    got = [(line.split("|")[0].split()[0], line.split("|")[1].split()[0]) for line in lines]
+    assert got == [
+        ("0.12", "71.69"),
+        ("0.12", "127.45"),
+        ("0.78", "63.72"),
+        ("0.78", "127.45"),
+        ("6.09", "1.43"),
+        ("6.09", "127.45"),
+    ]
+    out = json.loads(run([*args, "--json"]))
+    assert out["deepspeed_compat"] is True and len(out["rows"]) == 8
+    assert (
+        out["rows"][2]["per_cpu_bytes"] == 76_977_000_000 and out["rows"][2]["per_gpu_bytes"] == 128_000_000
+    )
+    assert all(ROW_KEYS <= set(row) for row in out["rows"])
+
+
+def test_config_supplies_stage_offload_buffers_precision_and_batch(tmp_path):
+    config = write(
+        tmp_path / "ds_config.json",
+        """
+        {"train_micro_batch_size_per_gpu": 2,
+         "bf16": {"enabled": true},
+         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+         "zero_optimization": {"stage": 3, "sub_group_size": 1e6,
+            "offload_optimizer": {"device": "nvme", "pin_memory": false, "buffer_count": 2},
+            "offload_param": {"device": "cpu", "pin_memory": true}}}
+        """,
+    )
+    args = ["--params", "1B", "--largest-layer", "10M", "--gpus-per-node", "4", "--config", config]
+    out = json.loads(run([*args, "--seq-len", "128", "--hidden-size", "256", "--num-layers", "4", "--json"]))
+    assert [(r["stage"], r["offload_optimizer"], r["offload_param"]) for r in out["rows"]] == [
+        (3, "nvme", "cpu")
+    ]
+    expected = estimate(
+        TrainingSetup(
+            params=10**9,
+            largest_layer_params=10**7,
+            gpus_per_node=4,
+            optimizer="adamw",
+            buffers=SwapBufferSettings(
+                optimizer_buffer_count=2, sub_group_size=10**6, optimizer_pin_memory=False
+            ),
+            activations=ActivationSettings(batch_size=2, seq_len=128, hidden_size=256, num_layers=4),
+        ),
+        3,
+        "nvme",
+        "cpu",
+    ).to_dict()
+    assert out["rows"][0] == expected
+    row = out["rows"][0]
+    # 4 ranks x (2 optimizer slots x 1e6 x 12 B + 2 copy-back slots x 1e6 x 2 B)
+    assert row["breakdown"]["cpu"]["swap_buffers"] == 4 * (2 * 10**6 * 12 + 2 * 10**6 * 2)
+    assert row["breakdown"]["cpu_pageable"]["grads_fp32"] == 10**9 * 4  # pin_memory false
+    assert row["breakdown"]["cpu_pinned"]["params_16bit"] == 10**9 * 2
+    assert row["breakdown"]["gpu"]["activations"] == activation_bytes(
+        ActivationSettings(batch_size=2, seq_len=128, hidden_size=256, num_layers=4), 2
+    )
+    # a flag beats the config
+    out = json.loads(run([*args, "--offload-optimizer", "cpu", "--json"]))
+    assert [r["offload_optimizer"] for r in out["rows"]] == ["cpu"]
+
+
+def test_fit_with_machine_profile_recommends_least_offload_and_predicts_io(tmp_path):
+    profile = write(
+        tmp_path / "machine.json",
+        """
+        {"gpu_bytes": 17179869184, "ram_bytes": 68719476736, "nvme_free_bytes": 1099511627776,
+         "nvme_read_gbps": 3.0, "nvme_write_gbps": 2.0}
+        """,
+    )
+    args = [
+        "--params",
+        "7B",
+        "--largest-layer",
+        "131M",
+        "--sub-group-size",
+        "1e8",
+        "--machine-profile",
+        profile,
+    ]
+    out = json.loads(run([*args, "--json"]))
+    rec = out["recommended"]
+    # 16 GiB GPU, 64 GiB RAM: CPU offload needs 16 B/param = 104 GiB of RAM, so the optimizer goes to NVMe;
+    # stage 2 is the least partitioned setting whose 16-bit params + grad bucket fit the GPU.
+    assert (rec["stage"], rec["offload_optimizer"], rec["offload_param"]) == (2, "nvme", "none")
+    row = next(
+        r
+        for r in out["rows"]
+        if (r["stage"], r["offload_optimizer"], r["offload_param"]) == (2, "nvme", "none")
+    )
+    # read and write master + states (12 B/param) once per step: 84 GB / 3 GB/s + 84 GB / 2 GB/s
+    assert row["fit"]["nvme_io_seconds_per_step"] == pytest.approx(84e9 / 3e9 + 84e9 / 2e9)
+    assert row["fit"]["fits"] is True
+    stage0 = out["rows"][0]
+    assert stage0["fit"]["fits"] is False and stage0["fit"]["gpu"] is False
+    text = run(args)
+    assert "Recommended (fits, least offload, so fastest): stage=2, offload_optimizer=nvme" in text
+    assert "70.00 s" in text
+
+
+def test_machine_profile_without_a_gpu_leaves_the_gpu_to_detection(tmp_path):
+    # the NVMe bench writes gpu_bytes 0 and null bandwidths when it had no CUDA device / skipped a direction
+    profile = write(
+        tmp_path / "machine.json",
+        '{"gpu_bytes": 0, "ram_bytes": 1024, "nvme_read_gbps": null, "nvme_write_gbps": null}',
+    )
+    out = json.loads(run(["--params", "1M", "--largest-layer", "1k", "--machine-profile", profile, "--json"]))
+    assert "machine profile" not in out["machine"]["sources"].get("gpu_bytes", "")
+    assert out["machine"]["ram_bytes"] == 1024
+    # 1 KiB of RAM: every offloaded row fails on the host; the GPU is unknown here (no CUDA), not 0 bytes
+    offloaded = [r for r in out["rows"] if r["offload_optimizer"] != "none" or r["offload_param"] != "none"]
+    assert offloaded and all(r["fit"]["cpu"] is False for r in offloaded)
+    if out["machine"]["gpu_bytes"] is None:
+        assert out["recommended"]["stage"] == 0
+
+
+def test_fit_detects_this_machine(tmp_path):
+    out = json.loads(
+        run(["--params", "125M", "--largest-layer", "40M", "--fit", "--nvme-path", str(tmp_path), "--json"])
+    )
+    machine = out["machine"]
+    assert machine["ram_bytes"] > 0 and machine["nvme_free_bytes"] > 0
+    # small enough for any host; without CUDA the GPU stays unchecked rather than failing
+    assert out["recommended"] is not None
+
+
+def test_model_callable_is_counted_on_meta(tmp_path):
+    factory = write(
+        tmp_path / "tiny.py",
+        """
+        import torch
+
+        def build():
+            emb = torch.nn.Embedding(1000, 64)
+            head = torch.nn.Linear(64, 1000, bias=False)
+            head.weight = emb.weight
+            assert emb.weight.device.type == "meta"
+            return torch.nn.Sequential(emb, torch.nn.Linear(64, 64), head)
+        """,
+    )
+    proc = cli("--model", f"{factory}:build", "--stage", "0", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["params"] == 64000 + 64 * 64 + 64
+    assert out["largest_layer_params"] == 64000
+
+
+def test_wrapper_runs_from_another_directory(tmp_path):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "tools", "ds_estimate_memory.py"),
+            "--params",
+            "1B",
+            "--stage",
+            "0",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "18.63 GiB" in proc.stdout
+
+
+def _bad_inputs(tmp_path):
+    not_json = write(tmp_path / "not_json.json", "{stage: 3")
+    bad_stage = write(tmp_path / "bad_stage.json", '{"zero_optimization": {"stage": 7}}')
+    broken = write(tmp_path / "broken.py", "def build(:\n")
+    profile = write(tmp_path / "profile.json", '{"ram_bytes": "lots"}')
+    return {
+        "negative size": (["--params", "-5"], "must be positive"),
+        "non-numeric size": (["--params", "seven"], "cannot read 'seven'"),
+        "unknown stage": (["--params", "7B", "--stage", "5"], "--stage"),
+        "param offload below stage 3": (
+            ["--params", "7B", "--stage", "1", "--offload-param", "cpu"],
+            "stage 3",
+        ),
+        "config not JSON": (["--params", "7B", "--config", not_json], "not valid JSON"),
+        "config bad value": (["--params", "7B", "--config", bad_stage], "zero_optimization.stage"),
+        "config missing": (["--params", "7B", "--config", str(tmp_path / "nope.json")], "no such file"),
+        "model does not import": (["--model", f"{broken}:build"], "cannot import"),
+        "model module missing": (["--model", "no_such_module_xyz:build"], "no_such_module_xyz"),
+        "no size": (["--stage", "3"], "--params"),
+        "zero gpus": (["--params", "7B", "--gpus-per-node", "0"], "--gpus-per-node"),
+        "largest layer too big": (["--params", "1B", "--largest-layer", "2B"], "exceeds"),
+        "bad machine profile": (["--params", "1B", "--machine-profile", profile], "ram_bytes"),
+        "unknown option": (["--params", "1B", "--frobnicate"], "frobnicate"),
+    }
+
+
+def test_bad_inputs_exit_2_with_one_line(tmp_path):
+    for name, (args, expected) in _bad_inputs(tmp_path).items():
+        proc = cli(*args)
+        assert proc.returncode == 2, (name, proc.stdout, proc.stderr)
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1, (name, proc.stderr)
+        assert lines[0].startswith("ds-estimate-memory: error: "), (name, lines)
+        assert expected in lines[0], (name, lines)
+        assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is not None, reason="transformers is installed")
+def test_hf_config_without_transformers_says_how_to_install(tmp_path, capsys):
+    config = write(tmp_path / "config.json", '{"model_type": "llama", "hidden_size": 64}')
+    assert main(["--model", config]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "pip install transformers" in err

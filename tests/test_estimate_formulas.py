@@ -1,0 +1,312 @@
+"""offload.estimate formulas: hand-computed bytes per tier and component, and one measured check."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from offload.estimate import (
+    COMPONENTS,
+    ActivationSettings,
+    EstimateInputError,
+    SwapBufferSettings,
+    TrainingSetup,
+    activation_bytes,
+    estimate,
+    estimate_all,
+    largest_layer_heuristic,
+    parse_count,
+    valid_combinations,
+)
+from offload.estimate.units import format_bytes
+
+# P = 1000 params, L = 100, 2 nodes x 2 GPUs = 4 ranks: a rank's partition is 250 elements.
+SETUP = TrainingSetup(params=1000, largest_layer_params=100, gpus_per_node=2, nodes=2)
+# Optimizer partition of one node's two ranks in host memory: fp32 master, Adam states, fp32 grads.
+HOST_PARTITION = {"master_params_fp32": 2000, "optimizer_states": 4000, "grads_fp32": 2000}
+
+
+def nonzero(breakdown: dict) -> dict:
+    return {k: v for k, v in breakdown.items() if v}
+
+
+def test_breakdowns_name_every_component_in_every_tier():
+    for est in estimate_all(SETUP):
+        for tier in (est.gpu, est.cpu_pinned, est.cpu_pageable, est.nvme, est.cpu):
+            assert tuple(tier) == COMPONENTS
+        assert est.per_gpu_bytes == sum(est.gpu.values())
+        assert est.per_cpu_bytes == est.per_cpu_pinned_bytes + est.per_cpu_pageable_bytes
+
+
+def test_stage0_is_zero_paper_16_bytes_plus_fp32_grads():
+    est = estimate(SETUP, 0)
+    assert nonzero(est.gpu) == {
+        "params_16bit": 2000,
+        "grads_16bit": 2000,
+        "master_params_fp32": 4000,
+        "optimizer_states": 8000,
+        "grads_fp32": 4000,
+    }
+    assert est.per_cpu_bytes == 0 and est.nvme_bytes == 0
+
+
+def test_stage1_partitions_optimizer_only():
+    est = estimate(SETUP, 1)
+    assert nonzero(est.gpu) == {
+        "params_16bit": 2000,
+        "grads_16bit": 2000,
+        "master_params_fp32": 1000,
+        "optimizer_states": 2000,
+        "grads_fp32": 1000,
+    }
+
+
+def test_stage1_cpu_offload_moves_the_partition_to_pinned_host_memory_per_node():
+    est = estimate(SETUP, 1, "cpu")
+    assert nonzero(est.gpu) == {"params_16bit": 2000, "grads_16bit": 2000}
+    # two ranks per node, 250 elements each, plus per rank two 16-bit copy-back slots of one sub-group
+    # (sub_group_size 1e9 capped at the 250-element partition)
+    assert nonzero(est.cpu_pinned) == {**HOST_PARTITION, "swap_buffers": 2 * 2 * 250 * 2}
+    assert est.per_cpu_pageable_bytes == 0
+
+
+def test_stage2_keeps_a_gradient_partition_plus_one_layer_bucket():
+    assert nonzero(estimate(SETUP, 2).gpu) == {
+        "params_16bit": 2000,
+        "grads_16bit": 200 + 500,
+        "master_params_fp32": 1000,
+        "optimizer_states": 2000,
+        "grads_fp32": 1000,
+    }
+    # offloaded optimizer: reduced gradients go straight to the host, only the bucket stays
+    assert nonzero(estimate(SETUP, 2, "cpu").gpu) == {"params_16bit": 2000, "grads_16bit": 200}
+
+
+def test_stage3_partitions_params_and_adds_gathered_layers():
+    assert nonzero(estimate(SETUP, 3).gpu) == {
+        "params_16bit": 500 + 2 * 100 * 2,
+        "grads_16bit": 200 + 500,
+        "master_params_fp32": 1000,
+        "optimizer_states": 2000,
+        "grads_fp32": 1000,
+    }
+    est = estimate(SETUP, 3, "cpu", "cpu")
+    assert nonzero(est.gpu) == {"params_16bit": 400, "grads_16bit": 200}
+    assert nonzero(est.cpu_pinned) == {**HOST_PARTITION, "params_16bit": 1000, "swap_buffers": 2000}
+
+
+def test_nvme_offload_staging_buffers_and_io_bytes():
+    buffers = SwapBufferSettings(
+        optimizer_buffer_count=4, sub_group_size=100, param_buffer_count=5, param_buffer_size=50
+    )
+    setup = TrainingSetup(params=1000, largest_layer_params=100, gpus_per_node=2, nodes=2, buffers=buffers)
+    est = estimate(setup, 3, "nvme", "nvme")
+    assert nonzero(est.gpu) == {"params_16bit": 400, "grads_16bit": 200}
+    # per rank: 3 optimizer slots (a 250-element partition is 3 sub-groups of 100) x 100 x (4 + 8)
+    # + 2 copy-back slots x 100 x 2 + 5 parameter buffers x 50 x 2 = 4500; two ranks per node
+    assert nonzero(est.cpu_pinned) == {"grads_fp32": 2000, "swap_buffers": 9000}
+    # master and states twice on disk (the live copy and the one being written), in whole sub-group
+    # regions: 3 x 100 elements per rank for a 250-element partition
+    assert nonzero(est.nvme) == {"params_16bit": 1000, "master_params_fp32": 4800, "optimizer_states": 9600}
+    # per node: master + states read and written once; 16-bit params read twice, written once
+    assert est.nvme_read_bytes_per_step == 2 * 250 * 12 + 2 * 2 * 250 * 2
+    assert est.nvme_write_bytes_per_step == 2 * 250 * 12 + 2 * 250 * 2
+
+
+def test_swap_buffers_never_exceed_the_partition_and_large_ones_are_flagged():
+    est = estimate(SETUP, 3, "nvme")  # default sub_group_size 1e9 -> one sub-group, the whole partition
+    # per rank: one optimizer slot of 250 x 12 B, two copy-back slots of 250 x 2 B
+    assert est.cpu_pinned["swap_buffers"] == 2 * (250 * 12 + 2 * 250 * 2)
+    assert any("sub_group_size" in note for note in est.notes)
+    small = TrainingSetup(1000, 100, 2, 2, buffers=SwapBufferSettings(sub_group_size=10))
+    assert not estimate(small, 3, "nvme").notes
+
+
+def test_param_buffer_smaller_than_a_layer_partition_is_flagged():
+    buffers = SwapBufferSettings(param_buffer_size=10)
+    est = estimate(TrainingSetup(1000, 100, buffers=buffers), 3, "cpu", "nvme")
+    assert any("buffer_size" in note for note in est.notes)
+
+
+def test_pin_memory_false_puts_offloaded_state_in_pageable_memory():
+    setup = TrainingSetup(1000, 100, 2, 2, buffers=SwapBufferSettings(optimizer_pin_memory=False))
+    est = estimate(setup, 2, "cpu")
+    assert nonzero(est.cpu_pageable) == HOST_PARTITION
+    assert nonzero(est.cpu_pinned) == {"swap_buffers": 2000}  # staging stays pinned
+
+
+def test_fp32_has_no_16bit_copies_and_one_master():
+    setup = TrainingSetup(1000, 100, 2, 2, precision="fp32")
+    assert nonzero(estimate(setup, 0).gpu) == {
+        "master_params_fp32": 4000,
+        "optimizer_states": 8000,
+        "grads_fp32": 4000,
+    }
+    # offloaded at stage 1: the GPU computes with full fp32 params/grads, the host keeps its partition
+    est = estimate(setup, 1, "cpu")
+    assert nonzero(est.gpu) == {"master_params_fp32": 4000, "grads_fp32": 4000}
+    assert nonzero(est.cpu_pinned) == {**HOST_PARTITION, "swap_buffers": 2 * 2 * 250 * 4}
+    # stage 3 with params and optimizer both on the host: the partition is stored once
+    est = estimate(setup, 3, "cpu", "cpu")
+    assert nonzero(est.gpu) == {"master_params_fp32": 800, "grads_fp32": 400}
+    assert nonzero(est.cpu_pinned) == {**HOST_PARTITION, "swap_buffers": 2 * 2 * 250 * 4}
+
+
+@pytest.mark.parametrize(
+    "optimizer, state_dtype, per_param",
+    [
+        ("adam", "fp32", 8),
+        ("adamw", "fp32", 8),
+        ("adagrad", "fp32", 4),
+        ("lion", "fp32", 4),
+        ("sgd", "fp32", 4),
+    ]
+    + [("adam", "bf16", 4), ("lion", "bf16", 2)],
+)
+def test_optimizer_state_bytes(optimizer, state_dtype, per_param):
+    setup = TrainingSetup(1000, 100, optimizer=optimizer, optimizer_state_dtype=state_dtype)
+    assert estimate(setup, 0).gpu["optimizer_states"] == 1000 * per_param
+
+
+def test_activations_hand_computed():
+    act = ActivationSettings(batch_size=2, seq_len=8, hidden_size=16, num_layers=3)
+    sbh = 2 * 8 * 16
+    assert activation_bytes(act, 2) == 3 * sbh * 34
+    ckpt = ActivationSettings(2, 8, 16, 3, checkpointing=True)
+    assert activation_bytes(ckpt, 2) == 3 * sbh * 2 + sbh * 34
+    eager = ActivationSettings(2, 8, 16, 3, attention="eager", num_heads=4, vocab_size=10)
+    assert activation_bytes(eager, 2) == 3 * (sbh * 34 + 4 * 8 * 8 * 2 * 5) + 2 * 8 * 10 * (2 + 4)
+    assert activation_bytes(act, 4) == 3 * sbh * (16 * 4 + 2)
+    est = estimate(TrainingSetup(1000, 100, activations=act), 0)
+    assert est.gpu["activations"] == 3 * sbh * 34 and est.cpu["activations"] == 0
+
+
+def test_valid_combinations_and_clear_rejections():
+    combos = valid_combinations()
+    assert len(combos) == 1 + 3 + 3 + 9
+    assert all(par == "none" for stage, _, par in combos if stage < 3)
+    with pytest.raises(EstimateInputError, match="offload_param=cpu needs ZeRO stage 3"):
+        estimate(SETUP, 2, "cpu", "cpu")
+    with pytest.raises(EstimateInputError, match="stage 0"):
+        estimate(SETUP, 0, "cpu")
+    with pytest.raises(EstimateInputError, match="stage must be 0, 1, 2 or 3"):
+        estimate(SETUP, 4)
+    with pytest.raises(EstimateInputError, match="largest_layer_params"):
+        TrainingSetup(params=10, largest_layer_params=11)
+    with pytest.raises(EstimateInputError, match="optimizer"):
+        TrainingSetup(params=10, largest_layer_params=1, optimizer="lamb")
+
+
+@pytest.mark.parametrize(
+    "text, value",
+    [("7.5e9", 7_500_000_000), ("7.5B", 7_500_000_000), ("350M", 350_000_000), ("1.3b", 1_300_000_000)]
+    + [("125k", 125_000), ("2851e6", 2_851_000_000), ("42", 42), ("1T", 10**12)],
+)
+def test_parse_count(text, value):
+    assert parse_count(text) == value
+
+
+@pytest.mark.parametrize("text", ["-5", "abc", "0", "1.5X", "", "nan", "0.2"])
+def test_parse_count_rejects(text):
+    with pytest.raises(EstimateInputError):
+        parse_count(text, "--params")
+
+
+def test_format_bytes():
+    assert format_bytes(0) == "0 B"
+    assert format_bytes(1536) == "1.50 KiB"
+    assert format_bytes(76_977_000_000) == "71.69 GiB"
+
+
+def test_largest_layer_heuristic_is_plausible():
+    # LLaMA-7B's largest module is its 32000 x 4096 embedding (131M)
+    assert 100e6 < largest_layer_heuristic(6_738_000_000) < 200e6
+    assert largest_layer_heuristic(10) == 10
+
+
+def test_stage0_fp32_matches_measured_torch_adamw_step():
+    """Model states of stage 0 / fp32 / AdamW equal the bytes torch really holds after one step."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(48, 96), torch.nn.GELU(), torch.nn.Linear(96, 96), torch.nn.LayerNorm(96)
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 48)).square().mean().backward()
+    opt.step()
+
+    params = list(model.parameters())
+    measured = sum(p.nbytes for p in params) + sum(p.grad.nbytes for p in params)
+    for p in params:
+        state = opt.state[p]
+        # per-element state: exp_avg and exp_avg_sq; the only other entry is the 0-d step counter
+        assert {k for k, v in state.items() if v.numel() == p.numel()} == {"exp_avg", "exp_avg_sq"}
+        assert {k for k, v in state.items() if v.numel() != p.numel()} == {"step"}
+        measured += state["exp_avg"].nbytes + state["exp_avg_sq"].nbytes
+
+    n = sum(p.numel() for p in params)
+    setup = TrainingSetup(params=n, largest_layer_params=96 * 96 + 96, precision="fp32", optimizer="adamw")
+    assert estimate(setup, 0, "none", "none").per_gpu_bytes == measured
+
+
+def test_full_grad_buffer_switch_models_the_engines_first_version(monkeypatch):
+    from offload.estimate import formulas
+
+    plan = dataclasses.replace(formulas.ENGINE_PLACEMENT, full_grad_buffer_on_gpu=True)
+    monkeypatch.setattr(formulas, "ENGINE_PLACEMENT", plan)
+    assert estimate(SETUP, 2).gpu["grads_16bit"] == 2000
+    assert estimate(SETUP, 2, "cpu").gpu["grads_16bit"] == 2000
+    assert estimate(SETUP, 3).gpu["grads_16bit"] == 200 + 500  # stage 3 partitions regardless
+
+
+class _GPTBlock(torch.nn.Module):
+    """A plain pre-LayerNorm GPT block with dropout, the layer the activation formula describes."""
+
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = torch.nn.LayerNorm(hidden), torch.nn.LayerNorm(hidden)
+        self.qkv, self.proj = torch.nn.Linear(hidden, 3 * hidden), torch.nn.Linear(hidden, hidden)
+        self.fc1, self.fc2 = torch.nn.Linear(hidden, 4 * hidden), torch.nn.Linear(4 * hidden, hidden)
+        self.drop = torch.nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor, eager: bool) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = (
+            t.view(b, s, self.heads, h // self.heads).transpose(1, 2)
+            for t in self.qkv(self.ln1(x)).split(h, -1)
+        )
+        if eager:
+            scores = (q @ k.transpose(-1, -2)) / (h // self.heads) ** 0.5
+            y = torch.nn.functional.dropout(scores.softmax(-1), 0.1, True) @ v
+        else:
+            y = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        x = x + self.drop(self.proj(y.transpose(1, 2).reshape(b, s, h)))
+        return x + self.drop(self.fc2(torch.nn.functional.gelu(self.fc1(self.ln2(x)))))
+
+
+@pytest.mark.parametrize("attention", ["flash", "eager"])
+def test_activation_formula_against_tensors_torch_saves(attention):
+    """Bytes autograd saves for backward in a real bf16 GPT block, against the formula.
+
+    torch keeps a little more than Megatron's accounting (e.g. the attention output and its reshaped copy,
+    LayerNorm statistics): measured 6% (flash) and 9% (eager) above the formula at these sizes.
+    """
+    torch.manual_seed(0)
+    b, s, h, heads, layers = 2, 128, 256, 4, 2
+    blocks = torch.nn.ModuleList(_GPTBlock(h, heads) for _ in range(layers)).to(torch.bfloat16)
+    param_storage = {p.untyped_storage().data_ptr() for p in blocks.parameters()}
+    saved = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    x = torch.randn(b, s, h, dtype=torch.bfloat16, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        for block in blocks:
+            x = block(x, attention == "eager")
+    measured = sum(n for ptr, n in saved.items() if ptr not in param_storage)
+    act = ActivationSettings(b, s, h, layers, attention=attention, num_heads=heads)
+    assert 0.95 <= measured / activation_bytes(act, 2) <= 1.25
