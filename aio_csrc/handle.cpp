@@ -1,0 +1,702 @@
+// Request splitting and the worker threads.
+//
+// A request [offset, offset + nbytes) is cut at multiples of the block size (absolute file offsets, so
+// every cut is aligned) into at most intra_op_parallelism contiguous tasks, one per worker. Each worker
+// turns its tasks into block-sized pieces and keeps up to queue_depth of them in flight on its own engine.
+// A piece whose file range or buffer address is not aligned for O_DIRECT goes through an aligned bounce
+// buffer of the worker: reads fetch the covering aligned range and copy out the wanted bytes; writes fill
+// partial edge blocks from the file first (read-modify-write), copy the caller's bytes in, and write the
+// aligned range. Because cuts fall on block boundaries, no two pieces of one request share a block.
+#include "handle.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <deque>
+#include <future>
+#include <list>
+#include <new>
+#include <set>
+#include <thread>
+
+#include "engine.h"
+#include "file_registry.h"
+#include "file_util.h"
+#include "pinned.h"
+
+namespace zo {
+
+namespace {
+
+constexpr unsigned kMaxBounceBuffers = 8;  // per worker; aligned requests never use them
+constexpr unsigned kMaxRetries = 1000;     // EAGAIN/EINTR completions resubmitted before giving up
+constexpr size_t kMaxBlockSize = size_t(1) << 30;
+
+uint64_t round_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
+
+}  // namespace
+
+DirectMode parse_direct_mode(const std::string& s) {
+    if (s == "auto") return DirectMode::kAuto;
+    if (s == "on") return DirectMode::kOn;
+    if (s == "off") return DirectMode::kOff;
+    throw UsageError("direct must be 'auto', 'on' or 'off', got '" + s + "'");
+}
+
+struct Request {
+    bool write = false;
+    bool async = false;
+    char* buf = nullptr;
+    uint64_t nbytes = 0;
+    uint64_t offset = 0;
+    FileDesc fd;
+    FileDesc rmw_fd;  // readable descriptor for read-modify-write when fd is write-only
+    bool direct = false;
+    uint32_t oa = 1;      // O_DIRECT offset/length alignment (1 when buffered)
+    uint32_t ma = 1;      // O_DIRECT buffer address alignment (1 when buffered)
+    uint64_t block = 0;   // piece size: block_size rounded up to oa
+    uint64_t size = 0;    // file size when the request was made
+    FileKey key;          // identifies the file for BlockLocks and SizeTracker
+    bool padded = false;  // an O_DIRECT write with an unaligned end: its last block is written whole
+    std::string path;     // empty for caller fds: named lazily, only for errors
+
+    std::atomic<unsigned> tasks_left{0};
+    std::atomic<bool> failed{false};
+    std::mutex err_mu;
+    std::optional<IoError> error;
+    bool done = false;  // guarded by Handle::mu_
+
+    std::string name() const { return path.empty() ? fd_name(fd.get()) : path; }
+    int read_fd() const { return rmw_fd.get() >= 0 ? rmw_fd.get() : fd.get(); }
+    void fail(int err, Op op, uint64_t off, uint64_t len, const std::string& detail) {
+        IoError e(err, op, name(), static_cast<int64_t>(off), static_cast<int64_t>(len), detail);
+        std::lock_guard<std::mutex> lk(err_mu);
+        if (!error) error.emplace(std::move(e));
+        failed.store(true, std::memory_order_release);
+    }
+};
+
+struct Task {
+    std::shared_ptr<Request> req;
+    uint64_t pos;  // next file offset to issue
+    uint64_t end;
+    unsigned outstanding = 0;
+};
+
+class Worker {
+  public:
+    Worker(Handle& h, const HandleOptions& o, const std::string& backend) : h_(h), o_(o), backend_(backend) {
+        slots_.resize(o.queue_depth);
+        for (unsigned i = o.queue_depth; i-- > 0;) free_slots_.push_back(i);
+        std::promise<std::string> init;
+        std::future<std::string> ready = init.get_future();
+        // The engine is created on the worker thread: an io_uring ring may then be SINGLE_ISSUER.
+        th_ = std::thread([this, &init] { run(init); });
+        const std::string err = ready.get();
+        if (!err.empty()) {
+            th_.join();
+            throw BackendUnavailable(err);
+        }
+    }
+    ~Worker() {
+        {
+            std::lock_guard<std::mutex> lk(mu_);
+            stop_ = true;
+        }
+        cv_.notify_all();
+        if (th_.joinable()) th_.join();
+    }
+    Worker(const Worker&) = delete;
+    Worker& operator=(const Worker&) = delete;
+
+    void enqueue(Task t) {
+        {
+            std::lock_guard<std::mutex> lk(mu_);
+            queue_.push_back(std::move(t));
+        }
+        cv_.notify_one();
+    }
+    void wake() {
+        {
+            std::lock_guard<std::mutex> lk(mu_);
+        }
+        cv_.notify_all();
+    }
+
+  private:
+    struct Slot {
+        std::list<Task>::iterator task;
+        uint64_t fo;      // the caller's bytes: file offset
+        uint64_t len;     //   and length
+        char* user;       //   and buffer
+        int bounce;       // bounce buffer index, or -1 when the I/O goes straight to `user`
+        uint64_t io_off;  // the I/O actually issued: aligned range when bounced
+        uint64_t io_len;
+        uint64_t need;  // bytes of the I/O that must arrive (reads may stop at EOF past the wanted bytes)
+        uint64_t done;
+        unsigned retries;
+        int nlocked;  // partial blocks held in BlockLocks (read-modify-write in progress)
+        uint64_t locked[2];
+    };
+    enum class Bounce { kReady, kBusy, kNoMemory };
+
+    void run(std::promise<std::string>& init) {
+        try {
+            eng_ = make_engine(backend_, o_.queue_depth, o_.single_submit);
+        } catch (const std::exception& e) {
+            init.set_value(e.what());
+            return;
+        }
+        init.set_value("");
+        std::vector<IoDone> done;
+        done.reserve(o_.queue_depth);
+        for (;;) {
+            {
+                std::unique_lock<std::mutex> lk(mu_);
+                if (busy_ == 0 && active_.empty()) {
+                    cv_.wait(lk, [&] { return stop_ || (!queue_.empty() && !h_.paused()); });
+                    if (queue_.empty()) return;  // stop_: the handle waited for everything first
+                }
+                if (!h_.paused()) {
+                    while (!queue_.empty()) {
+                        active_.push_back(std::move(queue_.front()));
+                        queue_.pop_front();
+                    }
+                }
+            }
+            // overlap_events=False: a new batch only once the previous one has fully completed.
+            lock_blocked_ = false;
+            if (o_.overlap_events || busy_ == 0) fill();
+            if (busy_ == 0) {
+                // Nothing of ours in flight: the only thing to wait for is another writer's block.
+                if (lock_blocked_) BlockLocks::instance().wait_for_release(lock_gen_);
+                continue;
+            }
+            done.clear();
+            eng_->submit_and_reap(o_.overlap_events ? 1 : busy_, done);
+            for (const IoDone& d : done) complete(d);
+        }
+    }
+
+    void fill() {
+        auto it = active_.begin();
+        while (it != active_.end() && !free_slots_.empty()) {
+            Task& t = *it;
+            if (t.req->failed.load(std::memory_order_acquire)) t.pos = t.end;
+            bool blocked = false;
+            while (t.pos < t.end && !free_slots_.empty()) {
+                if (!start_piece(it)) {
+                    blocked = true;
+                    break;
+                }
+            }
+            if (t.pos >= t.end && t.outstanding == 0) {
+                it = finish_task(it);
+                continue;
+            }
+            if (blocked) break;
+            ++it;
+        }
+    }
+
+    // Issues the next piece of *it. Returns false when it must wait for a bounce buffer or a block lock.
+    bool start_piece(std::list<Task>::iterator it) {
+        Task& t = *it;
+        Request& r = *t.req;
+        const uint64_t fo = t.pos;
+        const uint64_t end = std::min(t.end, (fo / r.block + 1) * r.block);
+        const uint64_t len = end - fo;
+        char* user = r.buf + (fo - r.offset);
+        const bool aligned =
+            !r.direct || (fo % r.oa == 0 && len % r.oa == 0 && reinterpret_cast<uintptr_t>(user) % r.ma == 0);
+        Slot s{it, fo, len, user, -1, fo, len, len, 0, 0, 0, {0, 0}};
+        if (!aligned) {
+            const Bounce b = reserve_bounce(r.block);
+            if (b == Bounce::kBusy) return false;
+            if (b == Bounce::kNoMemory) {
+                r.fail(ENOMEM, r.write ? Op::kWrite : Op::kRead, fo, len, "cannot allocate a bounce buffer");
+                t.pos = t.end;
+                return true;
+            }
+            s.bounce = free_bounce_.back();
+            s.io_off = fo / r.oa * r.oa;
+            s.io_len = round_up(fo + len, r.oa) - s.io_off;
+            char* bb = bounce_ptr(s.bounce);
+            if (r.write) {
+                s.need = s.io_len;
+                const uint64_t last = s.io_off + s.io_len - r.oa;
+                const bool head = fo != s.io_off;
+                const bool tail = fo + len != s.io_off + s.io_len && (last != s.io_off || !head);
+                if (head) s.locked[s.nlocked++] = s.io_off;
+                if (tail) s.locked[s.nlocked++] = last;
+                if (s.nlocked > 0 &&
+                    !BlockLocks::instance().try_lock(r.key, s.locked, s.nlocked, &lock_gen_)) {
+                    lock_blocked_ = true;
+                    return false;
+                }
+                bool ok = true;
+                if (head) ok = prefill(r, bb, s.io_off);
+                if (ok && tail) ok = prefill(r, bb + (last - s.io_off), last);
+                if (!ok) {
+                    BlockLocks::instance().unlock(r.key, s.locked, s.nlocked);
+                    t.pos = t.end;
+                    return true;
+                }
+                std::memcpy(bb + (fo - s.io_off), user, len);
+            } else {
+                s.need = fo + len - s.io_off;
+            }
+            free_bounce_.pop_back();
+        }
+        const uint32_t tag = free_slots_.back();
+        free_slots_.pop_back();
+        slots_[tag] = s;
+        ++busy_;
+        ++t.outstanding;
+        t.pos = end;
+        issue(tag);
+        return true;
+    }
+
+    // Read-modify-write: load the block at `off` so the bytes around the caller's survive.
+    bool prefill(Request& r, char* dst, uint64_t off) {
+        size_t got = 0;
+        if (r.read_fd() >= 0) {
+            while (got < r.oa) {
+                const ssize_t n = pread(r.read_fd(), dst + got, r.oa - got, static_cast<off_t>(off + got));
+                if (n < 0 && errno == EINTR) continue;
+                if (n < 0) {
+                    r.fail(errno, Op::kRead, off, r.oa, "reading a partial block for read-modify-write");
+                    return false;
+                }
+                if (n == 0) break;  // past the end of file: zeros
+                got += static_cast<size_t>(n);
+                if (got % r.oa != 0 && r.direct) break;  // short O_DIRECT read = end of file
+            }
+        }
+        std::memset(dst + got, 0, r.oa - got);
+        return true;
+    }
+
+    void issue(uint32_t tag) {
+        Slot& s = slots_[tag];
+        Request& r = *s.task->req;
+        char* base = s.bounce >= 0 ? bounce_ptr(s.bounce) : s.user;
+        eng_->prepare(IoReq{r.fd.get(), r.write, base + s.done, static_cast<size_t>(s.io_len - s.done),
+                            s.io_off + s.done, tag, s.bounce >= 0 && arena_fixed_});
+    }
+
+    void complete(const IoDone& d) {
+        Slot& s = slots_[d.tag];
+        Request& r = *s.task->req;
+        const Op op = r.write ? Op::kWrite : Op::kRead;
+        if (d.res < 0) {
+            const int err = static_cast<int>(-d.res);
+            if ((err == EAGAIN || err == EINTR) && s.retries++ < kMaxRetries) {
+                issue(d.tag);
+                return;
+            }
+            r.fail(err, op, s.io_off + s.done, s.io_len - s.done,
+                   err == EINVAL && r.direct
+                       ? "O_DIRECT refused the request (alignment " + std::to_string(r.oa) + ")"
+                       : "");
+            finish_piece(d.tag);
+            return;
+        }
+        s.done += static_cast<uint64_t>(d.res);
+        if (s.done >= s.need) {
+            if (!r.write && s.bounce >= 0)
+                std::memcpy(s.user, bounce_ptr(s.bounce) + (s.fo - s.io_off), s.len);
+            finish_piece(d.tag);
+            return;
+        }
+        const uint64_t at = s.io_off + s.done;
+        // No progress, or an O_DIRECT transfer that stopped off-block: the file ends here.
+        if (d.res == 0 || (r.direct && at % r.oa != 0)) {
+            if (r.write) {
+                r.fail(EIO, op, at, s.io_len - s.done,
+                       d.res == 0 ? "the write made no progress"
+                                  : "an O_DIRECT write stopped off a block boundary");
+            } else {
+                r.fail(ENODATA, op, at, s.need - s.done,
+                       "file ended at offset " + std::to_string(at) +
+                           ", before the requested range (was it truncated after the request was made?)");
+            }
+            finish_piece(d.tag);
+            return;
+        }
+        issue(d.tag);  // short transfer: the remainder
+    }
+
+    void finish_piece(uint32_t tag) {
+        Slot& s = slots_[tag];
+        auto it = s.task;
+        if (s.nlocked > 0) BlockLocks::instance().unlock(it->req->key, s.locked, s.nlocked);
+        if (s.bounce >= 0) free_bounce_.push_back(s.bounce);
+        free_slots_.push_back(tag);
+        --busy_;
+        Task& t = *it;
+        --t.outstanding;
+        if (t.req->failed.load(std::memory_order_acquire)) t.pos = t.end;
+        if (t.pos >= t.end && t.outstanding == 0) finish_task(it);
+    }
+
+    std::list<Task>::iterator finish_task(std::list<Task>::iterator it) {
+        std::shared_ptr<Request> req = std::move(it->req);
+        auto next = active_.erase(it);
+        if (req->tasks_left.fetch_sub(1, std::memory_order_acq_rel) == 1) h_.request_finished(*req);
+        return next;
+    }
+
+    Bounce reserve_bounce(uint64_t slot_bytes) {
+        if (arena_ && bounce_bytes_ >= slot_bytes)
+            return free_bounce_.empty() ? Bounce::kBusy : Bounce::kReady;
+        if (arena_ && free_bounce_.size() != n_bounce_) return Bounce::kBusy;  // grow once all are back
+        const unsigned n = std::min(o_.queue_depth, kMaxBounceBuffers);
+        const uint64_t bytes = round_up(slot_bytes, kPreferredAlignment);
+        try {
+            arena_.reset();
+            arena_ = std::make_unique<PinnedMemory>(n * bytes, size_t(2) << 20, true, false);
+        } catch (const std::bad_alloc&) {
+            arena_.reset();
+            free_bounce_.clear();
+            return Bounce::kNoMemory;
+        }
+        n_bounce_ = n;
+        bounce_bytes_ = bytes;
+        free_bounce_.clear();
+        for (unsigned i = n; i-- > 0;) free_bounce_.push_back(static_cast<int>(i));
+        // Registered buffers spare the kernel from pinning the bounce pages on every I/O.
+        arena_fixed_ = eng_->register_buffer(arena_->data(), arena_->size());
+        return Bounce::kReady;
+    }
+
+    char* bounce_ptr(int idx) const { return arena_->data() + static_cast<size_t>(idx) * bounce_bytes_; }
+
+    Handle& h_;
+    const HandleOptions o_;
+    const std::string backend_;
+    std::unique_ptr<Engine> eng_;
+
+    std::mutex mu_;  // guards queue_ and stop_
+    std::condition_variable cv_;
+    std::deque<Task> queue_;
+    bool stop_ = false;
+
+    // Owned by the worker thread alone.
+    std::list<Task> active_;
+    std::vector<Slot> slots_;
+    std::vector<uint32_t> free_slots_;
+    size_t busy_ = 0;
+    std::unique_ptr<PinnedMemory> arena_;
+    uint64_t bounce_bytes_ = 0;
+    unsigned n_bounce_ = 0;
+    std::vector<int> free_bounce_;
+    bool arena_fixed_ = false;
+    bool lock_blocked_ = false;  // fill() stopped at a block held by another read-modify-write
+    uint64_t lock_gen_ = 0;
+
+    std::thread th_;
+};
+
+Handle::Handle(const HandleOptions& opts) : opts_(opts) {
+    if (opts.block_size == 0 || opts.block_size > kMaxBlockSize)
+        throw UsageError("block_size must be in [1, 2**30], got " + std::to_string(opts.block_size));
+    if (opts.queue_depth == 0 || opts.queue_depth > 4096)
+        throw UsageError("queue_depth must be in [1, 4096], got " + std::to_string(opts.queue_depth));
+    if (opts.intra_op_parallelism == 0 || opts.intra_op_parallelism > 256)
+        throw UsageError("intra_op_parallelism must be in [1, 256], got " +
+                         std::to_string(opts.intra_op_parallelism));
+    std::vector<std::string> candidates;
+    if (opts.backend == "auto") {
+        candidates = available_backends();
+    } else if (opts.backend == "io_uring" || opts.backend == "aio" || opts.backend == "psync") {
+        const std::string why = backend_unavailable_reason(opts.backend);
+        if (!why.empty()) throw BackendUnavailable("backend '" + opts.backend + "' is unavailable: " + why);
+        candidates = {opts.backend};
+    } else {
+        throw UsageError("backend must be 'auto', 'io_uring', 'aio' or 'psync', got '" + opts.backend + "'");
+    }
+    std::string last_error = "no backend is available";
+    for (const std::string& name : candidates) {
+        try {
+            for (unsigned i = 0; i < opts.intra_op_parallelism; ++i)
+                workers_.push_back(std::make_unique<Worker>(*this, opts, name));
+            backend_ = name;
+            return;
+        } catch (const BackendUnavailable& e) {
+            // e.g. fs.aio-max-nr exhausted by many contexts: fall back to the next backend under "auto".
+            workers_.clear();
+            last_error = e.what();
+        }
+    }
+    throw BackendUnavailable("backend '" + opts.backend + "' is unavailable: " + last_error);
+}
+
+Handle::~Handle() {
+    try {
+        close();
+    } catch (...) {
+        // A destructor cannot report; close() explicitly to see late failures.
+    }
+}
+
+void Handle::check_open() const {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (closed_) throw UsageError("the aio Handle is closed");
+}
+
+// One warning per filesystem per process: many handles on one tmpfs should not repeat it.
+static bool first_fallback_on(dev_t dev) {
+    static std::mutex mu;
+    static std::set<dev_t> reported;
+    std::lock_guard<std::mutex> lk(mu);
+    return reported.insert(dev).second;
+}
+
+static void check_args(const void* buf, int64_t nbytes, int64_t offset) {
+    if (nbytes < 0) throw UsageError("nbytes must be >= 0, got " + std::to_string(nbytes));
+    if (offset < 0) throw UsageError("offset must be >= 0, got " + std::to_string(offset));
+    if (buf == nullptr && nbytes > 0) throw UsageError("buffer address is null");
+    if (static_cast<uint64_t>(offset) > static_cast<uint64_t>(INT64_MAX - nbytes))
+        throw UsageError("offset + nbytes overflows");
+}
+
+static void set_alignment(Request& r, const DirectInfo& di, size_t block_size) {
+    r.oa = r.direct ? std::max<uint32_t>(di.offset_align, 1) : 1;
+    r.ma = r.direct ? std::max<uint32_t>(di.mem_align, 1) : 1;
+    r.block = round_up(block_size, r.oa);
+}
+
+// Records the file's identity and size; for reads, checks the range against the size.
+static void inspect_file(Request& r) {
+    const Op op = r.write ? Op::kWrite : Op::kRead;
+    struct stat st;
+    if (fstat(r.fd.get(), &st) != 0)
+        throw IoError(errno, Op::kStat, r.name(), r.offset, r.nbytes, "fstat failed");
+    r.key = FileKey{st.st_dev, st.st_ino};
+    const int64_t size = S_ISBLK(st.st_mode) ? file_size(r.fd.get()) : static_cast<int64_t>(st.st_size);
+    if (size < 0)
+        throw IoError(static_cast<int>(-size), Op::kStat, r.name(), r.offset, r.nbytes, "size query failed");
+    r.size = static_cast<uint64_t>(size);
+    const uint64_t end = r.offset + r.nbytes;
+    if (!r.write && end > r.size)
+        throw IoError(ENODATA, op, r.name(), r.offset, r.nbytes,
+                      "read past end of file: the file is " + std::to_string(r.size) +
+                          " bytes, the request ends at " + std::to_string(end));
+    r.padded = r.write && r.direct && end % r.oa != 0;
+}
+
+// Whether an O_DIRECT write has partial edge blocks, whose other bytes must be read first.
+static bool needs_rmw(const Request& r) {
+    return r.write && r.direct && r.nbytes > 0 && (r.offset % r.oa != 0 || (r.offset + r.nbytes) % r.oa != 0);
+}
+
+int64_t Handle::submit_path(bool write, void* buf, int64_t nbytes, const std::string& path, int64_t offset,
+                            bool async, CallNotes* notes) {
+    check_args(buf, nbytes, offset);
+    check_open();
+    auto req = std::make_shared<Request>();
+    Request& r = *req;
+    r.write = write;
+    r.async = async;
+    r.buf = static_cast<char*>(buf);
+    r.nbytes = static_cast<uint64_t>(nbytes);
+    r.offset = static_cast<uint64_t>(offset);
+    r.path = path;
+    const int flags = (write ? O_WRONLY | O_CREAT : O_RDONLY) | O_CLOEXEC;
+    const char* what = write ? "opening for write" : "opening for read";
+    DirectInfo di{false, 1, 1};
+    if (opts_.direct != DirectMode::kOff) {
+        const int fd = ::open(path.c_str(), flags | O_DIRECT, 0600);
+        if (fd >= 0) {
+            r.fd = FileDesc(fd, true);
+            di = direct_info(fd);
+            // Keep the descriptor; just switch it to buffered I/O.
+            if (!di.supported && fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_DIRECT) != 0)
+                throw IoError(errno, Op::kOpen, path, offset, nbytes, "clearing O_DIRECT");
+        } else if (errno != EINVAL) {
+            throw IoError(errno, Op::kOpen, path, offset, nbytes, what);
+        }
+        if (!di.supported) {
+            if (opts_.direct == DirectMode::kOn)
+                throw IoError(EINVAL, Op::kOpen, path, offset, nbytes,
+                              "the filesystem does not support O_DIRECT (direct='on'; use 'auto' or 'off')");
+        }
+    }
+    if (r.fd.get() < 0) {
+        const int fd = ::open(path.c_str(), flags, 0600);
+        if (fd < 0) throw IoError(errno, Op::kOpen, path, offset, nbytes, what);
+        r.fd = FileDesc(fd, true);
+    }
+    r.direct = di.supported && opts_.direct != DirectMode::kOff;
+    if (!r.direct && opts_.direct == DirectMode::kAuto && notes != nullptr) {
+        struct stat st;
+        if (fstat(r.fd.get(), &st) == 0 && first_fallback_on(st.st_dev)) {
+            notes->direct_fallback = true;
+            notes->fallback_path = path;
+        }
+    }
+    set_alignment(r, di, opts_.block_size);
+    inspect_file(r);
+    if (needs_rmw(r)) {
+        // Writes open O_WRONLY; read-modify-write of a partial block needs a readable descriptor.
+        const int rfd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
+        if (rfd < 0)
+            throw IoError(errno, Op::kOpen, path, offset, nbytes,
+                          "opening for read-modify-write of a partial block");
+        r.rmw_fd = FileDesc(rfd, true);
+    }
+    return dispatch(req, async);
+}
+
+int64_t Handle::submit_fd(bool write, void* buf, int64_t nbytes, int fd, int64_t offset, bool async) {
+    check_args(buf, nbytes, offset);
+    check_open();
+    auto req = std::make_shared<Request>();
+    Request& r = *req;
+    r.write = write;
+    r.async = async;
+    r.buf = static_cast<char*>(buf);
+    r.nbytes = static_cast<uint64_t>(nbytes);
+    r.offset = static_cast<uint64_t>(offset);
+    const int fl = fcntl(fd, F_GETFL);
+    if (fl < 0)
+        throw IoError(errno, Op::kOpen, "<fd " + std::to_string(fd) + ">", offset, nbytes, "fd is not open");
+    r.fd = FileDesc(fd, false);
+    const int acc = fl & O_ACCMODE;
+    if (write ? acc == O_RDONLY : acc == O_WRONLY)
+        throw IoError(EBADF, write ? Op::kWrite : Op::kRead, r.name(), offset, nbytes,
+                      write ? "the fd is open read-only" : "the fd is open write-only");
+    r.direct = (fl & O_DIRECT) != 0;
+    DirectInfo di{false, 1, 1};
+    if (r.direct) {
+        di = direct_info(fd);
+        // The caller chose O_DIRECT: honour its rules even where the filesystem does not report them.
+        if (!di.supported)
+            di = {true, static_cast<uint32_t>(kPreferredAlignment),
+                  static_cast<uint32_t>(kPreferredAlignment)};
+    }
+    set_alignment(r, di, opts_.block_size);
+    inspect_file(r);
+    if (needs_rmw(r) && acc == O_WRONLY) {
+        const std::string link = "/proc/self/fd/" + std::to_string(fd);
+        const int rfd = ::open(link.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
+        if (rfd < 0)
+            throw IoError(
+                errno, Op::kOpen, r.name(), offset, nbytes,
+                "the fd is write-only and reopening it for read-modify-write of a partial block failed");
+        r.rmw_fd = FileDesc(rfd, true);
+    }
+    return dispatch(req, async);
+}
+
+int64_t Handle::dispatch(const std::shared_ptr<Request>& req, bool async) {
+    Request& r = *req;
+    if (r.nbytes == 0) return 0;
+    const uint64_t n = workers_.size();
+    const uint64_t first = r.offset / r.block;
+    const uint64_t last = (r.offset + r.nbytes - 1) / r.block;
+    const uint64_t nblocks = last - first + 1;
+    const uint64_t per = (nblocks + std::min(n, nblocks) - 1) / std::min(n, nblocks);
+    const uint64_t ntasks = (nblocks + per - 1) / per;
+    r.tasks_left.store(static_cast<unsigned>(ntasks), std::memory_order_relaxed);
+    {
+        std::lock_guard<std::mutex> lk(mu_);
+        if (closed_) throw UsageError("the aio Handle is closed");
+        ++inflight_total_;
+        if (async) ++inflight_async_;
+    }
+    if (r.write) {
+        SizeTracker::instance().begin_write(r.fd.get(), r.key, r.size, r.offset, r.offset + r.nbytes,
+                                            r.direct, r.padded);
+    }
+    // Rotate the first worker so that many small requests spread over all threads.
+    const unsigned start = next_worker_.fetch_add(1, std::memory_order_relaxed);
+    for (uint64_t i = 0; i < ntasks; ++i) {
+        const uint64_t pos = std::max(r.offset, (first + i * per) * r.block);
+        const uint64_t end = std::min(r.offset + r.nbytes, (first + (i + 1) * per) * r.block);
+        workers_[(start + i) % n]->enqueue(Task{req, pos, end, 0});
+    }
+    if (async) return 0;
+    std::unique_lock<std::mutex> lk(mu_);
+    cv_.wait(lk, [&] { return r.done; });
+    if (r.error) throw *r.error;
+    return static_cast<int64_t>(r.nbytes);
+}
+
+void Handle::request_finished(Request& r) {
+    if (r.write) {
+        // Trims the padding of unaligned O_DIRECT writes once none is in flight on this file.
+        const int err = SizeTracker::instance().end_write(r.fd.get(), r.key, r.padded);
+        if (err != 0)
+            r.fail(err, Op::kTruncate, r.offset, r.nbytes, "trimming the padding of an unaligned write");
+    }
+    r.rmw_fd.reset();
+    const int close_err = r.fd.reset();  // closes only descriptors opened by path
+    if (close_err != 0) r.fail(close_err, Op::kClose, r.offset, r.nbytes, "closing the file");
+    {
+        std::lock_guard<std::mutex> lk(mu_);
+        if (r.async) {
+            --inflight_async_;
+            ++completed_async_;
+            if (r.error && !first_error_) first_error_ = r.error;
+        } else {
+            r.done = true;
+        }
+        --inflight_total_;
+    }
+    cv_.notify_all();
+}
+
+size_t Handle::wait() {
+    std::unique_lock<std::mutex> lk(mu_);
+    cv_.wait(lk, [&] { return inflight_async_ == 0; });
+    const size_t n = completed_async_;
+    completed_async_ = 0;
+    if (first_error_) {
+        IoError e = std::move(*first_error_);
+        first_error_.reset();
+        throw e;
+    }
+    return n;
+}
+
+size_t Handle::pending() const {
+    std::lock_guard<std::mutex> lk(mu_);
+    return inflight_async_;
+}
+
+void Handle::set_paused(bool paused) {
+    paused_.store(paused, std::memory_order_release);
+    for (auto& w : workers_) w->wake();
+}
+
+void Handle::close() {
+    {
+        std::unique_lock<std::mutex> lk(mu_);
+        if (closing_) {
+            cv_.wait(lk, [&] { return closed_; });  // another thread is closing
+            return;
+        }
+        closing_ = true;
+    }
+    set_paused(false);  // paused workers would never drain
+    std::optional<IoError> err;
+    {
+        std::unique_lock<std::mutex> lk(mu_);
+        cv_.wait(lk, [&] { return inflight_total_ == 0; });
+        closed_ = true;
+        err = std::move(first_error_);
+        first_error_.reset();
+    }
+    workers_.clear();  // joins the threads, frees rings / AIO contexts and bounce buffers
+    cv_.notify_all();
+    if (err) throw *err;
+}
+
+}  // namespace zo

@@ -1,0 +1,405 @@
+// Exercises the I/O core directly (no Python), meant to run under ASan + UBSan:
+//   g++ -std=c++17 -fsanitize=address,undefined -fno-omit-frame-pointer -g -O1 -I aio_csrc
+//       aio_csrc/tests/aio_core_test.cpp $(ls aio_csrc/*.cpp | grep -v bindings) -pthread
+//   ./a.out <scratch dir on a real disk>
+// Exit status 0 and "ALL OK" on success; every failed check prints a line and makes the status 1.
+#include <dirent.h>
+#include <fcntl.h>
+#include <linux/audit.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "aio_error.h"
+#include "engine.h"
+#include "handle.h"
+#include "pinned.h"
+
+namespace {
+
+int g_failures = 0;
+
+#define CHECK(cond, ...)                                                         \
+    do {                                                                         \
+        if (!(cond)) {                                                           \
+            ++g_failures;                                                        \
+            std::fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
+            std::fprintf(stderr, __VA_ARGS__);                                   \
+            std::fprintf(stderr, "\n");                                          \
+        }                                                                        \
+    } while (0)
+
+std::string g_dir;
+int g_fallback_notes = 0;
+
+std::vector<char> read_all(const std::string& path) {
+    std::vector<char> out;
+    const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return out;
+    char buf[65536];
+    for (;;) {
+        const ssize_t n = read(fd, buf, sizeof(buf));
+        if (n <= 0) break;
+        out.insert(out.end(), buf, buf + n);
+    }
+    close(fd);
+    return out;
+}
+
+void write_all(const std::string& path, const std::vector<char>& data) {
+    const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    if (fd < 0) return;
+    size_t done = 0;
+    while (done < data.size()) {
+        const ssize_t n = write(fd, data.data() + done, data.size() - done);
+        if (n <= 0) break;
+        done += static_cast<size_t>(n);
+    }
+    close(fd);
+}
+
+int count_fds() {
+    int n = 0;
+    DIR* d = opendir("/proc/self/fd");
+    if (d == nullptr) return -1;
+    while (readdir(d) != nullptr) ++n;
+    closedir(d);
+    return n;
+}
+
+std::vector<char> random_bytes(std::mt19937_64& rng, size_t n) {
+    std::vector<char> v(n);
+    for (auto& c : v) c = static_cast<char>(rng());
+    return v;
+}
+
+// Random unaligned writes over random old contents, then reads back, sync and async, through the handle.
+void round_trips(const zo::HandleOptions& o, const char* label, int trials) {
+    zo::Handle h(o);
+    std::mt19937_64 rng(42);
+    const std::string path = g_dir + "/rt_" + h.backend();
+    zo::PinnedMemory src(1 << 20, 4096, false, false);
+    zo::PinnedMemory dst(1 << 20, 4096, false, false);
+    for (int t = 0; t < trials; ++t) {
+        const size_t n = 1 + rng() % (300 * 1024);
+        const size_t off = rng() % 3 == 0 ? (rng() % 64) * 4096 : rng() % 20000;
+        const size_t shift = rng() % 3 == 0 ? 0 : rng() % 4096;  // buffer address misalignment
+        const std::vector<char> old = random_bytes(rng, rng() % 2 ? rng() % 400000 : 0);
+        write_all(path, old);
+        const std::vector<char> data = random_bytes(rng, n);
+        std::memcpy(src.data() + shift, data.data(), n);
+        const bool async = rng() % 2;
+        try {
+            const int64_t r = h.submit_path(true, src.data() + shift, n, path, off, async, nullptr);
+            if (async) {
+                CHECK(r == 0, "async submit returned %lld", (long long)r);
+                CHECK(h.wait() == 1, "wait count");
+            } else {
+                CHECK(r == static_cast<int64_t>(n), "sync write returned %lld", (long long)r);
+            }
+        } catch (const std::exception& e) {
+            CHECK(false, "%s write threw: %s", label, e.what());
+            continue;
+        }
+        std::vector<char> expect = old;
+        if (expect.size() < off + n) expect.resize(off + n, 0);
+        std::memcpy(expect.data() + off, data.data(), n);
+        const std::vector<char> got = read_all(path);
+        CHECK(got.size() == expect.size(), "%s trial %d: size %zu, expected %zu (old %zu, off %zu, n %zu)",
+              label, t, got.size(), expect.size(), old.size(), off, n);
+        CHECK(got == expect, "%s trial %d: file contents differ (off %zu n %zu shift %zu)", label, t, off, n,
+              shift);
+        std::memset(dst.data(), 0xAB, dst.size());
+        try {
+            const int64_t r = h.submit_path(false, dst.data() + shift, n, path, off, async, nullptr);
+            if (async) h.wait();
+            CHECK(async || r == static_cast<int64_t>(n), "sync read returned %lld", (long long)r);
+        } catch (const std::exception& e) {
+            CHECK(false, "%s read threw: %s", label, e.what());
+            continue;
+        }
+        CHECK(std::memcmp(dst.data() + shift, data.data(), n) == 0, "%s trial %d: read back differs", label,
+              t);
+        CHECK(shift == 0 || static_cast<unsigned char>(dst.data()[shift - 1]) == 0xAB,
+              "%s trial %d: read wrote before the buffer", label, t);
+        CHECK(static_cast<unsigned char>(dst.data()[shift + n]) == 0xAB,
+              "%s trial %d: read wrote past the buffer", label, t);
+    }
+    unlink(path.c_str());
+}
+
+template <typename Fn>
+int expect_io_error(Fn&& fn, int want_errno, zo::Op want_op, const char* what) {
+    try {
+        fn();
+        CHECK(false, "%s: no error raised", what);
+    } catch (const zo::IoError& e) {
+        CHECK(e.err() == want_errno, "%s: errno %d (%s), expected %d", what, e.err(), e.what(), want_errno);
+        CHECK(e.op() == want_op, "%s: op %s", what, zo::op_name(e.op()));
+        return e.err();
+    } catch (const std::exception& e) {
+        CHECK(false, "%s: wrong exception: %s", what, e.what());
+    }
+    return 0;
+}
+
+void errors(const std::string& backend) {
+    zo::HandleOptions o;
+    o.backend = backend;
+    o.block_size = 64 * 1024;
+    o.queue_depth = 4;
+    zo::Handle h(o);
+    zo::PinnedMemory buf(1 << 20, 4096, false, false);
+    const std::string missing = g_dir + "/does/not/exist";
+    expect_io_error([&] { h.submit_path(false, buf.data(), 10, missing, 0, true, nullptr); }, ENOENT,
+                    zo::Op::kOpen, "missing file (async)");
+    const std::string path = g_dir + "/err_" + backend;
+    std::mt19937_64 rng(7);
+    write_all(path, random_bytes(rng, 10000));
+    expect_io_error([&] { h.submit_path(false, buf.data(), 100, path, 9950, false, nullptr); }, ENODATA,
+                    zo::Op::kRead, "read past EOF");
+    try {
+        h.submit_path(false, buf.data(), 100, path, 9950, false, nullptr);
+    } catch (const zo::IoError& e) {
+        CHECK(std::string(e.what()).find("10000") != std::string::npos, "EOF message names the size: %s",
+              e.what());
+        CHECK(e.path() == path && e.offset() == 9950 && e.length() == 100, "EOF error fields");
+    }
+    // Truncated between submission and execution: ENODATA, not a hang; the handle keeps working.
+    write_all(path, random_bytes(rng, 300000));
+    h.set_paused(true);
+    h.submit_path(false, buf.data(), 300000, path, 0, true, nullptr);
+    CHECK(truncate(path.c_str(), 5000) == 0, "truncate");
+    h.set_paused(false);
+    expect_io_error([&] { h.wait(); }, ENODATA, zo::Op::kRead, "truncated after submission");
+    CHECK(h.pending() == 0, "nothing pending after a failure");
+    CHECK(h.submit_path(false, buf.data(), 4000, path, 1000, false, nullptr) == 4000,
+          "handle works after failure");
+    // An fd open write-only cannot be read.
+    const int wfd = open(path.c_str(), O_WRONLY | O_CLOEXEC);
+    expect_io_error([&] { h.submit_fd(false, buf.data(), 10, wfd, 0, false); }, EBADF, zo::Op::kRead,
+                    "read from a write-only fd");
+    // ...but unaligned writes to it still work (read-modify-write reopens it for reading).
+    std::memset(buf.data(), 'x', 101);
+    CHECK(h.submit_fd(true, buf.data() + 1, 100, wfd, 33, false) == 100,
+          "unaligned write to a write-only fd");
+    close(wfd);
+    const std::vector<char> got = read_all(path);
+    CHECK(got.size() == 5000 && std::string(got.data() + 33, 100) == std::string(100, 'x'),
+          "write through a write-only fd");
+    // An fd the caller opened is never closed by the handle.
+    const int rfd = open(path.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
+    CHECK(h.submit_fd(false, buf.data() + 3, 777, rfd, 11, false) == 777, "O_DIRECT fd, unaligned read");
+    CHECK(fcntl(rfd, F_GETFD) >= 0, "caller fd still open");
+    close(rfd);
+    // direct='on' on tmpfs refuses, 'auto' falls back and says so once.
+    if (access("/dev/shm", W_OK) == 0) {
+        const std::string shm = "/dev/shm/zo_aio_core_test_" + std::to_string(getpid());
+        zo::HandleOptions on = o;
+        on.direct = zo::DirectMode::kOn;
+        zo::Handle hon(on);
+        expect_io_error([&] { hon.submit_path(true, buf.data(), 100, shm, 0, false, nullptr); }, EINVAL,
+                        zo::Op::kOpen, "direct=on on tmpfs");
+        zo::CallNotes n1, n2;
+        CHECK(h.submit_path(true, buf.data() + 1, 100, shm, 5, false, &n1) == 100, "tmpfs write");
+        CHECK(h.submit_path(false, buf.data() + 200, 100, shm, 5, false, &n2) == 100, "tmpfs read");
+        g_fallback_notes += int(n1.direct_fallback) + int(n2.direct_fallback);  // once per process
+        CHECK(std::memcmp(buf.data() + 1, buf.data() + 200, 100) == 0, "tmpfs round trip");
+        unlink(shm.c_str());
+    }
+    unlink(path.c_str());
+}
+
+// Many small async requests in flight at once, spread over threads and two handles. Records are not
+// block-aligned, so neighbours share partial blocks (read-modify-write) and padded tails: all must land.
+void many_async(const std::string& backend) {
+    zo::HandleOptions o;
+    o.backend = backend;
+    o.block_size = 8192;
+    o.queue_depth = 8;
+    o.intra_op_parallelism = 3;
+    zo::Handle h(o);
+    o.intra_op_parallelism = 1;
+    zo::Handle h2(o);
+    const std::string path = g_dir + "/many_" + backend;
+    std::mt19937_64 rng(3);
+    const size_t rec = 1000;
+    const int count = 300;
+    std::vector<char> data = random_bytes(rng, rec * count);
+    for (int round = 0; round < 3; ++round) {
+        unlink(path.c_str());
+        for (int i = 0; i < count; ++i)
+            (i % 2 ? h2 : h).submit_path(true, data.data() + i * rec, rec, path, i * rec, true, nullptr);
+        CHECK(h.wait() == static_cast<size_t>((count + 1) / 2), "wait count");
+        CHECK(h2.wait() == static_cast<size_t>(count / 2), "wait count (second handle)");
+        const std::vector<char> got = read_all(path);
+        size_t first = 0;
+        while (first < std::min(got.size(), data.size()) && got[first] == data[first]) ++first;
+        CHECK(got == data, "many async writes %s: size %zu vs %zu, first difference at %zu", backend.c_str(),
+              got.size(), data.size(), first);
+    }
+    std::vector<char> back(data.size(), 0);
+    for (int i = 0; i < count; ++i)
+        h.submit_path(false, back.data() + i * rec, rec, path, i * rec, true, nullptr);
+    CHECK(h.pending() <= static_cast<size_t>(count), "pending");
+    CHECK(h.wait() == static_cast<size_t>(count), "wait count (reads)");
+    CHECK(back == data, "many async reads %s", backend.c_str());
+    unlink(path.c_str());
+}
+
+// Pinned buffers are registered with io_uring rings on first use. A buffer released and a new one mapped
+// at the same address must never be served by the stale registration.
+void staging_reuse(const std::string& backend) {
+    zo::HandleOptions o;
+    o.backend = backend;
+    o.block_size = 256 * 1024;
+    zo::Handle h(o);
+    const std::string path = g_dir + "/reuse_" + backend;
+    std::mt19937_64 rng(11);
+    const size_t n = 3 * 1024 * 1024 + 4096;
+    const std::vector<char> data = random_bytes(rng, n);
+    write_all(path, data);
+    for (int round = 0; round < 4; ++round) {
+        zo::PinnedMemory buf(n, size_t(2) << 20, true, false);
+        std::memset(buf.data(), 0, n);
+        CHECK(h.submit_path(false, buf.data(), n, path, 0, false, nullptr) == static_cast<int64_t>(n),
+              "read");
+        CHECK(std::memcmp(buf.data(), data.data(), n) == 0, "%s round %d: read into a reused address",
+              backend.c_str(), round);
+        buf.data()[round] ^= 1;
+        CHECK(h.submit_path(true, buf.data(), n, path, 0, false, nullptr) == static_cast<int64_t>(n),
+              "write");
+        const std::vector<char> got = read_all(path);
+        CHECK(got.size() == n && std::memcmp(got.data(), buf.data(), n) == 0,
+              "%s round %d: write from reused address", backend.c_str(), round);
+        buf.data()[round] ^= 1;
+        h.submit_path(true, buf.data(), n, path, 0, false, nullptr);
+    }
+    unlink(path.c_str());
+}
+
+void pinned() {
+    zo::PinnedMemory m(12345, size_t(2) << 20, true, true);
+    CHECK(reinterpret_cast<uintptr_t>(m.data()) % (size_t(2) << 20) == 0, "2 MiB aligned");
+    CHECK(m.size() == 12345, "exact size");
+    std::memset(m.data(), 1, m.size());
+    CHECK(m.locked() || m.lock_errno() != 0, "lock state reported");
+    m.release();
+    CHECK(m.released(), "released");
+    bool threw = false;
+    try {
+        zo::PinnedMemory bad(10, 3000, false, false);
+    } catch (const zo::UsageError&) {
+        threw = true;
+    }
+    CHECK(threw, "non power of two alignment refused");
+}
+
+// In a child with a seccomp filter that makes io_uring_setup fail with EPERM (as kernel.io_uring_disabled
+// does) and io_setup with ENOSYS: auto must fall back to psync, named backends must refuse clearly.
+int seccomp_child() {
+    struct sock_filter filter[] = {
+        BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, arch)),
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, AUDIT_ARCH_X86_64, 1, 0),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+        BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, nr)),
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_io_uring_setup, 0, 1),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | EPERM),
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_io_setup, 0, 1),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | ENOSYS),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+    };
+    struct sock_fprog prog = {static_cast<unsigned short>(sizeof(filter) / sizeof(filter[0])), filter};
+    if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 ||
+        prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog) != 0) {
+        std::fprintf(stderr, "seccomp unavailable: %s\n", std::strerror(errno));
+        return 77;
+    }
+    const auto& av = zo::available_backends();
+    CHECK(av.size() == 1 && av[0] == "psync", "only psync available under the filter (%zu)", av.size());
+    zo::HandleOptions o;
+    zo::Handle h(o);
+    CHECK(h.backend() == "psync", "auto fell back to %s", h.backend().c_str());
+    for (const char* name : {"io_uring", "aio"}) {
+        o.backend = name;
+        try {
+            zo::Handle forced(o);
+            CHECK(false, "forcing %s did not throw", name);
+        } catch (const zo::BackendUnavailable& e) {
+            const std::string msg = e.what();
+            const bool has_errno =
+                msg.find(std::string(name) == "io_uring" ? "Errno 1]" : "Errno 38]") != std::string::npos;
+            CHECK(has_errno, "message names the errno: %s", msg.c_str());
+        }
+    }
+    return g_failures == 0 ? 0 : 1;
+}
+
+void seccomp_fallback() {
+#if defined(__x86_64__)
+    const pid_t pid = fork();
+    if (pid == 0) _exit(seccomp_child());
+    int status = 0;
+    CHECK(waitpid(pid, &status, 0) == pid, "waitpid");
+    if (WIFEXITED(status) && WEXITSTATUS(status) == 77) {
+        std::printf("seccomp fallback test skipped\n");
+        return;
+    }
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "seccomp child failed (status %d)", status);
+#endif
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    g_dir = argc > 1 ? argv[1] : ".";
+    seccomp_fallback();  // first: fork before any thread exists
+    const int fds_before = count_fds();
+    pinned();
+    for (const std::string& backend : zo::available_backends()) {
+        std::printf("backend %s\n", backend.c_str());
+        std::fflush(stdout);
+        zo::HandleOptions o;
+        o.backend = backend;
+        o.block_size = 64 * 1024;
+        o.queue_depth = 4;
+        o.intra_op_parallelism = 2;
+        round_trips(o, ("default " + backend).c_str(), 40);
+        o.overlap_events = false;
+        o.single_submit = true;
+        o.block_size = 5000;  // not a multiple of the alignment: rounded up internally
+        o.intra_op_parallelism = 1;
+        round_trips(o, ("batch+single " + backend).c_str(), 15);
+        o = zo::HandleOptions();
+        o.backend = backend;
+        o.direct = zo::DirectMode::kOff;
+        round_trips(o, ("buffered " + backend).c_str(), 10);
+        errors(backend);
+        many_async(backend);
+        staging_reuse(backend);
+    }
+    if (access("/dev/shm", W_OK) == 0)
+        CHECK(g_fallback_notes == 1, "O_DIRECT fallback reported %d times, expected once", g_fallback_notes);
+    const int fds_after = count_fds();
+    CHECK(fds_before == fds_after, "fd count %d -> %d", fds_before, fds_after);
+    if (g_failures != 0) {
+        std::printf("%d FAILED\n", g_failures);
+        return 1;
+    }
+    std::printf("ALL OK\n");
+    return 0;
+}

@@ -1,0 +1,265 @@
+"""Pinned host buffers: exact size, 2 MiB aligned, huge pages and page-locking where the system allows.
+
+The memory comes from `offload._aio.alloc_pinned` (mmap + madvise/MAP_HUGETLB + mlock, no torch). This module
+adds what the C++ core must not know about:
+
+* the one-time warning when RLIMIT_MEMLOCK stops page-locking (with the limit and how to raise it);
+* registration with CUDA (`cudaHostRegister`) when torch has CUDA, undone before the memory is freed;
+* torch views (`pinned_tensor`) that keep the allocation alive for exactly as long as any view exists;
+* process-wide accounting (`pinned_bytes_in_use`) and a capped, thread-safe `PinnedPool`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import resource
+import sys
+import threading
+import warnings
+from typing import TYPE_CHECKING, Any, Dict, Optional
+
+from offload import _aio
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "ALIGNMENT",
+    "HostBuffer",
+    "MemlockLimitWarning",
+    "PinnedMemoryBudgetError",
+    "PinnedPool",
+    "alloc_host_buffer",
+    "pinned_bytes_in_use",
+    "pinned_tensor",
+]
+
+ALIGNMENT = 2 << 20  # one huge page: lets the kernel back the buffer with 2 MiB pages
+
+
+class MemlockLimitWarning(UserWarning):
+    """Pinned buffers could not be page-locked because of RLIMIT_MEMLOCK; they work, unlocked."""
+
+
+class PinnedMemoryBudgetError(MemoryError):
+    """An allocation would take a PinnedPool past its byte cap."""
+
+    def __init__(self, requested: int, in_use: int, cap: int) -> None:
+        super().__init__(
+            f"pinned memory budget exceeded: requested {requested} bytes with {in_use} bytes in use, "
+            f"cap {cap} bytes ({cap - in_use} bytes free)"
+        )
+        self.requested = requested
+        self.in_use = in_use
+        self.cap = cap
+
+
+_accounting_lock = threading.Lock()
+_live_bytes = 0
+_warned_memlock = False
+
+
+def pinned_bytes_in_use() -> int:
+    """Bytes of pinned host memory allocated through this module and not yet freed, process-wide."""
+    with _accounting_lock:
+        return _live_bytes
+
+
+def _format_limit(value: int) -> str:
+    if value == resource.RLIM_INFINITY:
+        return "unlimited"
+    return f"{value // 1024} KiB"
+
+
+def _warn_unlocked_once(nbytes: int, lock_errno: int) -> None:
+    global _warned_memlock
+    with _accounting_lock:
+        if _warned_memlock:
+            return
+        _warned_memlock = True
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    warnings.warn(
+        f"pinned host buffers are not page-locked (mlock of {nbytes} bytes failed, errno {lock_errno}): "
+        f"RLIMIT_MEMLOCK is {_format_limit(soft)} (hard limit {_format_limit(hard)}). They still work, but "
+        "the kernel may page them out and CUDA copies from them are slower. Raise the limit with "
+        "`ulimit -l unlimited` in the launching shell, a `memlock` line in /etc/security/limits.conf, "
+        "LimitMEMLOCK=infinity for systemd services, or `--ulimit memlock=-1` for docker. "
+        "This warning is shown once per process.",
+        MemlockLimitWarning,
+        stacklevel=4,
+    )
+
+
+def _cuda_runtime() -> Optional[Any]:
+    """torch's cudart binding when CUDA is usable, else None. Never imports torch itself."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():
+        return None
+    return torch.cuda.cudart()
+
+
+class HostBuffer:
+    """One pinned host allocation and its CUDA registration, freed in the right order exactly once.
+
+    Views (`as_ctypes`, tensors from `pinned_tensor`) hold a reference to this object, so the memory lives
+    until the last view is gone; `release()` frees it at once and is only safe when no view is in use.
+    """
+
+    def __init__(
+        self, nbytes: int, *, huge_pages: bool = True, lock: bool = True, cudart: Any = None
+    ) -> None:
+        global _live_bytes
+        if nbytes <= 0:
+            raise ValueError(f"pinned buffer size must be positive, got {nbytes} bytes")
+        self._buf = _aio.alloc_pinned(nbytes, ALIGNMENT, huge_pages, lock)
+        self.nbytes = nbytes
+        self.ptr: int = self._buf.ptr
+        self.locked: bool = self._buf.locked
+        self.huge_pages: bool = self._buf.huge_pages
+        self._cudart = cudart
+        self.cuda_registered = False
+        with _accounting_lock:
+            _live_bytes += nbytes
+        if lock and not self.locked:
+            _warn_unlocked_once(nbytes, self._buf.lock_errno)
+        if cudart is not None:
+            # cudaHostRegisterDefault (0): page-locks for the device; works on unlocked memory as well.
+            err = cudart.cudaHostRegister(self.ptr, nbytes, 0)
+            if int(err) != 0:
+                self.release()
+                raise RuntimeError(f"cudaHostRegister of {nbytes} bytes at {self.ptr:#x} failed: {err}")
+            self.cuda_registered = True
+
+    def as_ctypes(self) -> ctypes.Array:
+        """A writable ctypes byte array over the buffer that keeps this object alive."""
+        if self._buf is None:
+            raise ValueError("pinned buffer was already released")
+        arr = (ctypes.c_ubyte * self.nbytes).from_address(self.ptr)
+        arr._zo_owner = self  # type: ignore[attr-defined]
+        return arr
+
+    @property
+    def released(self) -> bool:
+        return self._buf is None
+
+    def release(self) -> None:
+        global _live_bytes
+        buf, self._buf = self._buf, None
+        if buf is None:
+            return
+        if self.cuda_registered:
+            # Unregister while the pages still exist: CUDA must drop its mapping before munmap.
+            self._cudart.cudaHostUnregister(self.ptr)
+            self.cuda_registered = False
+        buf.release()
+        with _accounting_lock:
+            _live_bytes -= self.nbytes
+
+    def __del__(self) -> None:
+        # Interpreter shutdown may have torn down module globals; the C++ object frees itself then.
+        try:
+            self.release()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        state = "released" if self._buf is None else f"ptr={self.ptr:#x}"
+        return (
+            f"HostBuffer({self.nbytes} bytes, {state}, locked={self.locked}, huge_pages={self.huge_pages}, "
+            f"cuda_registered={self.cuda_registered})"
+        )
+
+
+def alloc_host_buffer(nbytes: int, *, huge_pages: bool = True, lock: bool = True) -> HostBuffer:
+    """Allocate `nbytes` of pinned host memory (exact size, 2 MiB aligned), CUDA-registered if CUDA is up."""
+    return HostBuffer(nbytes, huge_pages=huge_pages, lock=lock, cudart=_cuda_runtime())
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    import torch
+
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def pinned_tensor(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A 1-D CPU tensor of `numel` elements in pinned memory; the memory is freed with the last view."""
+    import torch
+
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0, got {numel}")
+    if numel == 0:
+        return torch.empty(0, dtype=dtype)
+    host = alloc_host_buffer(numel * _itemsize(dtype))
+    with warnings.catch_warnings():
+        # The ctypes array is writable; torch only warns for read-only buffers, but stay quiet regardless.
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(host.as_ctypes(), dtype=dtype, count=numel)
+
+
+class PinnedPool:
+    """Pinned tensors under a hard byte cap, with in-use and peak accounting. Thread-safe.
+
+    `free(t)` returns the tensor's bytes to the budget; the memory itself goes back to the system when the
+    tensor and all its views are gone (freeing memory a live tensor still points at would corrupt it).
+    """
+
+    def __init__(self, cap_bytes: int) -> None:
+        if cap_bytes < 0:
+            raise ValueError(f"cap_bytes must be >= 0, got {cap_bytes}")
+        self._cap = int(cap_bytes)
+        self._lock = threading.Lock()
+        self._in_use = 0
+        self._peak = 0
+        self._live: Dict[int, int] = {}  # data_ptr -> bytes charged
+
+    @property
+    def cap_bytes(self) -> int:
+        return self._cap
+
+    @property
+    def bytes_in_use(self) -> int:
+        with self._lock:
+            return self._in_use
+
+    @property
+    def peak_bytes(self) -> int:
+        with self._lock:
+            return self._peak
+
+    def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A pinned 1-D tensor of `numel` elements; PinnedMemoryBudgetError if it would exceed the cap."""
+        if numel <= 0:
+            raise ValueError(f"numel must be positive, got {numel}")
+        nbytes = numel * _itemsize(dtype)
+        with self._lock:
+            # Charge before allocating so concurrent callers can never overshoot the cap together.
+            if self._in_use + nbytes > self._cap:
+                raise PinnedMemoryBudgetError(nbytes, self._in_use, self._cap)
+            self._in_use += nbytes
+            self._peak = max(self._peak, self._in_use)
+        try:
+            t = pinned_tensor(numel, dtype)
+        except BaseException:
+            with self._lock:
+                self._in_use -= nbytes
+            raise
+        with self._lock:
+            self._live[t.data_ptr()] = nbytes
+        return t
+
+    def free(self, t: torch.Tensor) -> None:
+        """Return `t`'s bytes to the budget. `t` must be a tensor this pool allocated (not a view of one)."""
+        with self._lock:
+            nbytes = self._live.pop(t.data_ptr(), None)
+            if nbytes is None:
+                raise ValueError(
+                    f"tensor at {t.data_ptr():#x} ({t.numel()} x {t.dtype}) was not allocated by this "
+                    "PinnedPool, or was already freed"
+                )
+            self._in_use -= nbytes
+
+    def __repr__(self) -> str:
+        return (
+            f"PinnedPool(cap_bytes={self._cap}, bytes_in_use={self.bytes_in_use}, "
+            f"peak_bytes={self.peak_bytes})"
+        )

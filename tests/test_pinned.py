@@ -1,0 +1,275 @@
+"""Pinned host buffers and the capped pool: sizes, alignment, locking, CUDA registration order, accounting."""
+
+from __future__ import annotations
+
+import gc
+import resource
+import threading
+import warnings
+
+import pytest
+import torch
+
+from offload import pinned
+from offload.pinned import (
+    ALIGNMENT,
+    HostBuffer,
+    MemlockLimitWarning,
+    PinnedMemoryBudgetError,
+    PinnedPool,
+    pinned_bytes_in_use,
+    pinned_tensor,
+)
+from tests.aio_helpers import run_child
+
+
+def vm_locked_kib() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmLck:"):
+                return int(line.split()[1])
+    raise AssertionError("no VmLck in /proc/self/status")
+
+
+@pytest.fixture
+def memlock_limit():
+    """Set the soft RLIMIT_MEMLOCK for one test and re-arm the one-time warning; both restored afterwards."""
+    saved = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    saved_flag = pinned._warned_memlock
+
+    def set_soft(value: int) -> None:
+        try:
+            resource.setrlimit(resource.RLIMIT_MEMLOCK, (value, saved[1]))
+        except ValueError as e:
+            pytest.skip(f"cannot set RLIMIT_MEMLOCK to {value} under hard limit {saved[1]}: {e}")
+        pinned._warned_memlock = False
+
+    yield set_soft
+    resource.setrlimit(resource.RLIMIT_MEMLOCK, saved)
+    pinned._warned_memlock = saved_flag
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float16, torch.bfloat16, torch.float32, torch.int64])
+@pytest.mark.parametrize("numel", [1, 3, 1000, (2 << 20) + 1])
+def test_pinned_tensor_exact_size_aligned_and_accounted(numel, dtype):
+    before = pinned_bytes_in_use()
+    t = pinned_tensor(numel, dtype)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    assert t.shape == (numel,) and t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous()
+    assert t.data_ptr() % ALIGNMENT == 0
+    assert t.untyped_storage().nbytes() == numel * itemsize  # exact, no power-of-two rounding
+    assert pinned_bytes_in_use() - before == numel * itemsize
+    t.fill_(1)
+    assert int(t[-1]) == 1
+    del t
+    assert pinned_bytes_in_use() == before
+
+
+def test_zero_elements():
+    t = pinned_tensor(0, torch.float32)
+    assert t.numel() == 0
+    with pytest.raises(ValueError, match="numel must be >= 0"):
+        pinned_tensor(-1, torch.float32)
+
+
+def test_views_keep_the_memory_alive():
+    before = pinned_bytes_in_use()
+    t = pinned_tensor(4096, torch.int32)
+    t.copy_(torch.arange(4096, dtype=torch.int32))
+    view = t[100:].view(torch.uint8)
+    del t
+    gc.collect()
+    assert pinned_bytes_in_use() - before == 4096 * 4  # still referenced by the view
+    assert torch.equal(view.view(torch.int32), torch.arange(100, 4096, dtype=torch.int32))
+    del view
+    assert pinned_bytes_in_use() == before
+
+
+def test_buffer_is_locked_when_the_limit_allows(memlock_limit):
+    hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)[1]
+    if hard != resource.RLIM_INFINITY and hard < 4 << 20:
+        pytest.skip(f"RLIMIT_MEMLOCK hard limit {hard} bytes is below the 3 MiB this test locks")
+    memlock_limit(hard)
+    locked_before = vm_locked_kib()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MemlockLimitWarning)
+        buf = pinned.alloc_host_buffer(3 << 20)
+    assert buf.locked
+    assert vm_locked_kib() - locked_before >= 3 << 10  # measured by the kernel, not our own bookkeeping
+    buf.release()
+    assert vm_locked_kib() == locked_before
+
+
+def test_unlocked_with_one_warning_naming_the_limit():
+    # In a child: root (CAP_IPC_LOCK) may lock past RLIMIT_MEMLOCK, so the child drops to an ordinary user.
+    result = run_child(
+        """
+        import os, resource, warnings, torch
+        from offload import pinned
+        hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)[1]
+        resource.setrlimit(resource.RLIMIT_MEMLOCK, (64 << 10, hard))
+        if os.geteuid() == 0:
+            os.setgid(65534)
+            os.setuid(65534)
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            a = pinned.alloc_host_buffer(4 << 20)
+            b = pinned.pinned_tensor(1 << 20, torch.float32)
+            c = pinned.alloc_host_buffer(4096)
+        b.fill_(2.0)  # unlocked memory still works
+        msgs = [str(w.message) for w in rec if issubclass(w.category, pinned.MemlockLimitWarning)]
+        result = {"msgs": msgs, "locked": [a.locked, c.locked], "sum": float(b.sum())}
+        """
+    )
+    assert "exc" not in result, result
+    assert len(result["msgs"]) == 1, result["msgs"]
+    text = result["msgs"][0]
+    assert "RLIMIT_MEMLOCK is 64 KiB" in text and "ulimit -l" in text and "limits.conf" in text
+    assert result["locked"][0] is False
+    assert result["sum"] == 2.0 * (1 << 20)
+
+
+def test_release_is_idempotent_and_views_refuse_after():
+    before = pinned_bytes_in_use()
+    buf = HostBuffer(10_000, cudart=None)
+    assert not buf.released and buf.ptr % ALIGNMENT == 0
+    buf.release()
+    buf.release()
+    assert buf.released and pinned_bytes_in_use() == before
+    with pytest.raises(ValueError, match="already released"):
+        buf.as_ctypes()
+    with pytest.raises(ValueError, match="must be positive"):
+        HostBuffer(0)
+
+
+class FakeCudart:
+    """Records cudaHostRegister/Unregister and what was still allocated when Unregister ran."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.calls = []
+        self.fail = fail
+
+    def cudaHostRegister(self, ptr, nbytes, flags):
+        self.calls.append(("register", ptr, nbytes, flags))
+        return 1 if self.fail else 0
+
+    def cudaHostUnregister(self, ptr):
+        self.calls.append(("unregister", ptr, pinned_bytes_in_use()))
+        return 0
+
+
+def test_cuda_registration_undone_before_free():
+    cudart = FakeCudart()
+    before = pinned_bytes_in_use()
+    buf = HostBuffer(5 << 20, cudart=cudart)
+    assert buf.cuda_registered
+    assert cudart.calls == [("register", buf.ptr, 5 << 20, 0)]
+    ptr = buf.ptr
+    t = torch.frombuffer(buf.as_ctypes(), dtype=torch.uint8)
+    del buf
+    assert len(cudart.calls) == 1  # the tensor still holds the buffer
+    del t
+    # Unregistered while the memory was still allocated (accounted), then freed.
+    assert cudart.calls[1] == ("unregister", ptr, before + (5 << 20))
+    assert pinned_bytes_in_use() == before
+
+
+def test_cuda_registration_failure_frees_the_buffer():
+    before = pinned_bytes_in_use()
+    with pytest.raises(RuntimeError, match="cudaHostRegister of 4096 bytes"):
+        HostBuffer(4096, cudart=FakeCudart(fail=True))
+    assert pinned_bytes_in_use() == before
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_real_cuda_registration():
+    t = pinned_tensor(1 << 20, torch.float32)
+    assert t.is_pinned()
+    d = t.fill_(3.0).cuda(non_blocking=True)
+    torch.cuda.synchronize()
+    assert float(d.sum()) == 3.0 * (1 << 20)
+
+
+# -- PinnedPool --------------------------------------------------------------------------------------------
+
+
+def test_pool_accounting_and_cap():
+    pool = PinnedPool(1 << 20)
+    before = pinned_bytes_in_use()
+    a = pool.allocate(100_000, torch.float32)  # 400 000 bytes
+    b = pool.allocate(300_000, torch.uint8)
+    assert pool.bytes_in_use == 700_000 and pool.peak_bytes == 700_000 and pool.cap_bytes == 1 << 20
+    assert pinned_bytes_in_use() - before == 700_000
+    with pytest.raises(PinnedMemoryBudgetError) as info:
+        pool.allocate(100_000, torch.float32)
+    err = info.value
+    assert (err.requested, err.in_use, err.cap) == (400_000, 700_000, 1 << 20)
+    assert (
+        "requested 400000 bytes" in str(err)
+        and "700000 bytes in use" in str(err)
+        and "cap 1048576" in str(err)
+    )
+    assert pool.bytes_in_use == 700_000  # a refused request charges nothing
+    pool.free(a)
+    assert pool.bytes_in_use == 300_000 and pool.peak_bytes == 700_000
+    c = pool.allocate(187_144, torch.float32)  # exactly up to the cap
+    assert pool.bytes_in_use == 1 << 20
+    pool.free(b)
+    pool.free(c)
+    assert pool.bytes_in_use == 0
+    del a, b, c
+    assert pinned_bytes_in_use() == before
+
+
+def test_pool_rejects_foreign_and_double_free():
+    pool = PinnedPool(1 << 20)
+    t = pool.allocate(10, torch.float32)
+    with pytest.raises(ValueError, match="not allocated by this PinnedPool"):
+        pool.free(torch.empty(10))
+    pool.free(t)
+    with pytest.raises(ValueError, match="already freed"):
+        pool.free(t)
+    with pytest.raises(ValueError, match="numel must be positive"):
+        pool.allocate(0, torch.float32)
+    with pytest.raises(ValueError, match="cap_bytes"):
+        PinnedPool(-1)
+
+
+def test_pool_is_thread_safe_and_never_exceeds_cap():
+    cap = 4 << 20
+    pool = PinnedPool(cap)
+    errors, refused = [], []
+    observed_max = [0]
+    lock = threading.Lock()
+
+    def worker(seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        held = []
+        try:
+            for _ in range(60):
+                if held and torch.rand((), generator=g) < 0.45:
+                    pool.free(held.pop(int(torch.randint(len(held), (), generator=g))))
+                    continue
+                n = int(torch.randint(1, 400_000, (), generator=g))
+                try:
+                    held.append(pool.allocate(n, torch.uint8))
+                except PinnedMemoryBudgetError as e:
+                    assert e.requested + e.in_use > e.cap
+                    refused.append(n)
+                with lock:
+                    observed_max[0] = max(observed_max[0], pool.bytes_in_use)
+            for t in held:
+                pool.free(t)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert pool.bytes_in_use == 0
+    assert observed_max[0] <= cap and pool.peak_bytes <= cap
+    assert pool.peak_bytes >= observed_max[0] > 0
+    assert refused, "the workload is sized to hit the cap"
