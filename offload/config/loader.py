@@ -114,10 +114,12 @@ _CHECKPOINT_OFF_ONLY = {
 
 @dataclass(frozen=True)
 class ZeroOffloadSection:
-    """Our own keys (DeepSpeed has none of them): the per-step report of time and bytes per phase."""
+    """Our own keys (DeepSpeed has none of them): the per-step report and the pinned-memory cap."""
 
     report: bool = False
     report_every: int = 1
+    # None: $ZERO_OFFLOAD_PINNED_BUDGET if set, else half of physical memory.
+    pinned_budget_bytes: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -258,8 +260,12 @@ def _parse(raw: Any, ctx: Context, world_size: int) -> ZeroOffloadConfig:
 
 
 def _parse_zero_offload(raw: Any, ctx: Context) -> ZeroOffloadSection:
-    s = Section(raw, "zero_offload", ctx, ("report", "report_every"))
-    return ZeroOffloadSection(report=s.bool("report", False), report_every=s.int("report_every", 1, min=1))
+    s = Section(raw, "zero_offload", ctx, ("report", "report_every", "pinned_budget_bytes"))
+    return ZeroOffloadSection(
+        report=s.bool("report", False),
+        report_every=s.int("report_every", 1, min=1),
+        pinned_budget_bytes=s.int("pinned_budget_bytes", None, min=0, allow_none=True),
+    )
 
 
 def _check_checkpoint_section(raw: Any, ctx: Context) -> None:

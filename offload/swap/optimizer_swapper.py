@@ -1,0 +1,329 @@
+"""OptimizerSwapper: fp32 master weights and optimizer states of one partition, stepped from NVMe.
+
+Layout. The partition is cut into chunks of at most `chunk_numel` elements (a sub-group, or a piece of one
+when a sub-group is larger than a staging slot). A chunk of n elements is stored as one aligned region,
+`[master | state_1 | ... | state_k]` (n fp32 each), so one read and one write move it. There are two copies
+of the whole layout (files `.a` and `.b`): a step reads every chunk from the live copy and writes the
+updated chunk to the other one, and only `commit()` makes the other copy live. A step that fails half way
+(disk full, an I/O error, a gradient overflow found in the fused pass) therefore leaves the previous state
+intact, at the price of twice the disk space.
+
+Pipeline. `buffer_count` pinned staging slots, each with its own aio handle (a handle's `wait()` waits for
+everything queued on it, so one handle per slot lets us wait for exactly one slot). For chunk i the step
+waits for the read of i, runs the update on the slot, queues the write of i, and - before that - queues the
+read of chunk i+1 into the next slot once that slot's earlier write has finished. With three or more slots
+the read of i+1, the update of i and the write of i-1 all run at the same time.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, Optional, Tuple
+
+import torch
+
+from offload.swap.space import SwapFile, SwapSpace, align_up
+
+__all__ = ["AioSettings", "ChunkFn", "OptimizerSwapper", "SwapStats"]
+
+FP32_BYTES = 4
+
+# (start element within the partition, numel, master view, state views) -> all values finite
+ChunkFn = Callable[[int, int, torch.Tensor, List[torch.Tensor]], bool]
+
+
+@dataclass(frozen=True)
+class AioSettings:
+    block_size: int = 1 << 20
+    queue_depth: int = 32
+    single_submit: bool = False
+    overlap_events: bool = True
+    intra_op_parallelism: int = 1
+    backend: str = "auto"
+
+    @classmethod
+    def from_config(cls, aio_cfg: Any) -> AioSettings:
+        if aio_cfg is None:
+            return cls()
+        return cls(
+            block_size=int(aio_cfg.block_size),
+            queue_depth=int(aio_cfg.queue_depth),
+            single_submit=bool(aio_cfg.single_submit),
+            overlap_events=bool(aio_cfg.overlap_events),
+            intra_op_parallelism=int(aio_cfg.intra_op_parallelism),
+            backend=str(getattr(aio_cfg, "backend", "auto") or "auto"),
+        )
+
+    def handle(self) -> Any:
+        from offload.aio import AioHandle
+
+        return AioHandle(
+            block_size=self.block_size,
+            queue_depth=self.queue_depth,
+            single_submit=self.single_submit,
+            overlap_events=self.overlap_events,
+            intra_op_parallelism=self.intra_op_parallelism,
+            backend=self.backend,
+        )
+
+
+@dataclass
+class SwapStats:
+    """Counters since the last `reset()`: bytes moved and where the time went."""
+
+    bytes_read: int = 0
+    bytes_written: int = 0
+    io_wait_s: float = 0.0  # time blocked waiting for a slot's I/O
+    compute_s: float = 0.0  # time inside the update function
+    chunks: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def reset(self) -> None:
+        self.bytes_read = self.bytes_written = self.chunks = 0
+        self.io_wait_s = self.compute_s = 0.0
+
+
+def slot_bytes(chunk_numel: int, n_states: int, alignment: int) -> int:
+    """Pinned bytes one staging slot needs for a chunk of `chunk_numel` elements."""
+    return align_up((1 + n_states) * chunk_numel * FP32_BYTES, alignment)
+
+
+class OptimizerSwapper:
+    """Master + `n_states` fp32 states of `numel` elements in swap files, stepped chunk by chunk."""
+
+    def __init__(
+        self,
+        space: SwapSpace,
+        numel: int,
+        n_states: int,
+        pool: Any,
+        *,
+        chunk_numel: int,
+        buffer_count: int = 4,
+        aio: Optional[AioSettings] = None,
+        name: str = "optimizer",
+    ) -> None:
+        if numel <= 0:
+            raise ValueError(f"numel must be positive, got {numel}")
+        if chunk_numel <= 0:
+            raise ValueError(f"chunk_numel must be positive, got {chunk_numel}")
+        if buffer_count < 1:
+            raise ValueError(f"buffer_count must be >= 1, got {buffer_count}")
+        self.space = space
+        self.numel = int(numel)
+        self.n_states = int(n_states)
+        self.n_tensors = 1 + self.n_states
+        self.chunk_numel = min(int(chunk_numel), self.numel)
+        self.chunks: List[Tuple[int, int]] = [
+            (s, min(self.chunk_numel, self.numel - s)) for s in range(0, self.numel, self.chunk_numel)
+        ]
+        self.alignment = space.alignment
+        self.region_bytes = slot_bytes(self.chunk_numel, self.n_states, self.alignment)
+        self.stats = SwapStats()
+        self._pool = pool
+        self._aio = aio or AioSettings()
+        self._slots: List[torch.Tensor] = []
+        self._handles: List[Any] = []
+        self._files: List[SwapFile] = []
+        self._live = 0
+        self._pending = False
+        self._closed = False
+        self._prefetched = 0  # chunks 0..n-1 already queued for reading into slots 0..n-1
+        try:
+            n_slots = min(buffer_count, len(self.chunks))
+            for _ in range(n_slots):
+                self._slots.append(pool.allocate(self.region_bytes // FP32_BYTES, torch.float32))
+                self._handles.append(self._aio.handle())
+            for copy in ("a", "b"):
+                self._files.append(space.create(f"{name}.{copy}.swp", self.region_bytes * len(self.chunks)))
+        except BaseException:
+            self.close()
+            raise
+
+    # ----------------------------------------------------------------------------------------------- sizes
+    @property
+    def buffer_count(self) -> int:
+        return len(self._slots)
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(s.numel() * FP32_BYTES for s in self._slots)
+
+    @property
+    def disk_bytes(self) -> int:
+        return sum(f.nbytes for f in self._files)
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of live state (one copy), what a step reads and writes."""
+        return self.numel * self.n_tensors * FP32_BYTES
+
+    # ------------------------------------------------------------------------------------------------- I/O
+    def _io_bytes(self, n: int) -> int:
+        return align_up(self.n_tensors * n * FP32_BYTES, self.alignment)
+
+    def _views(self, slot: int, n: int) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+        buf = self._slots[slot]
+        master = buf[:n]
+        return master, [buf[(j + 1) * n : (j + 2) * n] for j in range(self.n_states)]
+
+    def _read(self, i: int, slot: int, f: SwapFile) -> None:
+        nbytes = self._io_bytes(self.chunks[i][1])
+        self._handles[slot].async_pread(
+            self._slots[slot][: nbytes // FP32_BYTES], f.path, i * self.region_bytes
+        )
+        self.stats.bytes_read += nbytes
+
+    def _write(self, i: int, slot: int, f: SwapFile) -> None:
+        nbytes = self._io_bytes(self.chunks[i][1])
+        self._handles[slot].async_pwrite(
+            self._slots[slot][: nbytes // FP32_BYTES], f.path, i * self.region_bytes
+        )
+        self.stats.bytes_written += nbytes
+
+    def _wait(self, slot: int) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._handles[slot].wait()
+        finally:
+            self.stats.io_wait_s += time.perf_counter() - t0
+
+    def _drain(self) -> None:
+        """Wait for every slot, keeping only the first error: nothing may still write into a slot after."""
+        first: Optional[BaseException] = None
+        for slot in range(len(self._handles)):
+            try:
+                self._wait(slot)
+            except BaseException as e:  # noqa: BLE001 - re-raised below
+                first = first or e
+        if first is not None:
+            raise first
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("OptimizerSwapper is closed")
+
+    def _pipeline(
+        self, src: Optional[SwapFile], dst: Optional[SwapFile], fn: ChunkFn, use_prefetch: bool = False
+    ) -> bool:
+        """Read chunks from `src` (or none), apply `fn`, write to `dst` (or none). Stops at a False."""
+        n_chunks, n_slots = len(self.chunks), len(self._slots)
+        issued = -1  # highest chunk whose read is queued
+        if use_prefetch:
+            issued = self._prefetched - 1
+        elif self._prefetched:
+            self._drain()  # this pass reuses the slots: the prefetched chunks are lost
+        self._prefetched = 0
+        try:
+            for i in range(n_chunks):
+                slot = i % n_slots
+                if src is not None and issued < i:
+                    self._wait(slot)  # the slot's previous write must be done before it is refilled
+                    self._read(i, slot, src)
+                    issued = i
+                if src is not None and n_slots > 1 and issued < i + 1 < n_chunks:
+                    nxt = (i + 1) % n_slots
+                    self._wait(nxt)
+                    self._read(i + 1, nxt, src)
+                    issued = i + 1
+                elif src is None:
+                    self._wait(slot)
+                self._wait(slot)  # this chunk's read
+                start, n = self.chunks[i]
+                master, states = self._views(slot, n)
+                t0 = time.perf_counter()
+                ok = fn(start, n, master, states)
+                self.stats.compute_s += time.perf_counter() - t0
+                self.stats.chunks += 1
+                if not ok:
+                    self._drain()
+                    return False
+                if dst is not None:
+                    self._write(i, slot, dst)
+            self._drain()
+        except BaseException:
+            try:
+                self._drain()
+            except BaseException:  # noqa: BLE001 - the first error is the one the caller needs
+                pass
+            raise
+        return True
+
+    # ---------------------------------------------------------------------------------------------- public
+    def prefetch(self) -> None:
+        """Queue the reads of the first chunks (one per slot) now, e.g. while backward still runs.
+
+        The next `step` starts with them in flight. Any other pass over the slots (read_all, load)
+        discards them, so a prefetch is never stale.
+        """
+        self._check_open()
+        if self._prefetched:
+            return
+        src = self._files[self._live]
+        count = min(len(self._slots), len(self.chunks))
+        for i in range(count):
+            self._wait(i)
+            self._read(i, i, src)
+        self._prefetched = count
+
+    def step(self, fn: ChunkFn) -> bool:
+        """Run `fn` over every chunk of the live state, writing results to the spare copy.
+
+        Returns False (and stops early) when `fn` returns False. The result becomes the state only after
+        `commit()`; `abort()` (or simply not committing) keeps the previous state.
+        """
+        self._check_open()
+        self._pending = False
+        ok = self._pipeline(self._files[self._live], self._files[1 - self._live], fn, use_prefetch=True)
+        self._pending = ok
+        return ok
+
+    def commit(self) -> None:
+        if not self._pending:
+            raise RuntimeError("OptimizerSwapper.commit() without a completed step")
+        self._live = 1 - self._live
+        self._pending = False
+
+    def abort(self) -> None:
+        self._pending = False
+
+    def read_all(self, fn: Callable[[int, int, torch.Tensor, List[torch.Tensor]], None]) -> None:
+        """Call `fn(start, n, master, states)` on every chunk of the live state (views valid in the call)."""
+        self._check_open()
+
+        def visit(start: int, n: int, master: torch.Tensor, states: List[torch.Tensor]) -> bool:
+            fn(start, n, master, states)
+            return True
+
+        self._pipeline(self._files[self._live], None, visit)
+
+    def load(self, fn: Callable[[int, int, torch.Tensor, List[torch.Tensor]], None]) -> None:
+        """Replace the whole state: `fn(start, n, master, states)` fills each chunk's views; atomic."""
+        self._check_open()
+        self._pending = False
+
+        def fill(start: int, n: int, master: torch.Tensor, states: List[torch.Tensor]) -> bool:
+            fn(start, n, master, states)
+            return True
+
+        self._pipeline(None, self._files[1 - self._live], fill)
+        self._live = 1 - self._live
+
+    def close(self) -> None:
+        """Release the staging slots and aio handles (the swap files belong to the SwapSpace)."""
+        if self._closed:
+            return
+        self._closed = True
+        for h in self._handles:
+            try:
+                h.wait()
+            except BaseException:  # noqa: BLE001 - closing after a failed step must still free everything
+                pass
+            close = getattr(h, "close", None)
+            if close is not None:
+                close()
+        self._handles.clear()
+        for s in self._slots:
+            self._pool.free(s)
+        self._slots.clear()

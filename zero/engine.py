@@ -1,0 +1,799 @@
+"""ZeroEngine: DeepSpeed's training-engine face (forward, backward, step, checkpoints) over ZeRO 0-2.
+
+One step, on one rank:
+
+1. forward / backward run on the model as the user wrote it. Its trainable parameters are views of one flat
+   buffer and their `.grad`s views of a flat gradient buffer (zero.partition), so autograd accumulates every
+   gradient directly into its final place.
+2. On the backward that ends an accumulation window, post-accumulate-grad hooks send full buckets to the
+   other ranks while backward goes on (overlap_comm); stages 1-2 reduce each bucket only to the ranks owning
+   it. The rank's gradient partition is then copied once to the fp32 host tier (on a CPU-only machine with
+   fp32 weights the gradient buffer is already that tier and nothing is copied).
+3. The optimizer pass walks the partition chunk by chunk: the fused CPU kernel unscales (loss scale, world
+   size, clipping coefficient in one `grad_scale`), updates master + states and writes the new 16-bit
+   weights; the chunk is copied to the device parameter buffer. With NVMe, states stream through pinned
+   slots (offload.swap.OptimizerSwapper) and the pass is committed only when every chunk succeeded.
+4. Stages 1-2 all-gather the updated partitions.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from offload.pinned import PinnedMemoryBudgetError, PinnedPool, pinned_bytes_in_use
+from offload.swap.optimizer_swapper import AioSettings, OptimizerSwapper, slot_bytes
+from offload.swap.space import SwapSpace, check_nvme_path
+from zero.optimizer_offload import (
+    DeviceState,
+    UpdateRule,
+    ZeroOptimizer,
+    rule_from_client_optimizer,
+    rule_from_config,
+)
+from zero.partition import FlatParams, GradReducer, partition_range
+from zero.report import PhaseClock, StepReport
+
+__all__ = ["PINNED_BUDGET_ENV", "ZeroEngine"]
+
+# Cap on pinned host memory the engine may take (bytes). Until the config has a key for it, the
+# environment sets it; default: half of physical memory.
+PINNED_BUDGET_ENV = "ZERO_OFFLOAD_PINNED_BUDGET"
+MIN_SLOT_NUMEL = 4096  # below this a staging slot is mostly per-request overhead
+
+
+def _default_pinned_budget() -> int:
+    env = os.environ.get(PINNED_BUDGET_ENV)
+    if env:
+        try:
+            value = int(env)
+        except ValueError:
+            raise ValueError(f"{PINNED_BUDGET_ENV} must be a byte count (an integer), got {env!r}") from None
+        if value < 0:
+            raise ValueError(f"{PINNED_BUDGET_ENV} must be >= 0, got {value}")
+        return value
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().total // 2)
+    except ImportError:  # pragma: no cover - psutil is a dependency
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2)
+
+
+def init_distributed() -> Tuple[int, int, int]:
+    """(rank, world_size, local_rank): uses an initialized process group, or starts one under torchrun."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), local_rank
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group(backend=backend)
+        return dist.get_rank(), dist.get_world_size(), local_rank
+    return 0, 1, local_rank
+
+
+class _ParamWriter:
+    """Moves updated master values of a chunk into the model's flat parameter buffer.
+
+    CPU device: the kernel writes 16-bit weights straight into the parameter buffer (param_copy), fp32 is a
+    plain copy, and when the master *is* the parameter buffer there is nothing to do. CUDA: the kernel
+    writes into a pinned staging slot, copied asynchronously on a side stream; a slot is reused only after
+    its copy finished (an event per slot).
+    """
+
+    def __init__(
+        self, flat: FlatParams, lo: int, aliased: bool, chunk_numel: int, pool: Optional[PinnedPool]
+    ):
+        self.target = flat.param_buffer
+        self.lo = lo
+        self.aliased = aliased
+        self.half = self.target.dtype != torch.float32
+        self.cuda = self.target.is_cuda
+        self.h2d_bytes = 0
+        self._slot = 0
+        self._staging: List[torch.Tensor] = []
+        if self.cuda and not aliased:
+            n_slots = 2
+            for _ in range(n_slots):
+                if pool is not None:
+                    self._staging.append(pool.allocate(chunk_numel, self.target.dtype))
+                else:
+                    self._staging.append(torch.empty(chunk_numel, dtype=self.target.dtype).pin_memory())
+            self._events = [torch.cuda.Event() for _ in range(n_slots)]
+            self._stream = torch.cuda.Stream(device=self.target.device)
+        self._pool = pool
+
+    def param_copy(self, start: int, n: int) -> Optional[torch.Tensor]:
+        """Where the kernel should write 16-bit weights for this chunk (None: it writes none)."""
+        if self.aliased:
+            return None
+        if self.cuda:
+            self._slot = (self._slot + 1) % len(self._staging)
+            self._events[self._slot].synchronize()
+            return self._staging[self._slot][:n] if self.half else None
+        return self.target[self.lo + start : self.lo + start + n] if self.half else None
+
+    def after_update(self, start: int, n: int, master: torch.Tensor) -> None:
+        if self.aliased:
+            return
+        dst = self.target[self.lo + start : self.lo + start + n]
+        self.h2d_bytes += n * dst.element_size()
+        if not self.cuda:
+            if not self.half:
+                dst.copy_(master)
+            return
+        src = self._staging[self._slot][:n]
+        if not self.half:
+            src.copy_(master)
+        with torch.cuda.stream(self._stream):
+            dst.copy_(src, non_blocking=True)
+            self._events[self._slot].record(self._stream)
+
+    def finish(self) -> None:
+        """Make the compute stream wait for the parameter copies of this step."""
+        if self.cuda and not self.aliased:
+            torch.cuda.current_stream(self.target.device).wait_stream(self._stream)
+
+    def close(self) -> None:
+        if self.cuda and not self.aliased:
+            self._stream.synchronize()
+        if self._pool is not None:
+            for t in self._staging:
+                self._pool.free(t)
+        self._staging = []
+
+
+class ZeroEngine:
+    """What `zero.initialize` returns. Method names and semantics follow DeepSpeed's DeepSpeedEngine."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: Any,
+        *,
+        optimizer: Optional[Union[torch.optim.Optimizer, Callable[..., torch.optim.Optimizer]]] = None,
+        model_parameters: Optional[Any] = None,
+        lr_scheduler: Optional[Any] = None,
+        rank: int = 0,
+        world_size: int = 1,
+        local_rank: int = 0,
+    ) -> None:
+        self.config = cfg
+        self.rank, self.world_size = rank, world_size
+        self.device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+        zcfg = cfg.zero_optimization
+        self.stage = int(zcfg.stage)
+        if self.stage > 2:
+            raise NotImplementedError(
+                f"zero_optimization.stage={self.stage}: this engine implements stages 0, 1 and 2 (parameter "
+                "partitioning, stage 3, is not available yet)"
+            )
+        if zcfg.offload_param is not None and zcfg.offload_param.device != "none":
+            raise ValueError(
+                f"zero_optimization.offload_param.device={zcfg.offload_param.device!r} needs stage 3; "
+                "with stages 0-2 only offload_optimizer is supported"
+            )
+        off = zcfg.offload_optimizer
+        self.offload_device = off.device if off is not None else "none"
+        self.gas = int(cfg.gradient_accumulation_steps)
+        self.micro_batch_size = int(cfg.train_micro_batch_size_per_gpu)
+        self.train_batch_size_ = int(cfg.train_batch_size)
+        self.gradient_clipping = float(cfg.gradient_clipping or 0.0)
+        self.fp16 = bool(cfg.fp16.enabled)
+        self.bf16 = bool(cfg.bf16.enabled)
+        self.dtype = torch.float16 if self.fp16 else torch.bfloat16 if self.bf16 else torch.float32
+        self.report_enabled = bool(cfg.zero_offload.report or cfg.wall_clock_breakdown)
+        self.report_every = int(getattr(cfg.zero_offload, "report_every", 1) or 1)
+        self.global_steps = 0
+        self.global_samples = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self.last_report: Optional[StepReport] = None
+        self.last_grad_norm: Optional[float] = None  # set when a step computes it (clipping, fp16 check)
+        self._closed = False
+        self._space: Optional[SwapSpace] = None
+        self._state: Any = None
+        self._writer: Optional[_ParamWriter] = None
+        self._torch_opt: Optional[torch.optim.Optimizer] = None
+        sync = (lambda: torch.cuda.synchronize(self.device)) if self.device.type == "cuda" else None
+        self._clock = PhaseClock(sync if self.report_enabled else None)
+
+        # -- optimizer rule: from the config's optimizer block or the client optimizer, not both (DeepSpeed)
+        params = self._trainable_params(model, model_parameters)
+        client_opt = optimizer
+        if cfg.optimizer is not None and client_opt is not None:
+            raise ValueError(
+                "both a client optimizer (optimizer=) and an 'optimizer' block in the config were given; "
+                "keep one of them"
+            )
+        if cfg.optimizer is not None:
+            rule, hyper = rule_from_config(cfg.optimizer.type, dict(cfg.optimizer.params))
+        elif client_opt is not None:
+            if callable(client_opt) and not isinstance(client_opt, torch.optim.Optimizer):
+                client_opt = client_opt(params)
+            rule, hyper = rule_from_client_optimizer(client_opt)
+        else:
+            raise ValueError("no optimizer: give an 'optimizer' block in the config or pass optimizer=")
+        self.rule: UpdateRule = rule
+
+        # -- flat buffers: remember fp32 weights before a cast to 16 bits loses their low bits
+        fp32_weights = torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in params])
+        model.to(self.device)
+        if self.dtype != torch.float32:
+            model.to(self.dtype)
+        self.module = model
+        configured = self.config.zero_offload.pinned_budget_bytes
+        cap = configured if configured is not None else _default_pinned_budget()
+        self.pool = PinnedPool(cap)
+        host_is_device = self.device.type == "cpu"
+        aliased = host_is_device and self.dtype == torch.float32 and self.offload_device in ("none", "cpu")
+        alloc = self.pool.allocate if (aliased and self.offload_device == "cpu") else None
+        self.flat = FlatParams(params, world_size, alloc=self._budgeted(alloc, "the flat parameter buffers"))
+        if self.stage == 0 or world_size == 1:
+            self.lo, self.hi = 0, self.flat.padded_numel
+        else:
+            self.lo, self.hi = partition_range(self.flat.padded_numel, rank, world_size)
+        self.part_numel = self.hi - self.lo
+        self.optimizer = ZeroOptimizer(params, rule, hyper)
+        self.optimizer.engine = self
+
+        # -- the rank's fp32 gradient partition, master and states
+        grads_aliased = host_is_device and self.dtype == torch.float32
+        if grads_aliased:
+            self.grad_host = self.flat.grad_buffer[self.lo : self.hi]
+        elif self.offload_device == "none":
+            self.grad_host = torch.zeros(self.part_numel, dtype=torch.float32, device=self.device)
+        else:
+            self.grad_host = self._pinned(self.part_numel, "the fp32 gradient partition").zero_()
+        self._grads_aliased = grads_aliased
+        sub_group = max(1, int(zcfg.sub_group_size))
+        init = torch.zeros(self.part_numel, dtype=torch.float32)
+        real = max(0, min(self.hi, self.flat.numel) - self.lo)
+        init[:real] = fp32_weights[self.lo : self.lo + real]
+        del fp32_weights
+        self._init_state(init, aliased, sub_group, off)
+
+        # -- communication, hooks, scheduler, loss scaling
+        self.reducer: Optional[GradReducer] = None
+        if world_size > 1:
+            self.reducer = GradReducer(
+                self.flat,
+                stage=self.stage,
+                rank=rank,
+                world_size=world_size,
+                bucket_numel=int(zcfg.reduce_bucket_size),
+                overlap=bool(zcfg.overlap_comm),
+            )
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook(i)) for i, p in enumerate(params)]
+        self.lr_scheduler = self._make_scheduler(lr_scheduler)
+        self.loss_scaler = self._make_loss_scaler()
+
+    # --------------------------------------------------------------------------------------------- set-up
+    @staticmethod
+    def _trainable_params(model: nn.Module, model_parameters: Optional[Any]) -> List[nn.Parameter]:
+        if model_parameters is None:
+            candidates: List[Any] = list(model.parameters())
+        else:
+            candidates = []
+            for item in model_parameters:
+                if isinstance(item, dict):  # a param group
+                    candidates.extend(item["params"])
+                else:
+                    candidates.append(item)
+        seen, params = set(), []
+        for p in candidates:
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+        owned = {id(p) for p in model.parameters()}
+        if any(id(p) not in owned for p in params):
+            raise ValueError("model_parameters contains tensors that are not parameters of the model")
+        return params
+
+    def _budgeted(self, alloc: Optional[Callable], what: str) -> Optional[Callable]:
+        if alloc is None:
+            return None
+
+        def allocate(numel: int, dtype: torch.dtype) -> torch.Tensor:
+            return self._pinned(numel, what, dtype)
+
+        return allocate
+
+    def _pinned(self, numel: int, what: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        try:
+            return self.pool.allocate(numel, dtype)
+        except PinnedMemoryBudgetError as e:
+            err = PinnedMemoryBudgetError(e.requested, e.in_use, e.cap)
+            err.args = (f"{e} - needed for {what} ({numel} x {dtype}); raise zero_offload.pinned_budget_bytes or {PINNED_BUDGET_ENV}",)
+            raise err from None
+
+    def _init_state(self, init: torch.Tensor, aliased: bool, sub_group: int, off: Any) -> None:
+        n_states = self.rule.n_states
+        part = self.part_numel
+        if self.offload_device == "nvme":
+            nvme_path = check_nvme_path(off.nvme_path or "")
+            buffer_count = max(1, int(off.buffer_count))
+            alignment = 4096
+            chunk = self._slot_numel(sub_group, buffer_count, n_states, alignment)
+            self._space = SwapSpace(nvme_path, alignment=alignment, prefix=f"zero-offload-r{self.rank}-")
+            try:
+                self._state = OptimizerSwapper(
+                    self._space,
+                    part,
+                    n_states,
+                    self.pool,
+                    chunk_numel=chunk,
+                    buffer_count=buffer_count,
+                    aio=AioSettings.from_config(self.config.aio),
+                    name=f"optim-rank{self.rank}",
+                )
+            except BaseException:
+                self._space.close()  # no half-built swap directory left behind
+                raise
+
+            def fill(start: int, n: int, master: torch.Tensor, states: List[torch.Tensor]) -> None:
+                master.copy_(init[start : start + n])
+                for s in states:
+                    s.zero_()
+
+            try:
+                self._state.load(fill)
+            except BaseException:
+                self._state.close()
+                self._space.close()
+                raise
+            self._state.stats.reset()  # the initial write is not part of any step's report
+            chunk_for_writer = self._state.chunk_numel
+        else:
+            pinned = self.offload_device == "cpu"
+            if aliased:
+                master = self.flat.param_buffer[self.lo : self.hi]
+                master.copy_(init)  # the fp32 weights, bit for bit (already there: same values)
+            elif pinned:
+                master = self._pinned(part, "the fp32 master partition").copy_(init)
+            else:
+                master = init.to(self.device)
+            if pinned:
+                states = [self._pinned(part, "the optimizer states").zero_() for _ in range(n_states)]
+            else:
+                states = [torch.zeros(part, dtype=torch.float32, device=self.device) for _ in range(n_states)]
+            chunk_for_writer = min(sub_group, part)
+            self._state = DeviceState(master, states, chunk_for_writer, pinned=pinned)
+            if self.device.type == "cuda" and not pinned:
+                self._torch_opt = self._device_optimizer(master, states)
+        self._writer = _ParamWriter(
+            self.flat, self.lo, aliased, chunk_for_writer, self.pool if self.device.type == "cuda" else None
+        )
+
+    def _slot_numel(self, sub_group: int, buffer_count: int, n_states: int, alignment: int) -> int:
+        """Elements per staging slot: one sub-group if the budget allows, else a piece of one (split)."""
+        free = self.pool.cap_bytes - self.pool.bytes_in_use
+        if self.device.type == "cuda":
+            free -= 2 * min(sub_group, self.part_numel) * self.flat.param_buffer.element_size()
+        want = min(sub_group, self.part_numel)
+        if buffer_count * slot_bytes(want, n_states, alignment) <= free:
+            return want
+        per_slot = free // buffer_count
+        numel = (per_slot // ((1 + n_states) * 4)) // 1024 * 1024
+        floor = min(MIN_SLOT_NUMEL, want)
+        if numel < floor:
+            need = buffer_count * slot_bytes(floor, n_states, alignment) + self.pool.bytes_in_use
+            raise ValueError(
+                f"pinned memory budget too small for NVMe staging: {self.pool.cap_bytes} bytes "
+                f"(zero_offload.pinned_budget_bytes / {PINNED_BUDGET_ENV}) with {self.pool.bytes_in_use} bytes already used for gradients; "
+                f"offload_optimizer.buffer_count={buffer_count} slots of one sub-group "
+                f"(sub_group_size={sub_group}, {want} elements, {1 + n_states} fp32 tensors) need "
+                f"{buffer_count * slot_bytes(want, n_states, alignment)} bytes, and at least {need} bytes in "
+                "total are needed to split sub-groups into smaller pieces"
+            )
+        return numel
+
+    def _device_optimizer(self, master: torch.Tensor, states: List[torch.Tensor]) -> torch.optim.Optimizer:
+        """offload none on CUDA: torch's fused Adam/AdamW on the flat fp32 partition."""
+        if self.rule.kind not in ("adam", "adamw"):
+            raise NotImplementedError(
+                f"optimizer {self.rule.kind!r} without offload on CUDA is not supported; "
+                "use offload_optimizer.device cpu or nvme"
+            )
+        g = self.optimizer.param_groups[0]
+        param = nn.Parameter(master, requires_grad=False)
+        cls = torch.optim.AdamW if g["adamw_mode"] else torch.optim.Adam
+        opt = cls(
+            [param], lr=g["lr"], betas=g["betas"], eps=g["eps"], weight_decay=g["weight_decay"], fused=True
+        )
+        opt.state[param] = {
+            "step": torch.zeros((), dtype=torch.float32, device=self.device),
+            "exp_avg": states[0],
+            "exp_avg_sq": states[1],
+        }
+        self._device_param = param
+        return opt
+
+    def _make_scheduler(self, lr_scheduler: Optional[Any]) -> Optional[Any]:
+        if lr_scheduler is not None:
+            if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+                return lr_scheduler(self.optimizer)
+            return lr_scheduler
+        if self.config.scheduler is not None:
+            from zero.schedulers import build_scheduler
+
+            return build_scheduler(self.config.scheduler, self.optimizer)
+        return None
+
+    def _make_loss_scaler(self) -> Optional[Any]:
+        if not self.fp16:
+            return None
+        from zero.loss_scaler import DynamicLossScaler, StaticLossScaler
+
+        f = self.config.fp16
+        if f.loss_scale and f.loss_scale > 0:
+            return StaticLossScaler(float(f.loss_scale))
+        return DynamicLossScaler.from_config(f)
+
+    def _grad_hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            self.flat.claim_grad(index)
+            if self.reducer is not None:
+                self.reducer.grad_ready(index)
+
+        return hook
+
+    # ------------------------------------------------------------------------------------ DeepSpeed face
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with self._clock.phase("forward_s"):
+            return self.module(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> ZeroEngine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> ZeroEngine:
+        self.module.eval()
+        return self
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[Tuple[str, nn.Parameter]]:
+        return self.module.named_parameters(*args, **kwargs)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
+        return self.module.state_dict(*args, **kwargs)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.gas == 0
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.gas
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.micro_batch_size
+
+    def train_batch_size(self) -> int:
+        return self.train_batch_size_
+
+    def get_lr(self) -> List[float]:
+        return [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    @property
+    def loss_scale(self) -> float:
+        return float(self.loss_scaler.loss_scale) if self.loss_scaler is not None else 1.0
+
+    def zero_grad(self) -> None:
+        self.flat.zero_grads()
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+        """Backward of `loss / gradient_accumulation_steps` (times the loss scale in fp16)."""
+        self._check_open()
+        boundary = self.is_gradient_accumulation_boundary()
+        if self.reducer is not None and boundary:
+            self.reducer.begin()
+        if boundary:
+            # NVMe: the first sub-groups' states do not depend on the gradients; read them during backward.
+            self._state.prefetch()
+        scale = self.loss_scale / self.gas
+        with self._clock.phase("backward_s"):
+            scaled = loss.float() * scale if scale != 1.0 else loss
+            scaled.backward(retain_graph=retain_graph)
+        if self.reducer is not None and boundary:
+            with self._clock.phase("comm_s"):
+                self.reducer.finish()
+        self._clock.current.micro_batches += 1
+        return loss
+
+    def step(self, lr_kwargs: Optional[Dict[str, Any]] = None) -> None:
+        """Count the micro-batch; at the end of an accumulation window, update the weights."""
+        self._check_open()
+        if self.is_gradient_accumulation_boundary():
+            self._take_model_step(lr_kwargs)
+            self.global_steps += 1
+            self.global_samples += self.train_batch_size_
+            report = self._finish_report()
+            if self.report_enabled and self.rank == 0 and self.global_steps % self.report_every == 0:
+                print(f"[zero] {report.format()}", flush=True)
+        self.micro_steps += 1
+
+    # -------------------------------------------------------------------------------------- the update
+    def _take_model_step(self, lr_kwargs: Optional[Dict[str, Any]]) -> None:
+        rep = self._clock.current
+        if self.reducer is not None:
+            rep.comm_bytes += self.reducer.bytes_sent
+            self.reducer.bytes_sent = 0
+        with self._clock.phase("optimizer_s"):
+            overflow = self._optimizer_pass(rep)
+        if not overflow and self.world_size > 1 and self.stage >= 1:
+            with self._clock.phase("comm_s"):
+                self._allgather_params()
+        if self.loss_scaler is not None:
+            self.loss_scaler.update_scale(overflow)
+        if overflow:
+            self.skipped_steps += 1
+        elif self.lr_scheduler is not None:
+            self.optimizer._opt_called = True  # torch's schedulers check that the optimizer stepped first
+            self.lr_scheduler.step(**(lr_kwargs or {}))
+        self.flat.zero_grads()
+        rep.skipped = overflow
+        rep.loss_scale = self.loss_scale
+
+    def _grad_scale_and_overflow(self, fused_check: bool) -> Tuple[float, bool]:
+        """The divisor for raw gradient sums, and whether an overflow was already found."""
+        grad_scale = self.loss_scale * self.world_size  # sum over ranks -> mean, and unscale
+        if not (self.gradient_clipping > 0 or (self.fp16 and not fused_check)):
+            return grad_scale, False
+        sq = torch.linalg.vector_norm(self.grad_host, dtype=torch.float32).pow(2).reshape(1)
+        if self.world_size > 1 and self.stage >= 1:
+            sq = sq.to(self.device) if self.device.type == "cuda" else sq
+            dist.all_reduce(sq)
+        norm = math.sqrt(float(sq.item())) / grad_scale if math.isfinite(float(sq.item())) else math.inf
+        if not math.isfinite(norm):
+            return grad_scale, bool(self.fp16)
+        self.last_grad_norm = norm
+        if self.gradient_clipping > 0:
+            coef = self.gradient_clipping / (norm + 1e-6)
+            if coef < 1.0:
+                grad_scale /= coef
+        return grad_scale, False
+
+    def _optimizer_pass(self, rep: StepReport) -> bool:
+        """Run the optimizer over this rank's partition; True when the step was skipped (overflow)."""
+        if not self._grads_aliased:
+            self.grad_host.copy_(self.flat.grad_buffer[self.lo : self.hi], non_blocking=True)
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+            rep.device_to_host_bytes += self.part_numel * self.flat.grad_buffer.element_size()
+        nvme = isinstance(self._state, OptimizerSwapper)
+        fused_check = self.fp16 and nvme and self.gradient_clipping <= 0
+        grad_scale, overflow = self._grad_scale_and_overflow(fused_check)
+        if overflow:
+            return True
+        step = self.optimizer.step_count + 1
+        group = self.optimizer.param_groups[0]
+        if self._torch_opt is not None:
+            self._device_step(step, group, grad_scale)
+            self.optimizer.step_count = step
+            return False
+        stats = self._state.stats  # counts since the last step, including reads prefetched during backward
+        h2d0 = self._writer.h2d_bytes
+        grad, rule, writer = self.grad_host, self.rule, self._writer
+
+        def update(start: int, n: int, master: torch.Tensor, states: List[torch.Tensor]) -> bool:
+            ok = rule.apply(
+                master,
+                grad[start : start + n],
+                states,
+                step=step,
+                group=group,
+                grad_scale=grad_scale,
+                param_copy=writer.param_copy(start, n),
+                check_finite=fused_check,
+            )
+            if ok:
+                writer.after_update(start, n, master)
+            return ok
+
+        try:
+            ok = self._state.step(update)
+        except OSError as e:
+            self._state.abort()
+            self._restore_params()
+            raise OSError(
+                e.errno,
+                f"optimizer step {step} failed while swapping optimizer state ({e.strerror}); "
+                "the previous state is kept and training can continue from it",
+                getattr(e, "filename", None),
+            ) from e
+        if fused_check and self.world_size > 1:
+            flag = torch.tensor(
+                [1.0 if ok else 0.0], device=self.device if self.device.type == "cuda" else "cpu"
+            )
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            ok = bool(flag.item() > 0)
+        if ok:
+            self._state.commit()
+            self.optimizer.step_count = step
+        else:
+            self._state.abort()
+            self._restore_params()
+        writer.finish()
+        rep.optimizer_compute_s += stats.compute_s
+        rep.io_wait_s += stats.io_wait_s
+        rep.nvme_read_bytes += stats.bytes_read
+        rep.nvme_write_bytes += stats.bytes_written
+        stats.reset()
+        rep.host_to_device_bytes += writer.h2d_bytes - h2d0
+        return not ok
+
+    def _device_step(self, step: int, group: Dict[str, Any], grad_scale: float) -> None:
+        opt = self._torch_opt
+        assert opt is not None
+        g = opt.param_groups[0]
+        for k in ("lr", "betas", "eps", "weight_decay"):
+            g[k] = group[k]
+        self.grad_host.div_(grad_scale)
+        self._device_param.grad = self.grad_host
+        opt.state[self._device_param]["step"].fill_(step - 1)
+        opt.step()
+        self._device_param.grad = None
+        self.flat.param_buffer[self.lo : self.hi].copy_(self._state.master)
+
+    def _restore_params(self) -> None:
+        """After an aborted NVMe pass: put the committed master back into the parameter buffer."""
+        target = self.flat.param_buffer
+
+        def put(start: int, n: int, master: torch.Tensor, states: List[torch.Tensor]) -> None:
+            target[self.lo + start : self.lo + start + n].copy_(master)
+
+        try:
+            self._state.read_all(put)
+        except OSError:
+            pass  # the parameters are stale but the committed state is intact; a reload restores them
+
+    def _allgather_params(self) -> None:
+        size = self.part_numel
+        buf = self.flat.param_buffer
+        outs = [buf[r * size : (r + 1) * size] for r in range(self.world_size)]
+        dist.all_gather(outs, buf[self.lo : self.hi].clone())
+
+    def _finish_report(self) -> StepReport:
+        rep = self._clock.finish()
+        rep.step = self.global_steps
+        rep.pinned_bytes_in_use = pinned_bytes_in_use()
+        rep.nvme_bytes_in_use = self._space.bytes_allocated if self._space is not None else 0
+        self.last_report = rep
+        return rep
+
+    # ------------------------------------------------------------------------------ state and checkpoints
+    @property
+    def pinned_bytes(self) -> int:
+        return self.pool.bytes_in_use
+
+    @property
+    def nvme_bytes(self) -> int:
+        return self._space.bytes_allocated if self._space is not None else 0
+
+    @property
+    def swap_dir(self) -> Optional[str]:
+        return self._space.dir if self._space is not None else None
+
+    def optimizer_state_dict(self) -> Dict[str, Any]:
+        master = torch.empty(self.part_numel, dtype=torch.float32)
+        states = [torch.empty(self.part_numel, dtype=torch.float32) for _ in range(self.rule.n_states)]
+
+        def take(start: int, n: int, m: torch.Tensor, st: List[torch.Tensor]) -> None:
+            master[start : start + n].copy_(m)
+            for dst, src in zip(states, st):
+                dst[start : start + n].copy_(src)
+
+        self._state.read_all(take)
+        return {
+            "rule": self.rule.kind,
+            "param_groups": [self.optimizer.hyperparameters()],
+            "step": self.optimizer.step_count,
+            "partition": (self.lo, self.hi),
+            "master": master,
+            "states": states,
+        }
+
+    def load_optimizer_state_dict(self, sd: Dict[str, Any]) -> None:
+        if sd["rule"] != self.rule.kind or tuple(sd["partition"]) != (self.lo, self.hi):
+            raise ValueError(
+                f"optimizer state is for {sd['rule']} over partition {tuple(sd['partition'])}, "
+                f"this engine runs {self.rule.kind} over {(self.lo, self.hi)}"
+            )
+        master, states = sd["master"], sd["states"]
+
+        def put(start: int, n: int, m: torch.Tensor, st: List[torch.Tensor]) -> None:
+            m.copy_(master[start : start + n])
+            for dst, src in zip(st, states):
+                dst.copy_(src[start : start + n])
+
+        self._state.load(put)
+        self.optimizer.param_groups[0].update(sd["param_groups"][0])
+        self.optimizer.step_count = int(sd["step"])
+        self._restore_params()
+
+    def save_checkpoint(
+        self, save_dir: str, tag: Optional[str] = None, client_state: Optional[Dict[str, Any]] = None
+    ) -> str:
+        from zero.checkpoint import save_checkpoint
+
+        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state)
+
+    def load_checkpoint(
+        self,
+        load_dir: str,
+        tag: Optional[str] = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+    ) -> Tuple[Optional[str], Optional[Dict[str, Any]]]:
+        from zero.checkpoint import load_checkpoint
+
+        return load_checkpoint(
+            self,
+            load_dir,
+            tag=tag,
+            load_module_strict=load_module_strict,
+            load_optimizer_states=load_optimizer_states and not load_module_only,
+            load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only,
+        )
+
+    # --------------------------------------------------------------------------------------- lifetime
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the engine is closed")
+
+    def close(self) -> None:
+        """Free pinned buffers and remove the swap files. The model stays usable (weights are kept)."""
+        if self._closed:
+            return
+        self._closed = True
+        for h in self._hooks:
+            h.remove()
+        if self._writer is not None:
+            self._writer.close()
+        if self._state is not None:
+            self._state.close()
+        if self._space is not None:
+            self._space.close()
+        # Give the model weights of its own, then drop every reference to the flat and pinned buffers so
+        # their memory goes back to the system now rather than when the engine object is collected.
+        with torch.no_grad():
+            for p in self.flat.params:
+                p.data = p.data.clone()
+                p.grad = None
+        self.flat.release()
+        self.grad_host = None  # type: ignore[assignment]
+        self._state = None
+        self._writer = None
+        self._torch_opt = None
+
+    def __enter__(self) -> ZeroEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        return (
+            f"ZeroEngine(stage={self.stage}, offload={self.offload_device}, dtype={self.dtype}, "
+            f"rank={self.rank}/{self.world_size}, params={self.flat.numel}, device={self.device})"
+        )

@@ -1,0 +1,78 @@
+"""`zero.initialize` (exported by the package): DeepSpeed's `deepspeed.initialize`, same arguments."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Optional, Tuple, Union
+
+import torch
+from torch import nn
+
+from zero.engine import ZeroEngine, init_distributed
+
+__all__ = ["initialize"]
+
+
+def _data_loader(dataset: Any, cfg: Any, rank: int, world_size: int, collate_fn: Optional[Callable]) -> Any:
+    from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+
+    if world_size > 1:
+        sampler: Any = DistributedSampler(dataset, num_replicas=world_size, rank=rank)
+    else:
+        sampler = RandomSampler(dataset)
+    return DataLoader(
+        dataset, batch_size=int(cfg.train_micro_batch_size_per_gpu), sampler=sampler, collate_fn=collate_fn
+    )
+
+
+def initialize(
+    args: Any = None,
+    model: Optional[nn.Module] = None,
+    optimizer: Optional[Union[torch.optim.Optimizer, Callable[..., torch.optim.Optimizer]]] = None,
+    model_parameters: Optional[Any] = None,
+    training_data: Optional[Any] = None,
+    lr_scheduler: Optional[Any] = None,
+    collate_fn: Optional[Callable] = None,
+    config: Optional[Union[str, Dict[str, Any]]] = None,
+    config_params: Optional[Union[str, Dict[str, Any]]] = None,
+    dist_init_required: Optional[bool] = None,
+) -> Tuple[ZeroEngine, torch.optim.Optimizer, Optional[Any], Optional[Any]]:
+    """Wrap `model` for training: returns `(engine, optimizer, training_dataloader, lr_scheduler)`.
+
+    `config` (or DeepSpeed's older `config_params`, or `args.deepspeed_config`) is a dict or a JSON file path.
+    Single process needs no launcher; under torchrun the process group is started (gloo on CPU, NCCL on
+    CUDA) unless one exists. `optimizer` is used only when the config has no optimizer block; it may be a
+    torch optimizer or a callable taking the parameters. `lr_scheduler` may be a scheduler or a callable
+    taking the optimizer; without one, the config's scheduler block is used.
+    """
+    from offload.config import load_config
+
+    if model is None:
+        raise ValueError("zero.initialize needs model=")
+    if config is not None and config_params is not None:
+        raise ValueError("give the config once: config= or config_params=, not both")
+    raw = config if config is not None else config_params
+    if raw is None and args is not None:
+        raw = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+    if raw is None:
+        raise ValueError("zero.initialize needs config= (a dict or the path of a DeepSpeed JSON config)")
+    if dist_init_required is False and not (
+        torch.distributed.is_available() and torch.distributed.is_initialized()
+    ):
+        rank, world_size, local_rank = 0, 1, 0
+    else:
+        rank, world_size, local_rank = init_distributed()
+    cfg = load_config(raw, world_size)
+    engine = ZeroEngine(
+        model,
+        cfg,
+        optimizer=optimizer,
+        model_parameters=model_parameters,
+        lr_scheduler=lr_scheduler,
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+    )
+    loader = (
+        _data_loader(training_data, cfg, rank, world_size, collate_fn) if training_data is not None else None
+    )
+    return engine, engine.optimizer, loader, engine.lr_scheduler

@@ -1,0 +1,271 @@
+"""The optimizer side of the engine: update rules, where the fp32 state lives (tiers), the torch face.
+
+A rank owns one partition of the flat parameter buffer. Its fp32 master copy and optimizer states live in
+one of three tiers, all driven the same way - `step(fn)` calls `fn(start, n, master, states)` on chunks of
+the partition and the engine's `fn` runs the fused CPU kernel of `offload.ops` on them:
+
+* `DeviceState` ("none"): tensors on the training device (plain host memory on a CPU-only machine);
+* `DeviceState` over pinned tensors from the PinnedPool ("cpu");
+* `offload.swap.OptimizerSwapper` ("nvme"): swap files, pipelined through pinned staging slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+
+import torch
+
+from offload.swap.optimizer_swapper import ChunkFn, SwapStats
+
+__all__ = ["DeviceState", "UpdateRule", "ZeroOptimizer", "rule_from_client_optimizer", "rule_from_config"]
+
+N_STATES = {"adam": 2, "adamw": 2, "adagrad": 1, "lion": 1}
+
+_DEFAULTS: Dict[str, Dict[str, Any]] = {
+    "adam": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "adamw_mode": True},
+    "adamw": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "adamw_mode": True},
+    "adagrad": {"lr": 1e-2, "eps": 1e-10, "weight_decay": 0.0},
+    "lion": {"lr": 1e-4, "betas": (0.9, 0.99), "weight_decay": 0.0},
+}
+# Accepted in a DeepSpeed optimizer block but meaningless here (implementation selectors).
+_IGNORED_KEYS = {"torch_adam", "fused", "foreach", "capturable", "differentiable", "maximize"}
+
+
+@dataclass(frozen=True)
+class UpdateRule:
+    """Which fused kernel updates a chunk, and how many fp32 state tensors it keeps per element."""
+
+    kind: str  # "adam" | "adamw" | "adagrad" | "lion"
+
+    @property
+    def n_states(self) -> int:
+        return N_STATES[self.kind]
+
+    def apply(
+        self,
+        master: torch.Tensor,
+        grad: torch.Tensor,
+        states: List[torch.Tensor],
+        *,
+        step: int,
+        group: Dict[str, Any],
+        grad_scale: float,
+        param_copy: Optional[torch.Tensor],
+        check_finite: bool,
+    ) -> bool:
+        from offload import ops
+
+        lr, wd = float(group["lr"]), float(group["weight_decay"])
+        if self.kind in ("adam", "adamw"):
+            b1, b2 = group["betas"]
+            return ops.adam_update(
+                master,
+                grad,
+                states[0],
+                states[1],
+                step=step,
+                lr=lr,
+                beta1=float(b1),
+                beta2=float(b2),
+                eps=float(group["eps"]),
+                weight_decay=wd,
+                adamw_mode=bool(group["adamw_mode"]),
+                bias_correction=bool(group.get("bias_correction", True)),
+                grad_scale=grad_scale,
+                param_copy=param_copy,
+                check_finite=check_finite,
+            )
+        if self.kind == "adagrad":
+            return ops.adagrad_update(
+                master,
+                grad,
+                states[0],
+                lr=lr,
+                eps=float(group["eps"]),
+                weight_decay=wd,
+                grad_scale=grad_scale,
+                param_copy=param_copy,
+                check_finite=check_finite,
+            )
+        b1, b2 = group["betas"]
+        return ops.lion_update(
+            master,
+            grad,
+            states[0],
+            lr=lr,
+            beta1=float(b1),
+            beta2=float(b2),
+            weight_decay=wd,
+            grad_scale=grad_scale,
+            param_copy=param_copy,
+            check_finite=check_finite,
+        )
+
+
+def rule_from_config(opt_type: str, params: Dict[str, Any]) -> Tuple[UpdateRule, Dict[str, Any]]:
+    """The rule and hyperparameters of a DeepSpeed `optimizer` block (type already lower-case)."""
+    kind = opt_type.lower()
+    if kind not in _DEFAULTS:
+        raise ValueError(f"optimizer.type {opt_type!r} is not supported; use one of {sorted(_DEFAULTS)}")
+    hyper = dict(_DEFAULTS[kind])
+    for key, value in (params or {}).items():
+        if key in _IGNORED_KEYS:
+            continue
+        if key == "adam_w_mode" and kind in ("adam", "adamw"):
+            hyper["adamw_mode"] = bool(value)
+        elif key == "fp32_optimizer_states":
+            if not value:
+                raise ValueError(
+                    "optimizer.params.fp32_optimizer_states=false (16-bit states) is not supported"
+                )
+        elif key == "amsgrad":
+            if value:
+                raise ValueError("optimizer.params.amsgrad=true is not supported")
+        elif key == "bias_correction" and kind in ("adam", "adamw"):
+            hyper["bias_correction"] = bool(value)
+        elif key in hyper:
+            hyper[key] = tuple(value) if key == "betas" else float(value)
+        else:
+            raise ValueError(f"optimizer.params.{key} is not a parameter of optimizer type {opt_type!r}")
+    if kind == "adamw":
+        hyper["adamw_mode"] = True
+    if kind in ("adam", "adamw"):
+        hyper.setdefault("bias_correction", True)
+    return UpdateRule(kind), hyper
+
+
+def rule_from_client_optimizer(opt: torch.optim.Optimizer) -> Tuple[UpdateRule, Dict[str, Any]]:
+    """Translate a torch optimizer the user built into our rule + hyperparameters (its state is not used)."""
+    name = type(opt).__name__.lower()
+    groups = opt.param_groups
+    keys = ("lr", "betas", "eps", "weight_decay")
+    first = {k: groups[0].get(k) for k in keys}
+    for g in groups[1:]:
+        if {k: g.get(k) for k in keys} != first:
+            raise ValueError(
+                f"{type(opt).__name__} has param groups with different hyperparameters; the engine keeps one "
+                "flat buffer and supports one set (put them in the config's optimizer block instead)"
+            )
+    g = groups[0]
+    if name in ("adamw", "cpuadamw"):
+        kind, adamw = "adamw", True
+    elif name in ("adam", "cpuadam", "fusedadam"):
+        kind, adamw = "adam", bool(g.get("adamw_mode", getattr(opt, "adamw_mode", name != "adam")))
+    elif name in ("adagrad", "cpuadagrad"):
+        kind, adamw = "adagrad", False
+        if g.get("lr_decay", 0) or g.get("initial_accumulator_value", 0):
+            raise ValueError("Adagrad lr_decay / initial_accumulator_value other than 0 are not supported")
+    elif name in ("lion", "cpulion"):
+        kind, adamw = "lion", False
+    else:
+        raise ValueError(
+            f"client optimizer {type(opt).__name__} is not supported: pass Adam, AdamW, Adagrad or Lion "
+            "(torch or offload.ops), or describe it in the config's optimizer block"
+        )
+    if g.get("amsgrad"):
+        raise ValueError("amsgrad=True is not supported")
+    hyper = dict(_DEFAULTS[kind])
+    for k in ("lr", "eps", "weight_decay"):
+        if k in g and k in hyper:
+            hyper[k] = float(g[k])
+    if "betas" in g and "betas" in hyper:
+        hyper["betas"] = tuple(float(b) for b in g["betas"])
+    if kind in ("adam", "adamw"):
+        hyper["adamw_mode"] = adamw
+        hyper["bias_correction"] = bool(g.get("bias_correction", True))
+    return UpdateRule(kind), hyper
+
+
+class DeviceState:
+    """Master + states as ordinary tensors (device memory, or pinned host memory for the "cpu" tier).
+
+    Updates happen in place, so there is nothing to roll back: the engine checks gradients for overflow
+    before it calls `step` on this tier.
+    """
+
+    def __init__(
+        self, master: torch.Tensor, states: List[torch.Tensor], chunk_numel: int, pinned: bool
+    ) -> None:
+        self.master = master
+        self.states = states
+        self.numel = master.numel()
+        self.chunk_numel = max(1, min(int(chunk_numel), self.numel))
+        self.n_states = len(states)
+        self.stats = SwapStats()
+        self._pinned = pinned
+
+    @property
+    def pinned_bytes(self) -> int:
+        if not self._pinned:
+            return 0
+        return sum(t.numel() * t.element_size() for t in [self.master, *self.states])
+
+    disk_bytes = 0
+    state_bytes = property(lambda self: self.numel * (1 + self.n_states) * 4)
+
+    def _chunks(self) -> Iterable[Tuple[int, int]]:
+        for s in range(0, self.numel, self.chunk_numel):
+            yield s, min(self.chunk_numel, self.numel - s)
+
+    def step(self, fn: ChunkFn) -> bool:
+        for s, n in self._chunks():
+            if not fn(s, n, self.master[s : s + n], [t[s : s + n] for t in self.states]):
+                return False
+        return True
+
+    def prefetch(self) -> None:
+        pass  # already in memory
+
+    def commit(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+    def read_all(self, fn: Callable[[int, int, torch.Tensor, List[torch.Tensor]], None]) -> None:
+        for s, n in self._chunks():
+            fn(s, n, self.master[s : s + n], [t[s : s + n] for t in self.states])
+
+    def load(self, fn: Callable[[int, int, torch.Tensor, List[torch.Tensor]], None]) -> None:
+        self.read_all(fn)
+
+    def close(self) -> None:
+        pass
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """The optimizer `zero.initialize` returns: torch's face (param_groups for schedulers), engine-driven.
+
+    The hyperparameters live in `param_groups[0]` so that torch and config schedulers can change them;
+    the state lives in the engine's tier. `step()` is the engine's job (`engine.step()`), as in DeepSpeed.
+    """
+
+    def __init__(self, params: List[torch.nn.Parameter], rule: UpdateRule, hyper: Dict[str, Any]) -> None:
+        super().__init__(params, dict(hyper))
+        self.rule = rule
+        self.step_count = 0  # optimizer updates applied (overflow-skipped steps excluded)
+        self.engine: Any = None
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        raise RuntimeError(
+            "the ZeRO optimizer is stepped by the engine: call engine.step() after engine.backward()"
+        )
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.engine is not None:
+            self.engine.zero_grad()
+
+    def hyperparameters(self) -> Dict[str, Any]:
+        return {k: v for k, v in self.param_groups[0].items() if k != "params"}
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Hyperparameters, step count and this rank's partition state, as CPU tensors (read from NVMe)."""
+        if self.engine is None:
+            raise RuntimeError("optimizer is not attached to an engine")
+        return self.engine.optimizer_state_dict()
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        if self.engine is None:
+            raise RuntimeError("optimizer is not attached to an engine")
+        self.engine.load_optimizer_state_dict(state_dict)

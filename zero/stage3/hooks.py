@@ -1,0 +1,179 @@
+"""Module hooks that make parameters whole exactly when forward or backward needs them.
+
+Forward: a pre-hook fetches the units of the module's own parameters (and of parameters registered as
+external to it); a post-hook releases them. Backward: the post-hook routes the module's outputs through
+`_PreBackward`, an identity autograd function whose backward runs just before the module's own backward and
+gathers the same units again; they are freed when their gradients have been accumulated (the gradient hook
+in the partitioner), or at the end of backward. Parameters used outside their module's forward (a tied
+embedding weight read by the model's own forward for the output head) are caught without __torch_function__:
+each module's `_parameters` becomes a dict that gathers a released parameter when it is read by attribute
+during some module's forward, and registers it as external to that module, so it is fetched with it from
+then on (in forward and backward).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from zero.stage3.partitioner import Stage3Partitioner
+from zero.stage3.unit import PartitionStatus, Unit, is_partitioned
+
+__all__ = ["Stage3Hooks", "register_external_parameter", "unregister_external_parameter"]
+
+
+class _PreBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, hooks: Stage3Hooks, module: nn.Module, *tensors: torch.Tensor) -> Any:
+        ctx.hooks = hooks
+        ctx.module = module
+        # detach, not the input itself: an input returned as-is becomes a view that in-place ops refuse
+        return tuple(t.detach() for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        ctx.hooks.pre_backward(ctx.module)
+        return (None, None) + grads
+
+
+class _FetchOnAccess(OrderedDict):
+    """A module's `_parameters`: reading a released parameter during a forward gathers it (see above)."""
+
+    hooks: Optional[Stage3Hooks] = None
+
+    def __getitem__(self, key: str) -> Any:
+        value = super().__getitem__(key)
+        hooks = self.hooks
+        if (
+            hooks is not None
+            and value is not None
+            and hooks.stack
+            and getattr(value, "ds_status", None) is PartitionStatus.NOT_AVAILABLE
+        ):
+            hooks.external_use(value)
+        return value
+
+
+class Stage3Hooks:
+    """Installs the fetch/release hooks on every module of `model`; `remove()` takes them all away."""
+
+    def __init__(self, partitioner: Stage3Partitioner, model: nn.Module) -> None:
+        self.p = partitioner
+        self.model = model
+        self.stack: List[Tuple[nn.Module, List[Unit]]] = []
+        self.externals: Dict[nn.Module, List[Unit]] = {}
+        self.module_units: Dict[nn.Module, List[Unit]] = {}
+        self._handles: List[Any] = []
+        self._patched: List[Tuple[nn.Module, Any]] = []
+        for m in model.modules():
+            units = partitioner.units_of(p for p in m._parameters.values() if p is not None)
+            self.module_units[m] = units
+            # every module, with or without parameters: the stack must name the module actually running
+            self._handles.append(m.register_forward_pre_hook(self.pre_forward))
+            self._handles.append(m.register_forward_hook(self.post_forward, always_call=True))
+            if not isinstance(m._parameters, _FetchOnAccess):
+                params = _FetchOnAccess(m._parameters)
+                params.hooks = self
+                self._patched.append((m, m._parameters))
+                m._parameters = params
+
+    # -------------------------------------------------------------------------------------------- forward
+    def units_for(self, module: nn.Module) -> List[Unit]:
+        ext = self.externals.get(module)
+        own = self.module_units.get(module, [])
+        return own + [u for u in ext if u not in own] if ext else own
+
+    def pre_forward(self, module: nn.Module, args: Any) -> None:
+        if module is self.model:
+            if self.stack:  # an earlier forward raised half way: drop what it held
+                self.stack.clear()
+                self.p.release_all()
+            self.p.begin_pass()
+        frame = list(self.units_for(module))
+        for u in frame:
+            self.p.fetch(u)
+        self.stack.append((module, frame))
+
+    def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if not self.stack or self.stack[-1][0] is not module:
+            return output  # an exception unwound past this module; the root's next forward cleans up
+        _, frame = self.stack.pop()
+        for u in frame:
+            self.p.release(u)
+        if torch.is_grad_enabled() and (self.module_units.get(module) or self.externals.get(module)):
+            return self._wrap_outputs(module, output)
+        return output
+
+    def _wrap_outputs(self, module: nn.Module, output: Any) -> Any:
+        leaves, spec = tree_flatten(output)
+        idx = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not idx:
+            return output
+        wrapped = _PreBackward.apply(self, module, *(leaves[i] for i in idx))
+        for i, t in zip(idx, wrapped):
+            leaves[i] = t
+        return tree_unflatten(leaves, spec)
+
+    def external_use(self, param: nn.Parameter) -> None:
+        """`param` was read during the forward of the module on top of the stack: gather it for that
+        module now and in every later forward and backward."""
+        unit: Unit = param.ds_unit
+        if unit.owner is not self.p:
+            return
+        module, frame = self.stack[-1]
+        ext = self.externals.setdefault(module, [])
+        if unit not in ext and unit not in self.module_units.get(module, []):
+            ext.append(unit)
+        self.p.fetch(unit)
+        frame.append(unit)
+
+    def register_external(self, module: nn.Module, param: nn.Parameter) -> None:
+        if not is_partitioned(param):
+            raise ValueError(f"parameter of shape {tuple(param.shape)} is not partitioned by stage 3")
+        ext = self.externals.setdefault(module, [])
+        if param.ds_unit not in ext:
+            ext.append(param.ds_unit)
+
+    # ------------------------------------------------------------------------------------------- backward
+    def pre_backward(self, module: nn.Module) -> None:
+        if not self.p.in_backward:
+            self.p.in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.p.end_backward)
+        for u in self.units_for(module):
+            self.p.hold_for_backward(u)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        for m, _original in self._patched:
+            m._parameters = OrderedDict(m._parameters)  # current contents, without the fetching behaviour
+        self._patched = []
+
+
+def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """DeepSpeed's API: gather `parameter` whenever `module` runs (forward and backward). Needed only when
+    the parameter is used inside `module` without being read through a module attribute."""
+    hooks: Optional[Stage3Hooks] = getattr(
+        getattr(getattr(parameter, "ds_unit", None), "owner", None), "hooks", None
+    )
+    if hooks is None:
+        raise RuntimeError(
+            "register_external_parameter: the parameter is not managed by an attached Stage3Partitioner "
+            "(partition the model and call attach(model) first)"
+        )
+    if module not in hooks.module_units:
+        raise ValueError(
+            f"register_external_parameter: {type(module).__name__} is not part of the attached model"
+        )
+    hooks.register_external(module, parameter)
+
+
+def unregister_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    hooks = getattr(getattr(getattr(parameter, "ds_unit", None), "owner", None), "hooks", None)
+    if hooks is not None and parameter.ds_unit in hooks.externals.get(module, []):
+        hooks.externals[module].remove(parameter.ds_unit)

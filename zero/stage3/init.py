@@ -1,0 +1,281 @@
+"""`Init`: build a model already partitioned; `GatheredParameters`: read or modify whole parameters.
+
+Init wraps the `__init__` of every nn.Module subclass (those that exist on entry and those defined inside
+the block) while it is active. When the outermost `__init__` of an object returns, the parameters of the
+module and of its submodules that are not partitioned yet become units of the Init's partitioner: their
+values go to their tier and `param.data` is emptied. A submodule's parameters are partitioned as soon as
+its own `__init__` returns, so at any moment only the layer being built exists in full. `nn.Module.apply`
+is wrapped too (DeepSpeed's override_module_apply): it gathers each module's own parameters around `fn`,
+so weight-initialisation code written for plain torch still works, one module at a time.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any, Callable, Dict, Iterable, List, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zero.stage3.partitioner import Stage3Partitioner
+from zero.stage3.unit import Unit, is_partitioned
+
+__all__ = ["GatheredParameters", "Init"]
+
+_state = threading.local()
+
+
+def _active() -> Optional[Init]:
+    stack = getattr(_state, "stack", None)
+    return stack[-1] if stack else None
+
+
+def _all_subclasses(cls: type) -> List[type]:
+    out, todo = [], [cls]
+    while todo:
+        c = todo.pop()
+        for sub in c.__subclasses__():
+            out.append(sub)
+            todo.append(sub)
+    return out
+
+
+class Init:
+    """Context manager: modules constructed inside have their parameters partitioned (and offloaded).
+
+    `config`: the DeepSpeed config (dict, JSON path or loaded config; zero_optimization.offload_param
+    decides the tier). `partitioner`: an existing Stage3Partitioner to add to (default: a new one, available
+    as `.partitioner`, which `Stage3Partitioner.attach(model)` / the engine take over afterwards).
+    `module`: partition an already built module at once. `dtype`: cast floating-point parameters first.
+    """
+
+    _lock = threading.Lock()
+    _patch_depth = 0
+    _originals: Dict[type, Callable] = {}
+    _orig_init_subclass: Any = None
+    _orig_apply: Any = None
+
+    def __init__(
+        self,
+        module: Optional[nn.Module] = None,
+        data_parallel_group: Optional[dist.ProcessGroup] = None,
+        config_dict_or_path: Any = None,
+        config: Any = None,
+        enabled: bool = True,
+        partitioner: Optional[Stage3Partitioner] = None,
+        device: Optional[Union[str, torch.device]] = None,
+        dtype: Optional[torch.dtype] = None,
+        remote_device: Optional[str] = None,
+        pin_memory: Optional[bool] = None,
+    ) -> None:
+        self.enabled = enabled
+        self.dtype = dtype  # cast floating-point parameters to it before partitioning (fp16/bf16 training)
+        cfg = config if config is not None else config_dict_or_path
+        if remote_device is not None or pin_memory is not None:
+            cfg = _override_offload(cfg, remote_device, pin_memory)
+        self.partitioner = partitioner
+        if enabled and partitioner is None:
+            self.partitioner = Stage3Partitioner(cfg, device=device, group=data_parallel_group)
+        self._depth: Dict[int, int] = {}
+        self._seq = 0
+        if enabled and module is not None:
+            self._partition_tree(module)
+
+    # ------------------------------------------------------------------------------------------- patching
+    def __enter__(self) -> Init:
+        if not self.enabled:
+            return self
+        if not hasattr(_state, "stack"):
+            _state.stack = []
+        _state.stack.append(self)
+        with Init._lock:
+            if Init._patch_depth == 0:
+                _patch()
+            Init._patch_depth += 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self.enabled:
+            return
+        _state.stack.pop()
+        with Init._lock:
+            Init._patch_depth -= 1
+            if Init._patch_depth == 0:
+                _unpatch()
+
+    def _partition_tree(self, module: nn.Module) -> None:
+        assert self.partitioner is not None
+        for sub in module.modules():
+            has_new = any(p is not None and not is_partitioned(p) for p in sub._parameters.values())
+            if not has_new:
+                continue
+            if self.dtype is not None:
+                for p in sub._parameters.values():
+                    if p is not None and not is_partitioned(p) and p.is_floating_point():
+                        p.data = p.data.to(self.dtype)
+            name = f"init{self._seq:05d}-{type(sub).__name__}"
+            self._seq += 1
+            unit = self.partitioner.partition_module(sub, name)
+            if unit is not None:
+                # Qualified names are learned when the model is attached; until then, construction order.
+                unit.param_names = [f"<init>{name}.{n.rsplit('.', 1)[-1]}" for n in unit.param_names]
+                for p, n in zip(unit.params, unit.param_names):
+                    p.ds_name = n
+
+
+def _override_offload(cfg: Any, remote_device: Optional[str], pin_memory: Optional[bool]) -> Any:
+    """DeepSpeed's Init(remote_device=, pin_memory=): they win over the config's offload_param."""
+    import dataclasses
+
+    from offload.config.zero import OffloadParamConfig
+    from zero.stage3.partitioner import _load
+
+    loaded = _load(cfg)
+    z = loaded.zero_optimization
+    off = z.offload_param or OffloadParamConfig()
+    changes: Dict[str, Any] = {}
+    if remote_device is not None:
+        if remote_device not in ("none", "cpu", "nvme"):
+            raise ValueError(
+                f"Init(remote_device=...) must be 'none', 'cpu' or 'nvme', got {remote_device!r}"
+            )
+        if remote_device == "nvme" and not off.nvme_path:
+            raise ValueError("Init(remote_device='nvme') needs zero_optimization.offload_param.nvme_path")
+        changes["device"] = remote_device
+    if pin_memory is not None:
+        changes["pin_memory"] = bool(pin_memory)
+    z = dataclasses.replace(z, offload_param=dataclasses.replace(off, **changes))
+    return dataclasses.replace(loaded, zero_optimization=z)
+
+
+def _wrap_init(orig: Callable) -> Callable:
+    @functools.wraps(orig)
+    def wrapper(module: nn.Module, *args: Any, **kwargs: Any) -> None:
+        ctx = _active()
+        if ctx is None:
+            orig(module, *args, **kwargs)
+            return
+        key = id(module)
+        depth = ctx._depth.get(key, 0)
+        ctx._depth[key] = depth + 1
+        try:
+            orig(module, *args, **kwargs)
+        finally:
+            if depth == 0:
+                ctx._depth.pop(key, None)
+            else:
+                ctx._depth[key] = depth
+        if depth == 0:  # the most-derived __init__ returned: the module is complete
+            ctx._partition_tree(module)
+
+    wrapper._zo_original = orig  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _wrap_class(cls: type) -> None:
+    init = cls.__dict__.get("__init__")
+    if init is None or getattr(init, "_zo_original", None) is not None or cls in Init._originals:
+        return
+    Init._originals[cls] = init
+    cls.__init__ = _wrap_init(init)  # type: ignore[misc]
+
+
+def _gathered_apply(self: nn.Module, fn: Callable[[nn.Module], None]) -> nn.Module:
+    for child in self.children():
+        child.apply(fn)
+    own = [p for p in self._parameters.values() if p is not None]
+    with GatheredParameters(own, modifier_rank=0):
+        fn(self)
+    return self
+
+
+def _patch() -> None:
+    for cls in _all_subclasses(nn.Module):
+        _wrap_class(cls)
+    orig_sub = nn.Module.__dict__.get("__init_subclass__")
+    Init._orig_init_subclass = orig_sub
+
+    def init_subclass(cls: type, **kwargs: Any) -> None:
+        super(nn.Module, cls).__init_subclass__(**kwargs)
+        _wrap_class(cls)
+
+    nn.Module.__init_subclass__ = classmethod(init_subclass)  # type: ignore[assignment]
+    Init._orig_apply = nn.Module.apply
+    nn.Module.apply = _gathered_apply  # type: ignore[method-assign]
+
+
+def _unpatch() -> None:
+    for cls, init in Init._originals.items():
+        cls.__init__ = init  # type: ignore[misc]
+    Init._originals = {}
+    if Init._orig_init_subclass is None:
+        del nn.Module.__init_subclass__
+    else:
+        nn.Module.__init_subclass__ = Init._orig_init_subclass  # type: ignore[assignment]
+    nn.Module.apply = Init._orig_apply  # type: ignore[method-assign]
+
+
+class GatheredParameters:
+    """Make `params` whole inside the block. With `modifier_rank` set, the values that rank holds on exit
+    (modified in place or assigned to `.data`) are broadcast and written back to every rank's partition."""
+
+    def __init__(
+        self,
+        params: Union[nn.Parameter, Iterable[nn.Parameter]],
+        modifier_rank: Optional[int] = None,
+        fwd_module: Optional[nn.Module] = None,
+        enabled: bool = True,
+    ) -> None:
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        self.params = [p for p in params if p is not None]
+        self.modifier_rank = modifier_rank
+        self.enabled = enabled
+        self.units: List[Unit] = []
+        seen = set()
+        for p in self.params:
+            u = getattr(p, "ds_unit", None)
+            if u is not None and id(u) not in seen:
+                seen.add(id(u))
+                self.units.append(u)
+
+    def __enter__(self) -> GatheredParameters:
+        if self.enabled:
+            for u in self.units:
+                u.owner.fetch(u)
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: object) -> None:
+        if not self.enabled:
+            return
+        try:
+            if self.modifier_rank is not None and exc_type is None:
+                for u in self.units:
+                    self._write_back(u)
+        finally:
+            for u in self.units:
+                u.owner.release(u)
+
+    def _write_back(self, u: Unit) -> None:
+        owner: Stage3Partitioner = u.owner
+        full = u.full
+        assert full is not None
+        with torch.no_grad():
+            for i, p in enumerate(u.params):
+                a, z = u.param_range(i)
+                view = full[a:z]
+                if p.data.data_ptr() != view.data_ptr():  # `.data` was replaced: take the new values
+                    if p.data.numel() != z - a:
+                        raise ValueError(
+                            f"GatheredParameters: {u.param_names[i]} was given {p.data.numel()} elements, "
+                            f"its shape {tuple(u.shapes[i])} needs {z - a}"
+                        )
+                    view.copy_(p.data.reshape(-1))
+                    p.data = view.view(u.shapes[i])
+            if owner.world_size > 1:
+                dist.broadcast(full, src=self.modifier_rank, group=owner.group)
+            owner.write_partition(
+                u, full[u.lo : u.hi].clone() if owner._aliased(u) is None else full[u.lo : u.hi]
+            )

@@ -1,0 +1,538 @@
+"""Stage3Partitioner: owns the 16-bit (or fp32) parameter partitions and gathers / frees whole units.
+
+This is the object the engine constructs for stage 3 (see docs/stage3.md, "The seam"):
+
+* it owns each rank's partitions in their tier (`store`: device memory, host memory, NVMe files);
+* `fetch(unit)` / `release(unit)` make a unit's parameters whole on the compute device or empty again
+  (reference counted: a module called twice, a tied weight, a GatheredParameters block all hold it);
+* after a unit's gradients are all in, it reduce-scatters them and hands this rank's gradient partition to
+  `grad_callback(unit, grad_partition)`; the full gradient is freed at once;
+* `read_partition` / `write_partition` and `memory_segments` give the optimizer its flat partitions and
+  a way to write updated values back to memory or the swap file.
+
+Prefetch: the order in which units are gathered is recorded over one pass (root forward to the next root
+forward, backward included). On later passes, each gather queues async NVMe reads for the units that follow
+in that order (up to stage3_prefetch_bucket_size elements, never more than stage3_max_live_parameters
+elements gathered or in flight), so reads overlap compute. A pass that differs re-records the order.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from offload.config import load_config
+from offload.config.zero import OffloadParamConfig
+from offload.pinned import PinnedPool
+from offload.swap.optimizer_swapper import AioSettings
+from zero.stage3.comm import all_gather_flat, dist_info, reduce_scatter_flat
+from zero.stage3.store import PartitionStore, UnitSize
+from zero.stage3.unit import PartitionStatus, Unit, is_partitioned, set_param_attributes
+
+__all__ = ["PINNED_BUDGET_ENV", "GradCallback", "Stage3Partitioner", "default_pinned_pool"]
+
+GradCallback = Callable[[Unit, torch.Tensor], None]
+PREFETCH_LOOKAHEAD = 64  # trace entries inspected per gather: bounds the bookkeeping on the hot path
+
+
+PINNED_BUDGET_ENV = "ZERO_OFFLOAD_PINNED_BUDGET"  # the engine's variable: one budget for the process
+
+
+def default_pinned_pool() -> PinnedPool:
+    """A PinnedPool capped by $ZERO_OFFLOAD_PINNED_BUDGET (bytes), else half of physical memory."""
+    env = os.environ.get(PINNED_BUDGET_ENV)
+    if env:
+        try:
+            cap = int(env)
+        except ValueError:
+            raise ValueError(f"{PINNED_BUDGET_ENV} must be a byte count (an integer), got {env!r}") from None
+        if cap < 0:
+            raise ValueError(f"{PINNED_BUDGET_ENV} must be >= 0, got {cap}")
+        return PinnedPool(cap)
+    import psutil
+
+    return PinnedPool(int(psutil.virtual_memory().total // 2))
+
+
+def _load(config: Any) -> Any:
+    if config is None or isinstance(config, (dict, str, os.PathLike)):
+        return load_config(config)
+    return config
+
+
+class Stage3Partitioner:
+    """Partitions modules' parameters across ranks and tiers; gathers and frees them on request."""
+
+    def __init__(
+        self,
+        config: Any = None,
+        *,
+        device: Optional[Union[str, torch.device]] = None,
+        group: Optional[dist.ProcessGroup] = None,
+        pool: Optional[PinnedPool] = None,
+        grad_callback: Optional[GradCallback] = None,
+    ) -> None:
+        self.config = _load(config)
+        z = self.config.zero_optimization
+        off: OffloadParamConfig = z.offload_param or OffloadParamConfig()
+        self.group = group
+        self.rank, self.world_size = dist_info(group)
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        self.persistence_threshold = int(z.stage3_param_persistence_threshold)
+        self.prefetch_bucket_numel = int(z.stage3_prefetch_bucket_size)
+        self.max_live_numel = int(z.stage3_max_live_parameters)
+        self.model_persistence_numel = int(z.stage3_model_persistence_threshold)
+        self._persistent_numel = 0
+        self.offload_param = off
+        self.store = PartitionStore(
+            tier=off.device,
+            device=self.device,
+            rank=self.rank,
+            pin_memory=off.pin_memory,
+            pool=pool if pool is not None else default_pinned_pool(),
+            nvme_path=off.nvme_path,
+            buffer_count=off.buffer_count,
+            buffer_size=off.buffer_size,
+            max_in_cpu=off.max_in_cpu,
+            aio=AioSettings.from_config(getattr(self.config, "aio", None)),
+        )
+        self.units: List[Unit] = []
+        self.grad_callback: GradCallback = grad_callback or self._accumulate_grad
+        self.grad_partitions: Dict[int, torch.Tensor] = {}
+        self.live_full_bytes = 0
+        self.peak_full_bytes = 0
+        self.gathers = 0
+        self._released: Dict[torch.dtype, torch.Tensor] = {}
+        self._grad_hooks: List[Any] = []
+        self._reduced: set = set()
+        self.in_backward = False
+        # prefetch trace
+        self.trace: List[int] = []
+        self._recording: List[int] = []
+        self._trace_valid = False
+        self._trace_pos = 0
+        self._live_numel = 0
+        self._closed = False
+        self.hooks: Any = None
+        self._meta_map: Dict[int, Any] = {}
+
+    @classmethod
+    def for_model(
+        cls, model: nn.Module, config: Any = None, grad_callback: Optional[GradCallback] = None, **kwargs: Any
+    ) -> Stage3Partitioner:
+        """The partitioner to train `model` with, attached: the one its parameters were partitioned by under
+        `Init` (config and kwargs are then ignored), else a new one from `config`."""
+        owners = {}
+        for p in model.parameters():
+            unit = getattr(p, "ds_unit", None)
+            if unit is not None:
+                owners[id(unit.owner)] = unit.owner
+        if len(owners) > 1:
+            raise ValueError(
+                f"the model's parameters were partitioned by {len(owners)} different partitioners (nested "
+                "zero.Init blocks with different configs?); build it under one Init"
+            )
+        part = next(iter(owners.values())) if owners else cls(config, **kwargs)
+        if grad_callback is not None:
+            part.grad_callback = grad_callback
+        part.attach(model)
+        return part
+
+    # ------------------------------------------------------------------------------------------ partition
+    def released_tensor(self, dtype: torch.dtype) -> torch.Tensor:
+        """The shared empty tensor a released parameter's `.data` points at."""
+        t = self._released.get(dtype)
+        if t is None:
+            t = self._released[dtype] = torch.empty(0, dtype=dtype, device=self.device)
+        return t
+
+    def partition_params(
+        self,
+        name: str,
+        params: Sequence[nn.Parameter],
+        param_names: Sequence[str],
+        shapes: Optional[Sequence[torch.Size]] = None,
+    ) -> Unit:
+        """Make `params` one unit: store this rank's share in its tier and empty their `.data`.
+        With `shapes`, the parameters hold no values yet (built on the meta device): the partition is 0."""
+        unit = Unit(
+            len(self.units), name, params, param_names, self.world_size, self.rank, self.device, shapes
+        )
+        unit.owner = self
+        # DeepSpeed's two knobs: small units stay gathered, up to a model-wide total of persistent elements
+        unit.persistent = (
+            unit.numel < self.persistence_threshold
+            and self._persistent_numel + unit.numel <= self.model_persistence_numel
+        )
+        if unit.persistent:
+            self._persistent_numel += unit.numel
+        values: Optional[torch.Tensor] = None
+        if shapes is None:
+            values = torch.zeros(unit.part_numel, dtype=unit.dtype, device=unit.params[0].device)
+            for s in unit.slices():
+                values[s.part_lo : s.part_hi].copy_(s.param.detach().reshape(-1)[s.param_lo : s.param_hi])
+        self.store.place(unit, values)
+        del values
+        set_param_attributes(unit, self.released_tensor(unit.dtype))
+        for p in unit.params:
+            p.ds_persist = unit.persistent
+        self.units.append(unit)
+        return unit
+
+    def partition_module(self, module: nn.Module, name: str) -> Optional[Unit]:
+        """Partition the parameters `module` registers itself (recurse=False) that are not partitioned yet.
+
+        Meta-device parameters are replaced by real (empty) Parameters on the compute device: a meta tensor
+        cannot take real data. Modules sharing one meta parameter get the same replacement."""
+        params, names, shapes, seen, meta = [], [], [], set(), False
+        for pname, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            if id(p) in self._meta_map:
+                module._parameters[pname] = p = self._meta_map[id(p)][1]
+            if id(p) in seen or is_partitioned(p):
+                continue
+            seen.add(id(p))
+            shapes.append(p.shape)
+            if p.is_meta:
+                new = nn.Parameter(torch.empty(0, dtype=p.dtype, device=self.device), p.requires_grad)
+                self._meta_map[id(p)] = (p, new)  # keeps `p` alive so its id is never reused
+                module._parameters[pname] = p = new
+                meta = True
+            params.append(p)
+            names.append(f"{name}.{pname}" if name else pname)
+        if not params:
+            return None
+        return self.partition_params(name or type(module).__name__, params, names, shapes if meta else None)
+
+    def _planned_size(self, name: str, module: nn.Module) -> UnitSize:
+        params = {id(p): p for p in module._parameters.values() if p is not None and not is_partitioned(p)}
+        first = next(iter(params.values()))
+        numel = sum(p.numel() for p in params.values())
+        part = max(1, -(-numel // self.world_size))
+        return UnitSize(name or type(module).__name__, first.dtype, part, part * first.element_size())
+
+    def partition_model(self, model: nn.Module) -> List[Unit]:
+        """Partition every module's parameters, one unit per module (shared parameters: first owner)."""
+        pending = []
+        for name, m in model.named_modules(remove_duplicate=True):
+            own = [p for p in m._parameters.values() if p is not None and not is_partitioned(p)]
+            if own:
+                pending.append((name, m))
+        self.store.reserve([self._planned_size(name, m) for name, m in pending])
+        new = []
+        for name, m in pending:
+            u = self.partition_module(m, name)
+            if u is not None:
+                new.append(u)
+        self.store.ensure_slots()
+        return new
+
+    # -------------------------------------------------------------------------------------- fetch/release
+    def _aliased(self, unit: Unit) -> Optional[torch.Tensor]:
+        """The partition itself when it can serve as the full buffer (one rank, already on the device)."""
+        if self.world_size != 1:
+            return None
+        mem = self.store.memory_partition(unit)
+        if mem is not None and mem.device == self.device:
+            return mem
+        return None
+
+    def _gather(self, unit: Unit) -> None:
+        full = self._aliased(unit)
+        if full is None:
+            full = torch.empty(unit.padded_numel, dtype=unit.dtype, device=self.device)
+            if self.world_size == 1:
+                self.store.read(unit, full)
+            else:
+                own = torch.empty(unit.part_numel, dtype=unit.dtype, device=self.device)
+                self.store.read(unit, own)
+                all_gather_flat(full, own, self.group)
+        unit.full = full
+        for i, p in enumerate(unit.params):
+            a, z = unit.param_range(i)
+            p.data = full[a:z].view(unit.shapes[i])
+            p.ds_status = PartitionStatus.AVAILABLE
+        self.gathers += 1
+        self.live_full_bytes += unit.nbytes
+        self.peak_full_bytes = max(self.peak_full_bytes, self.live_full_bytes)
+        self._live_numel += unit.numel
+        self._traced(unit)
+
+    def _free(self, unit: Unit) -> None:
+        released = self.released_tensor(unit.dtype)
+        for p in unit.params:
+            p.data = released
+            p.ds_status = PartitionStatus.NOT_AVAILABLE
+        unit.full = None
+        self.live_full_bytes -= unit.nbytes
+        self._live_numel -= unit.numel
+
+    def fetch(self, unit: Unit) -> None:
+        """Hold `unit` whole on the device until the matching `release`."""
+        unit.refs += 1
+        if unit.full is None:
+            self._gather(unit)
+
+    def release(self, unit: Unit) -> None:
+        unit.refs -= 1
+        if unit.refs < 0:
+            raise RuntimeError(f"unit {unit.name!r} released more often than fetched")
+        self._maybe_free(unit)
+
+    def _maybe_free(self, unit: Unit) -> None:
+        if unit.full is not None and unit.refs == 0 and not unit.bwd_hold and not unit.persistent:
+            self._free(unit)
+
+    def hold_for_backward(self, unit: Unit) -> None:
+        """Gather `unit` for a module's backward; it is freed once its gradients are in (or backward ends)."""
+        if unit.index in self._reduced and not unit.present:
+            return  # gradients already final this backward: autograd will not read these weights again
+        unit.bwd_hold = True
+        if unit.full is None:
+            self._gather(unit)
+
+    def release_all(self) -> None:
+        """Free every gathered, non-persistent unit (after an exception, or to drop all full weights)."""
+        for u in self.units:
+            u.refs = 0
+            u.bwd_hold = False
+            self._maybe_free(u)
+
+    # --------------------------------------------------------------------------------- trace and prefetch
+    def begin_pass(self) -> None:
+        """Called at the start of a root forward: closes the recorded order of the previous pass."""
+        if self.in_backward:  # the last backward raised before its end callback ran: forget its state
+            self._abort_backward()
+        if self._recording:
+            if not self._trace_valid or self._recording != self.trace:
+                self.trace = self._recording
+            self._trace_valid = True
+        self._recording = []
+        self._trace_pos = 0
+        if self._trace_valid:
+            self._prefetch_from(0)
+
+    def _traced(self, unit: Unit) -> None:
+        self._recording.append(unit.index)
+        if not self._trace_valid:
+            return
+        pos = self._trace_pos
+        if pos < len(self.trace) and self.trace[pos] == unit.index:
+            self._trace_pos = pos + 1
+            self._prefetch_from(pos + 1)
+        else:
+            self._trace_valid = False  # the order changed: stop guessing until it is recorded again
+
+    def _prefetch_from(self, pos: int) -> None:
+        budget = self.prefetch_bucket_numel
+        live = self._live_numel
+        for index in self.trace[pos : pos + PREFETCH_LOOKAHEAD]:
+            u = self.units[index]
+            if u.present or not self.store.on_nvme(u):
+                continue
+            if u.numel > budget or live + u.numel > self.max_live_numel:
+                break
+            budget -= u.numel
+            live += u.numel
+            if self.store.prefetching(u):
+                continue
+            if not self.store.prefetch(u):
+                break
+
+    # ---------------------------------------------------------------------------------------- gradients
+    def install_grad_hooks(self) -> None:
+        """Per-parameter post-accumulate-grad hooks: each full gradient goes into its unit's flat buffer."""
+        for u in self.units:
+            for i in u.trainable:
+                self._grad_hooks.append(u.params[i].register_post_accumulate_grad_hook(self._on_grad))
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        unit: Unit = p.ds_unit
+        grad = p.grad
+        if grad is None:
+            return
+        if unit.grad_flat is None and unit.padded_numel == unit.numel and len(unit.params) == 1:
+            unit.grad_flat = grad.reshape(-1)  # the gradient already is the unit's flat gradient: no copy
+        else:
+            if unit.grad_flat is None:
+                unit.grad_flat = torch.zeros(unit.padded_numel, dtype=grad.dtype, device=grad.device)
+            a, z = unit.param_range(p.ds_index)
+            unit.grad_flat[a:z].copy_(grad.reshape(-1))
+        p.grad = None  # the full gradient is not kept: only the partition survives
+        unit.grads_seen += 1
+        if unit.grads_seen == len(unit.trainable):
+            self._reduce(unit)
+
+    def _reduce(self, unit: Unit) -> None:
+        flat = unit.grad_flat
+        if flat is None:  # no gradient reached this unit (unused in this step): its gradient is zero
+            flat = torch.zeros(unit.padded_numel, dtype=unit.dtype, device=self.device)
+        if self.world_size == 1:
+            part = flat
+        else:
+            part = torch.empty(unit.part_numel, dtype=flat.dtype, device=flat.device)
+            reduce_scatter_flat(part, flat, self.group)
+        unit.grad_flat = None
+        unit.grads_seen = 0
+        self._reduced.add(unit.index)
+        self.grad_callback(unit, part)
+        unit.bwd_hold = False
+        self._maybe_free(unit)
+
+    def end_backward(self) -> None:
+        """End of a backward: reduce what no hook reduced (unused parameters: zeros), free held units."""
+        for u in self.units:
+            if u.trainable and u.index not in self._reduced:
+                self._reduce(u)
+        self._reduced.clear()
+        for u in self.units:
+            u.bwd_hold = False
+            self._maybe_free(u)
+        self.in_backward = False
+
+    def _abort_backward(self) -> None:
+        for u in self.units:
+            u.grad_flat = None
+            u.grads_seen = 0
+            u.bwd_hold = False
+            self._maybe_free(u)
+        self._reduced.clear()
+        self.in_backward = False
+
+    def _accumulate_grad(self, unit: Unit, grad_partition: torch.Tensor) -> None:
+        """Default callback: sum gradient partitions per unit in `grad_partitions` (engines set theirs)."""
+        acc = self.grad_partitions.get(unit.index)
+        if acc is None:
+            self.grad_partitions[unit.index] = grad_partition.clone()
+        else:
+            acc.add_(grad_partition)
+
+    # ---------------------------------------------------------------------------------- the engine's seam
+    def memory_segments(self) -> List[torch.Tensor]:
+        """Flat tensors holding every memory-tier partition back to back (see `store.memory_location`)."""
+        return list(self.store.arena.segments)
+
+    def read_partition(self, unit: Unit, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """This rank's partition of `unit` (a view when it lives in memory and `out` is None)."""
+        if out is None:
+            mem = self.store.memory_partition(unit)
+            if mem is not None:
+                return mem
+            out = torch.empty(unit.part_numel, dtype=unit.dtype)
+        self.store.read(unit, out)
+        return out
+
+    def write_partition(self, unit: Unit, values: torch.Tensor) -> None:
+        """Replace this rank's partition (updated weights); a gathered copy is refreshed or dropped.
+
+        Collective for world_size > 1 while the unit is held (its full buffer is re-gathered)."""
+        self.store.write(unit, values)
+        if unit.full is None or unit.full is self._aliased(unit):
+            return
+        if self.world_size == 1:
+            unit.full[unit.lo : unit.hi].copy_(values.reshape(-1))
+        elif unit.refs or unit.bwd_hold:
+            own = values.reshape(-1).to(self.device, unit.dtype)
+            all_gather_flat(unit.full, own, self.group)
+        else:
+            self._free(unit)
+
+    def load_state_dict_shard(self, shard: Dict[str, torch.Tensor]) -> List[str]:
+        """Write full tensors of some parameters (by qualified name) into their partitions; returns the
+        names used. For a model built on the meta device and loaded file by file: only one unit is ever
+        materialized at a time (read-modify-write of its partition)."""
+        by_name = {n: (u, i) for u in self.units for i, n in enumerate(u.param_names)}
+        touched: Dict[int, List[tuple]] = {}
+        for name, value in shard.items():
+            if name not in by_name:
+                continue
+            u, i = by_name[name]
+            if tuple(value.shape) != tuple(u.shapes[i]):
+                raise ValueError(
+                    f"{name}: shape {tuple(value.shape)} does not match the parameter's {tuple(u.shapes[i])}"
+                )
+            touched.setdefault(u.index, []).append((i, value))
+        for index, items in touched.items():
+            u = self.units[index]
+            part = self.read_partition(u, torch.empty(u.part_numel, dtype=u.dtype))
+            for i, value in items:
+                a, z = u.param_range(i)
+                lo, hi = max(a, u.lo), min(z, u.hi)
+                if lo < hi:
+                    part[lo - u.lo : hi - u.lo].copy_(value.reshape(-1)[lo - a : hi - a])
+            self.write_partition(u, part)
+        return [n for n in shard if n in by_name]
+
+    def attach(self, model: nn.Module) -> Any:
+        """Partition what is not partitioned yet, install module and gradient hooks; returns the hooks."""
+        from zero.stage3.hooks import Stage3Hooks
+
+        if self.hooks is not None:
+            raise RuntimeError("this Stage3Partitioner is already attached to a model")
+        self.partition_model(model)
+        for name, m in model.named_modules():
+            for pname, p in m._parameters.items():
+                if p is not None and getattr(p, "ds_unit", None) is not None and p.ds_unit.owner is self:
+                    u = p.ds_unit
+                    qual = f"{name}.{pname}" if name else pname
+                    if u.param_names[p.ds_index].startswith("<init>"):
+                        u.param_names[p.ds_index] = qual  # built under Init: learn the qualified name
+                        p.ds_name = qual
+                        u.name = name or type(m).__name__  # its swap file keeps the construction-order name
+        self.hooks = Stage3Hooks(self, model)
+        self.install_grad_hooks()
+        return self.hooks
+
+    def gathered_state_dict(
+        self, model: nn.Module, device: Union[str, torch.device] = "cpu"
+    ) -> Dict[str, Any]:
+        """`model.state_dict()` with whole parameters (copied to `device`), gathering one unit at a time.
+        Collective for world_size > 1: every rank must call it."""
+        from zero.stage3.init import GatheredParameters
+
+        out: Dict[str, Any] = {}
+        by_unit: Dict[int, List[tuple]] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            u = getattr(p, "ds_unit", None)
+            if u is None or u.owner is not self:
+                out[name] = p.detach().to(device).clone()
+            else:
+                by_unit.setdefault(u.index, []).append((name, p))
+        for index in sorted(by_unit):  # the same order on every rank
+            with GatheredParameters([p for _, p in by_unit[index]]):
+                for name, p in by_unit[index]:
+                    out[name] = p.detach().to(device).clone()
+        for name, b in model.named_buffers():
+            out[name] = b.detach().to(device).clone()
+        return {k: out[k] for k in model.state_dict(keep_vars=True) if k in out}
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for h in self._grad_hooks:
+            h.remove()
+        self._grad_hooks = []
+        if self.hooks is not None:
+            self.hooks.remove()
+            self.hooks = None
+        self.release_all()
+        self.store.close()
+
+    def units_of(self, params: Iterable[nn.Parameter]) -> List[Unit]:
+        out, seen = [], set()
+        for p in params:
+            u = getattr(p, "ds_unit", None)
+            if u is None:
+                raise ValueError(f"parameter of shape {tuple(p.shape)} is not partitioned by stage 3")
+            if u.index not in seen and u.owner is self:
+                seen.add(u.index)
+                out.append(u)
+        return out

@@ -1,0 +1,387 @@
+"""Where each unit's partition lives between uses: device memory, host memory (pinned) or an NVMe swap file.
+
+Memory tiers ("none": the compute device, "cpu": host memory, pinned from the PinnedPool when
+`pin_memory`) pack partitions back to back into a few large segments, so the optimizer sees flat buffers and
+no partition costs an allocation of its own. The NVMe tier keeps one swap file per unit, named after the
+module that owns it, and moves it through `buffer_count` pinned staging slots of at most `buffer_size`
+elements: a partition that fits a slot is read with one request (and can be prefetched); a larger one is
+streamed through a slot chunk by chunk. Each slot has its own aio handle, so waiting for one prefetch never
+waits for the others. With `max_in_cpu`, the first partitions (up to that many elements) stay in host memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+
+from offload.pinned import PinnedMemoryBudgetError, PinnedPool
+from offload.swap.optimizer_swapper import AioSettings
+from offload.swap.space import SwapFile, SwapSpace, check_nvme_path
+from zero.stage3.unit import Unit, safe_file_name
+
+__all__ = ["PartitionStore", "Stage3PinnedBudgetError", "StoreStats", "UnitSize"]
+
+SEGMENT_NUMEL = 1 << 22  # unpinned segments: untouched pages cost nothing, so over-reserving is free
+
+
+class Stage3PinnedBudgetError(PinnedMemoryBudgetError):
+    """The pinned budget cannot hold what stage 3 needs for a layer; names the layer, its size, the budget."""
+
+    def __init__(self, message: str, requested: int, in_use: int, cap: int) -> None:
+        MemoryError.__init__(self, message)
+        self.requested, self.in_use, self.cap = requested, in_use, cap
+
+
+class UnitSize(NamedTuple):
+    """What placement needs to know about a unit before it exists."""
+
+    name: str
+    dtype: torch.dtype
+    part_numel: int
+    part_nbytes: int
+
+
+@dataclass
+class StoreStats:
+    bytes_read: int = 0
+    bytes_written: int = 0
+    reads: int = 0
+    prefetches: int = 0
+    prefetch_hits: int = 0
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class _Slot:
+    buf: torch.Tensor  # uint8, pinned
+    handle: Any
+    unit: Optional[int] = None  # unit index of a prefetch in flight, None when free
+    event: Any = None  # CUDA event of the last copy out of this slot
+
+
+class _Arena:
+    """Bump allocator over segments; one segment per call to `reserve`, or SEGMENT_NUMEL-sized ones."""
+
+    def __init__(self, alloc: Callable[[int, torch.dtype], torch.Tensor], exact: bool) -> None:
+        self._alloc = alloc
+        self._exact = exact  # pinned memory is locked: never reserve more than asked
+        self.segments: List[torch.Tensor] = []
+        self._open: Dict[torch.dtype, Tuple[int, int]] = {}  # dtype -> (segment index, used)
+
+    def reserve(self, numel: int, dtype: torch.dtype) -> None:
+        """Start a segment of exactly `numel` elements (call before taking a known total)."""
+        self.segments.append(self._alloc(max(1, numel), dtype))
+        self._open[dtype] = (len(self.segments) - 1, 0)
+
+    def take(self, numel: int, dtype: torch.dtype) -> Tuple[int, int, torch.Tensor]:
+        seg, used = self._open.get(dtype, (-1, 0))
+        if seg < 0 or used + numel > self.segments[seg].numel():
+            self.reserve(numel if self._exact else max(numel, SEGMENT_NUMEL), dtype)
+            seg, used = self._open[dtype]
+        self._open[dtype] = (seg, used + numel)
+        return seg, used, self.segments[seg][used : used + numel]
+
+
+class PartitionStore:
+    """Holds every unit's partition of this rank in its tier; reads, writes and prefetches them."""
+
+    def __init__(
+        self,
+        *,
+        tier: str,
+        device: torch.device,
+        rank: int = 0,
+        pin_memory: bool = False,
+        pool: Optional[PinnedPool] = None,
+        nvme_path: Optional[str] = None,
+        buffer_count: int = 5,
+        buffer_size: int = 100_000_000,
+        max_in_cpu: int = 0,
+        aio: Optional[AioSettings] = None,
+    ) -> None:
+        if tier not in ("none", "cpu", "nvme"):
+            raise ValueError(f"offload_param.device must be 'none', 'cpu' or 'nvme', got {tier!r}")
+        self.tier = tier
+        self.device = device
+        self.rank = rank
+        self.pin_memory = pin_memory and tier != "none"
+        self.pool = pool if pool is not None else PinnedPool(1 << 62)
+        self.buffer_count = max(1, int(buffer_count))
+        self.buffer_size = max(1, int(buffer_size))
+        self.max_in_cpu = int(max_in_cpu) if tier == "nvme" else 0
+        self.in_cpu_numel = 0
+        self.stats = StoreStats()
+        self._aio = aio or AioSettings()
+        self._nvme_path = check_nvme_path(nvme_path or "") if tier == "nvme" else None
+        self._space: Optional[SwapSpace] = None
+        self._files: Dict[int, SwapFile] = {}
+        self._file_names: Dict[str, int] = {}
+        self._mem: Dict[int, Tuple[int, int, torch.Tensor]] = {}  # unit -> (segment, offset, view)
+        self._names: Dict[int, str] = {}
+        self._largest: Optional[Unit] = None  # largest unit on NVMe: sizes the staging slots
+        self._slots: List[_Slot] = []
+        self._slot_bytes = 0
+        self._inflight: Dict[int, _Slot] = {}
+        self._stream: Any = None
+        self._write_handle: Any = None
+        on_device = tier == "none"
+        self.arena = _Arena(self._memory_allocator(on_device), exact=self.pin_memory)
+
+    # ------------------------------------------------------------------------------------------ placement
+    def _memory_allocator(self, on_device: bool) -> Callable[[int, torch.dtype], torch.Tensor]:
+        if on_device:
+            return lambda n, dtype: torch.empty(n, dtype=dtype, device=self.device)
+        if self.pin_memory:
+            return self.pool.allocate
+        return lambda n, dtype: torch.empty(n, dtype=dtype)
+
+    def reserve(self, units: Sequence[Any]) -> None:
+        """Make one memory segment (per dtype) for the units placed next, so they lie back to back.
+        `units`: Units or anything with `name`, `dtype`, `part_numel` and `part_nbytes` (UnitSize)."""
+        totals: Dict[torch.dtype, int] = {}
+        budget = self.max_in_cpu - self.in_cpu_numel if self.tier == "nvme" else None
+        for u in units:
+            if budget is not None:
+                if u.part_numel > budget:
+                    continue
+                budget -= u.part_numel
+            totals[u.dtype] = totals.get(u.dtype, 0) + u.part_numel
+        for dtype, n in totals.items():
+            self._guard(lambda n=n, dtype=dtype: self.arena.reserve(n, dtype), units, n)
+
+    def _guard(self, fn: Callable[[], Any], units: Sequence[Any], numel: int) -> Any:
+        try:
+            return fn()
+        except PinnedMemoryBudgetError as e:
+            big = max(units, key=lambda u: u.part_nbytes)
+            raise Stage3PinnedBudgetError(
+                f"pinned memory budget of {e.cap} bytes ({e.cap - e.in_use} free) is too small for the "
+                f"stage-3 parameter partitions in host memory: {numel} elements ({e.requested} bytes) "
+                f"requested for "
+                f"{len(units)} layer(s), the largest {big.name!r} with a partition of {big.part_numel} "
+                f"elements ({big.part_nbytes} bytes); raise the pinned budget, set offload_param.pin_memory="
+                "false, or offload to nvme",
+                e.requested,
+                e.in_use,
+                e.cap,
+            ) from e
+
+    def place(self, unit: Unit, values: Optional[torch.Tensor]) -> None:
+        """Store `values` (this rank's partition, any device; None: zeros) as the unit's partition."""
+        self._names[unit.index] = unit.name
+        in_memory = self.tier != "nvme" or self.in_cpu_numel + unit.part_numel <= self.max_in_cpu
+        if in_memory:
+            if self.tier == "nvme":
+                self.in_cpu_numel += unit.part_numel
+            seg, off, view = self._guard(
+                lambda: self.arena.take(unit.part_numel, unit.dtype), [unit], unit.part_numel
+            )
+            self._mem[unit.index] = (seg, off, view)
+            if values is None:
+                view.zero_()
+            else:
+                view.copy_(values.reshape(-1))
+            return
+        self._files[unit.index] = self._new_file(unit)
+        if self._largest is None or unit.part_nbytes > self._largest.part_nbytes:
+            self._largest = unit
+        if values is None:
+            values = torch.zeros(unit.part_numel, dtype=unit.dtype)
+        self.write(unit, values)
+
+    def _new_file(self, unit: Unit) -> SwapFile:
+        if self._space is None:
+            assert self._nvme_path is not None
+            self._space = SwapSpace(self._nvme_path, prefix=f"zero-stage3-r{self.rank}-")
+        base = safe_file_name(unit.name)
+        k = self._file_names.get(base, 0)
+        self._file_names[base] = k + 1
+        name = f"{base}.param.swp" if k == 0 else f"{base}.{k}.param.swp"
+        return self._space.create(name, unit.part_nbytes)
+
+    def on_nvme(self, unit: Unit) -> bool:
+        return unit.index in self._files
+
+    def memory_partition(self, unit: Unit) -> Optional[torch.Tensor]:
+        """The unit's partition tensor when it lives in memory (a view into a segment), else None."""
+        entry = self._mem.get(unit.index)
+        return entry[2] if entry is not None else None
+
+    def memory_location(self, unit: Unit) -> Optional[Tuple[int, int]]:
+        """(segment index, element offset) of a memory-tier partition inside `arena.segments`."""
+        entry = self._mem.get(unit.index)
+        return (entry[0], entry[1]) if entry is not None else None
+
+    def swap_file(self, unit: Unit) -> Optional[str]:
+        f = self._files.get(unit.index)
+        return f.path if f is not None else None
+
+    @property
+    def swap_dir(self) -> Optional[str]:
+        return self._space.dir if self._space is not None else None
+
+    # ---------------------------------------------------------------------------------------- staging slots
+    def ensure_slots(self) -> None:
+        """Allocate the pinned staging slots now (before training), or fail naming the largest layer."""
+        if self._slots or self._largest is None:
+            return
+        big = self._largest
+        self._slot_bytes = min(self.buffer_size * big.element_size, big.part_nbytes)
+        for _ in range(self.buffer_count):
+            try:
+                buf = self.pool.allocate(self._slot_bytes, torch.uint8)
+            except PinnedMemoryBudgetError as e:
+                for s in self._slots:
+                    self.pool.free(s.buf)
+                self._slots = []
+                raise Stage3PinnedBudgetError(
+                    f"pinned memory budget of {e.cap} bytes ({e.cap - e.in_use} free) is too small for the "
+                    f"stage-3 NVMe staging buffers: the largest layer {big.name!r} has a partition of "
+                    f"{big.part_numel} elements ({big.part_nbytes} bytes) and offload_param asks for "
+                    f"buffer_count={self.buffer_count} buffers of {self._slot_bytes} bytes "
+                    f"(buffer_size={self.buffer_size} elements); raise the pinned budget or lower "
+                    "offload_param.buffer_size / buffer_count",
+                    e.requested,
+                    e.in_use,
+                    e.cap,
+                ) from e
+            self._slots.append(_Slot(buf, self._aio.handle()))
+
+    def _free_slot(self, evict: bool) -> Optional[_Slot]:
+        self.ensure_slots()
+        for s in self._slots:
+            if s.unit is None:
+                return s
+        if not evict:
+            return None
+        # Every slot holds a prefetch: the oldest one is given up (its unit is read again on demand).
+        victim_unit, s = next(iter(self._inflight.items()))
+        self._drop_inflight(victim_unit)
+        return s
+
+    def _drop_inflight(self, index: int) -> None:
+        s = self._inflight.pop(index, None)
+        if s is not None:
+            s.handle.wait()
+            s.unit = None
+
+    def _wait_copy(self, s: _Slot) -> None:
+        if s.event is not None:
+            s.event.synchronize()  # the slot's last host->device copy must finish before it is refilled
+            s.event = None
+
+    def _copy_out(self, s: _Slot, dst_bytes: torch.Tensor, nbytes: int) -> None:
+        src = s.buf[:nbytes]
+        if dst_bytes.device.type == "cuda":
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(device=dst_bytes.device)
+            with torch.cuda.stream(self._stream):
+                dst_bytes.copy_(src, non_blocking=True)
+                s.event = torch.cuda.Event()
+                s.event.record(self._stream)
+            torch.cuda.current_stream(dst_bytes.device).wait_event(s.event)
+        else:
+            dst_bytes.copy_(src)
+
+    # ------------------------------------------------------------------------------------------------- I/O
+    def prefetch(self, unit: Unit) -> bool:
+        """Queue an async read of an NVMe partition into a free slot; False if not applicable or no slot."""
+        path = self.swap_file(unit)
+        if path is None or unit.index in self._inflight:
+            return False
+        self.ensure_slots()
+        if unit.part_nbytes > self._slot_bytes:
+            return False
+        s = self._free_slot(evict=False)
+        if s is None:
+            return False
+        self._wait_copy(s)
+        s.handle.async_pread(s.buf[: unit.part_nbytes], path, 0)
+        s.unit = unit.index
+        self._inflight[unit.index] = s
+        self.stats.prefetches += 1
+        return True
+
+    def prefetching(self, unit: Unit) -> bool:
+        return unit.index in self._inflight
+
+    def read(self, unit: Unit, dst: torch.Tensor) -> None:
+        """Copy the unit's partition into `dst` (part_numel elements, contiguous, on any device)."""
+        mem = self.memory_partition(unit)
+        if mem is not None:
+            if dst.device.type == "cuda" and mem.device.type == "cpu":
+                s = _Slot(mem.view(torch.uint8), None)
+                self._copy_out(s, dst.view(torch.uint8), unit.part_nbytes)
+            else:
+                dst.copy_(mem)
+            return
+        path = self.swap_file(unit)
+        if path is None:
+            raise KeyError(f"unit {unit.name!r} has no partition in this store")
+        dst_bytes = dst.view(torch.uint8)
+        nbytes = unit.part_nbytes
+        self.stats.reads += 1
+        self.stats.bytes_read += nbytes
+        s = self._inflight.pop(unit.index, None)
+        if s is not None:
+            s.handle.wait()  # raises AioError naming the file if the read failed
+            self.stats.prefetch_hits += 1
+            self._copy_out(s, dst_bytes, nbytes)
+            s.unit = None
+            return
+        s = self._free_slot(evict=True)
+        assert s is not None
+        chunk = self._slot_bytes // unit.element_size * unit.element_size
+        for off in range(0, nbytes, chunk):
+            n = min(chunk, nbytes - off)
+            self._wait_copy(s)
+            s.handle.sync_pread(s.buf[:n], path, off)
+            self._copy_out(s, dst_bytes[off : off + n], n)
+
+    def write(self, unit: Unit, src: torch.Tensor) -> None:
+        """Replace the unit's partition with `src` (part_numel elements, any device)."""
+        src = src.reshape(-1)
+        if src.numel() != unit.part_numel or src.dtype != unit.dtype:
+            raise ValueError(
+                f"partition of {unit.name!r} is {unit.part_numel} x {unit.dtype}, "
+                f"got {src.numel()} x {src.dtype}"
+            )
+        mem = self.memory_partition(unit)
+        if mem is not None:
+            mem.copy_(src)
+            return
+        path = self.swap_file(unit)
+        if path is None:
+            raise KeyError(f"unit {unit.name!r} has no partition in this store")
+        self._drop_inflight(unit.index)  # a prefetch of the old values must not be used
+        host = src.detach().to("cpu").contiguous()
+        self._aio_write(host, path)  # failures raise AioError naming the file, offset and errno
+        self.stats.bytes_written += unit.part_nbytes
+
+    def _aio_write(self, host: torch.Tensor, path: str) -> int:
+        if self._write_handle is None:
+            self._write_handle = self._aio.handle()  # its own handle: a write never waits on a prefetch
+        return int(self._write_handle.sync_pwrite(host, path, 0))
+
+    # ---------------------------------------------------------------------------------------------- close
+    def close(self) -> None:
+        for index in list(self._inflight):
+            self._drop_inflight(index)
+        for s in self._slots:
+            self._wait_copy(s)
+            s.handle.close()
+            self.pool.free(s.buf)
+        self._slots = []
+        if self._write_handle is not None:
+            self._write_handle.close()
+            self._write_handle = None
+        if self.pin_memory:
+            for seg in self.arena.segments:
+                self.pool.free(seg)
+        self.arena.segments = []
+        self._mem.clear()
+        if self._space is not None:
+            self._space.close()
+            self._space = None

@@ -1,0 +1,153 @@
+"""A partition unit: the direct parameters of one module, flattened and split evenly across ranks.
+
+A unit is what one fetch gathers and one release frees: one flat buffer of `padded_numel` elements (the
+parameters back to back, zero padding at the end so every rank's share has the same size). Rank r owns
+elements [r * part_numel, (r + 1) * part_numel). Each parameter keeps DeepSpeed's attribute names, so user
+code that checks them (`ds_shape`, `ds_numel`, `ds_status`, ...) works unchanged.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from zero.stage3.partitioner import Stage3Partitioner
+
+__all__ = ["ParamSlice", "PartitionStatus", "Unit", "safe_file_name"]
+
+
+class PartitionStatus(enum.Enum):
+    """DeepSpeed's ZeroParamStatus names: whether `param.data` holds the full tensor right now."""
+
+    AVAILABLE = 1
+    NOT_AVAILABLE = 2
+    INFLIGHT = 3
+
+
+@dataclass(frozen=True)
+class ParamSlice:
+    """Where this rank's share of one parameter lies: elements [param_lo, param_hi) of the flattened
+    parameter are elements [part_lo, part_hi) of the unit's partition."""
+
+    param: nn.Parameter
+    name: str
+    param_lo: int
+    param_hi: int
+    part_lo: int
+    part_hi: int
+
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+def safe_file_name(name: str) -> str:
+    """A plain file name from a qualified parameter/module name (stable across runs, never an id())."""
+    cleaned = _UNSAFE.sub("_", name).strip(".") or "root"
+    return cleaned[:200]
+
+
+class Unit:
+    """The parameters one module owns (recurse=False) as one flat, rank-partitioned buffer."""
+
+    def __init__(
+        self,
+        index: int,
+        name: str,
+        params: Sequence[nn.Parameter],
+        param_names: Sequence[str],
+        world_size: int,
+        rank: int,
+        device: torch.device,
+        shapes: Optional[Sequence[torch.Size]] = None,
+    ) -> None:
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) != 1:
+            raise ValueError(
+                f"module {name!r}: parameters of one module must share one dtype to be flattened, got "
+                f"{sorted(str(d) for d in dtypes)} for {list(param_names)}"
+            )
+        self.index = index
+        self.name = name
+        self.params: List[nn.Parameter] = list(params)
+        self.param_names: List[str] = list(param_names)
+        self.dtype: torch.dtype = next(iter(dtypes))
+        self.device = device
+        self.shapes = list(shapes) if shapes is not None else [p.shape for p in self.params]
+        self.numels = [s.numel() for s in self.shapes]
+        self.offsets: List[int] = []
+        total = 0
+        for n in self.numels:
+            self.offsets.append(total)
+            total += n
+        self.numel = total
+        self.world_size = world_size
+        self.rank = rank
+        self.part_numel = max(1, -(-total // world_size))
+        self.padded_numel = self.part_numel * world_size
+        self.lo = rank * self.part_numel
+        self.hi = self.lo + self.part_numel
+        self.element_size = torch.empty((), dtype=self.dtype).element_size()
+        # state owned by the partitioner
+        self.owner: Optional[Stage3Partitioner] = None
+        self.full: Optional[torch.Tensor] = None  # the gathered flat buffer while fetched
+        self.refs = 0  # forward fetches (module invocations) and GatheredParameters holding it
+        self.bwd_hold = False  # fetched by a pre-backward; freed when its gradients are in
+        self.persistent = False
+        self.trainable = [i for i, p in enumerate(self.params) if p.requires_grad]
+        self.grad_flat: Optional[torch.Tensor] = None
+        self.grads_seen = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.element_size
+
+    @property
+    def part_nbytes(self) -> int:
+        return self.part_numel * self.element_size
+
+    @property
+    def present(self) -> bool:
+        return self.full is not None
+
+    def slices(self) -> Iterator[ParamSlice]:
+        """This rank's share of every parameter of the unit (parameters with no share are skipped)."""
+        for p, name, off, n in zip(self.params, self.param_names, self.offsets, self.numels):
+            a, z = max(off, self.lo), min(off + n, self.hi)
+            if a < z:
+                yield ParamSlice(p, name, a - off, z - off, a - self.lo, z - self.lo)
+
+    def param_range(self, i: int) -> Tuple[int, int]:
+        """[lo, hi) of parameter i inside the flat buffer."""
+        return self.offsets[i], self.offsets[i] + self.numels[i]
+
+    def __repr__(self) -> str:
+        return (
+            f"Unit({self.index}, {self.name!r}, {len(self.params)} params, {self.numel} x {self.dtype}, "
+            f"partition {self.part_numel})"
+        )
+
+
+def set_param_attributes(unit: Unit, released: torch.Tensor) -> None:
+    """Attach the DeepSpeed-style metadata to every parameter and point its data at `released`."""
+    for i, (p, name) in enumerate(zip(unit.params, unit.param_names)):
+        p.ds_shape = unit.shapes[i]
+        p.ds_numel = unit.numels[i]
+        p.ds_unit = unit
+        p.ds_index = i
+        p.ds_name = name
+        p.ds_status = PartitionStatus.NOT_AVAILABLE
+        a, z = unit.param_range(i)
+        lo, hi = max(a, unit.lo), min(z, unit.hi)
+        p.ds_partition_range = (lo - a, hi - a) if lo < hi else (0, 0)
+        p.ds_persist = False
+        p.data = released
+
+
+def is_partitioned(p: Any) -> bool:
+    return getattr(p, "ds_unit", None) is not None
