@@ -1,0 +1,87 @@
+"""CPUAdagrad: torch.optim.Adagrad's algorithm and state layout over the C++ SIMD kernel."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+
+from offload import _cpu_optim
+
+from ._base import CPUOptimizerBase
+from .functional import make_segment
+
+
+class CPUAdagrad(CPUOptimizerBase):
+    """Adagrad on CPU tensors (torch.optim.Adagrad's arguments; state `sum` and `step`).
+
+    As in torch, state is created at construction (sum filled with initial_accumulator_value). Sparse
+    grads are rejected.
+    """
+
+    _state_keys = ("sum",)
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-2,
+        lr_decay: float = 0.0,
+        weight_decay: float = 0.0,
+        initial_accumulator_value: float = 0.0,
+        eps: float = 1e-10,
+        fp32_optimizer_states: bool = True,
+    ) -> None:
+        for name, value in (
+            ("learning rate", lr),
+            ("lr_decay", lr_decay),
+            ("weight_decay", weight_decay),
+            ("initial_accumulator_value", initial_accumulator_value),
+            ("epsilon", eps),
+        ):
+            if not value >= 0.0:
+                raise ValueError(f"Invalid {name} value: {value}")
+        defaults = dict(
+            lr=lr,
+            lr_decay=lr_decay,
+            weight_decay=weight_decay,
+            initial_accumulator_value=initial_accumulator_value,
+            eps=eps,
+            fp32_optimizer_states=fp32_optimizer_states,
+        )
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            dtype = self._state_dtype(group)
+            for p in group["params"]:
+                state = self.state[p]
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["sum"] = torch.full(p.shape, group["initial_accumulator_value"], dtype=dtype)
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for gi, group in enumerate(self.param_groups):
+            segments, states = [], []
+            for p, where in self._params_with_grad(gi, group):
+                state = self.state[p]
+                if len(state) == 0:  # a param added after construction (add_param_group)
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    state["sum"] = torch.full(
+                        p.shape, group["initial_accumulator_value"], dtype=self._state_dtype(group)
+                    )
+                step = float(state["step"].item()) + 1.0
+                # Same expression as torch's _single_tensor_adagrad, in double precision.
+                clr = group["lr"] / (1 + (step - 1) * group["lr_decay"])
+                try:
+                    segments.append(make_segment(p, p.grad, state["sum"], lr=clr))
+                except (ValueError, TypeError) as exc:
+                    raise type(exc)(f"{where}: {exc}") from None
+                states.append(state)
+            if not segments:
+                continue
+            _cpu_optim.adagrad_multi(segments, float(group["eps"]), float(group["weight_decay"]))
+            for state in states:
+                state["step"] += 1
+        return loss

@@ -1,0 +1,151 @@
+// pybind11 face of the CPU optimizer kernels: raw addresses and dtype codes in, a finite flag out.
+// The torch-aware checks (device, layout, contiguity, sizes) are done by offload/ops in Python; this
+// layer only re-checks what it needs to stay memory safe with the arguments it is given.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "cpu_optim.h"
+#include "dispatch.h"
+
+namespace py = pybind11;
+using namespace zo_optim;
+
+namespace {
+
+Arrays make_arrays(uintptr_t param, uintptr_t grad, uintptr_t state_a, uintptr_t state_b, uintptr_t copy,
+                   int param_dtype, int grad_dtype, int state_dtype, int copy_dtype) {
+    Arrays a;
+    a.param = reinterpret_cast<void*>(param);
+    a.grad = reinterpret_cast<const void*>(grad);
+    a.state_a = reinterpret_cast<void*>(state_a);
+    a.state_b = reinterpret_cast<void*>(state_b);
+    a.copy = reinterpret_cast<void*>(copy);
+    a.param_dtype = param_dtype;
+    a.grad_dtype = grad_dtype;
+    a.state_dtype = state_dtype;
+    a.copy_dtype = copy_dtype;
+    return a;
+}
+
+// (param, grad, state_a, state_b, copy, n, param_dtype, grad_dtype, state_dtype, copy_dtype, step, lr)
+using SegmentTuple = std::tuple<uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, size_t, int, int, int,
+                                int, int64_t, double>;
+
+std::vector<Segment> make_segments(const std::vector<SegmentTuple>& tuples) {
+    std::vector<Segment> out;
+    out.reserve(tuples.size());
+    for (const auto& t : tuples) {
+        Segment s;
+        s.arrays = make_arrays(std::get<0>(t), std::get<1>(t), std::get<2>(t), std::get<3>(t), std::get<4>(t),
+                               std::get<6>(t), std::get<7>(t), std::get<8>(t), std::get<9>(t));
+        s.n = std::get<5>(t);
+        s.step = std::get<10>(t);
+        s.lr = std::get<11>(t);
+        out.push_back(s);
+    }
+    return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_cpu_optim, m) {
+    m.doc() = "CPU SIMD optimizer kernels (Adam/AdamW, Adagrad, Lion) over raw arrays";
+
+    m.attr("F32") = static_cast<int>(kF32);
+    m.attr("BF16") = static_cast<int>(kBF16);
+    m.attr("F16") = static_cast<int>(kF16);
+    m.attr("NONE") = static_cast<int>(kNone);
+
+    m.def("simd_level", [] { return std::string(simd_level_name(simd_level())); });
+    m.def("best_simd_level", [] { return std::string(simd_level_name(best_simd_level())); });
+    m.def("set_simd_level", &set_simd_level, py::arg("name"));
+    m.def("get_num_threads", &num_threads);
+    m.def("set_num_threads", &set_num_threads, py::arg("threads"), py::call_guard<py::gil_scoped_release>());
+
+    m.def(
+        "adam",
+        [](uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp_avg_sq, uintptr_t copy, size_t n,
+           int param_dtype, int grad_dtype, int state_dtype, int copy_dtype, int64_t step, double lr,
+           double beta1, double beta2, double eps, double weight_decay, bool adamw_mode, bool bias_correction,
+           double grad_scale, bool check_finite) {
+            const Arrays a = make_arrays(param, grad, exp_avg, exp_avg_sq, copy, param_dtype, grad_dtype,
+                                         state_dtype, copy_dtype);
+            const AdamHyper h{step, lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction};
+            return adam_step(a, n, h, grad_scale, check_finite);
+        },
+        py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("copy"),
+        py::arg("n"), py::arg("param_dtype"), py::arg("grad_dtype"), py::arg("state_dtype"),
+        py::arg("copy_dtype"), py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
+        py::arg("eps"), py::arg("weight_decay"), py::arg("adamw_mode"), py::arg("bias_correction"),
+        py::arg("grad_scale"), py::arg("check_finite"), py::call_guard<py::gil_scoped_release>());
+
+    m.def(
+        "adagrad",
+        [](uintptr_t param, uintptr_t grad, uintptr_t state_sum, uintptr_t copy, size_t n, int param_dtype,
+           int grad_dtype, int state_dtype, int copy_dtype, double lr, double eps, double weight_decay,
+           double grad_scale, bool check_finite) {
+            const Arrays a = make_arrays(param, grad, state_sum, 0, copy, param_dtype, grad_dtype,
+                                         state_dtype, copy_dtype);
+            return adagrad_step(a, n, AdagradHyper{lr, eps, weight_decay}, grad_scale, check_finite);
+        },
+        py::arg("param"), py::arg("grad"), py::arg("state_sum"), py::arg("copy"), py::arg("n"),
+        py::arg("param_dtype"), py::arg("grad_dtype"), py::arg("state_dtype"), py::arg("copy_dtype"),
+        py::arg("lr"), py::arg("eps"), py::arg("weight_decay"), py::arg("grad_scale"),
+        py::arg("check_finite"), py::call_guard<py::gil_scoped_release>());
+
+    m.def(
+        "lion",
+        [](uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t copy, size_t n, int param_dtype,
+           int grad_dtype, int state_dtype, int copy_dtype, double lr, double beta1, double beta2,
+           double weight_decay, double grad_scale, bool check_finite) {
+            const Arrays a =
+                make_arrays(param, grad, exp_avg, 0, copy, param_dtype, grad_dtype, state_dtype, copy_dtype);
+            return lion_step(a, n, LionHyper{lr, beta1, beta2, weight_decay}, grad_scale, check_finite);
+        },
+        py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("copy"), py::arg("n"),
+        py::arg("param_dtype"), py::arg("grad_dtype"), py::arg("state_dtype"), py::arg("copy_dtype"),
+        py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("weight_decay"), py::arg("grad_scale"),
+        py::arg("check_finite"), py::call_guard<py::gil_scoped_release>());
+
+    // Multi-tensor steps: the segment list is converted with the GIL held, the step runs without it.
+    m.def(
+        "adam_multi",
+        [](const std::vector<SegmentTuple>& segments, double beta1, double beta2, double eps,
+           double weight_decay, double lr, bool adamw_mode, bool bias_correction) {
+            const std::vector<Segment> segs = make_segments(segments);
+            py::gil_scoped_release release;
+            return adam_step_multi(
+                segs, AdamHyper{1, lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction});
+        },
+        py::arg("segments"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
+        py::arg("lr"), py::arg("adamw_mode"), py::arg("bias_correction"));
+    m.def(
+        "adagrad_multi",
+        [](const std::vector<SegmentTuple>& segments, double eps, double weight_decay) {
+            const std::vector<Segment> segs = make_segments(segments);
+            py::gil_scoped_release release;
+            return adagrad_step_multi(segs, AdagradHyper{0.0, eps, weight_decay});
+        },
+        py::arg("segments"), py::arg("eps"), py::arg("weight_decay"));
+    m.def(
+        "lion_multi",
+        [](const std::vector<SegmentTuple>& segments, double lr, double beta1, double beta2,
+           double weight_decay) {
+            const std::vector<Segment> segs = make_segments(segments);
+            py::gil_scoped_release release;
+            return lion_step_multi(segs, LionHyper{lr, beta1, beta2, weight_decay});
+        },
+        py::arg("segments"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("weight_decay"));
+
+    m.def(
+        "all_finite",
+        [](uintptr_t data, size_t n, int dtype) {
+            return all_finite(reinterpret_cast<const void*>(data), dtype, n);
+        },
+        py::arg("data"), py::arg("n"), py::arg("dtype"), py::call_guard<py::gil_scoped_release>());
+}
