@@ -312,7 +312,10 @@ class ZeroEngine:
             return self.pool.allocate(numel, dtype)
         except PinnedMemoryBudgetError as e:
             err = PinnedMemoryBudgetError(e.requested, e.in_use, e.cap)
-            err.args = (f"{e} - needed for {what} ({numel} x {dtype}); raise zero_offload.pinned_budget_bytes or {PINNED_BUDGET_ENV}",)
+            err.args = (
+                f"{e} - needed for {what} ({numel} x {dtype}); "
+                f"raise zero_offload.pinned_budget_bytes or {PINNED_BUDGET_ENV}",
+            )
             raise err from None
 
     def _init_state(self, init: torch.Tensor, aliased: bool, sub_group: int, off: Any) -> None:
@@ -388,7 +391,8 @@ class ZeroEngine:
             need = buffer_count * slot_bytes(floor, n_states, alignment) + self.pool.bytes_in_use
             raise ValueError(
                 f"pinned memory budget too small for NVMe staging: {self.pool.cap_bytes} bytes "
-                f"(zero_offload.pinned_budget_bytes / {PINNED_BUDGET_ENV}) with {self.pool.bytes_in_use} bytes already used for gradients; "
+                f"(zero_offload.pinned_budget_bytes / {PINNED_BUDGET_ENV}) "
+                f"with {self.pool.bytes_in_use} bytes already used for gradients; "
                 f"offload_optimizer.buffer_count={buffer_count} slots of one sub-group "
                 f"(sub_group_size={sub_group}, {want} elements, {1 + n_states} fp32 tensors) need "
                 f"{buffer_count * slot_bytes(want, n_states, alignment)} bytes, and at least {need} bytes in "
