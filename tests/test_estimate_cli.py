@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -285,9 +284,24 @@ def test_bad_inputs_exit_2_with_one_line(tmp_path):
         assert "Traceback" not in proc.stderr and proc.stdout == ""
 
 
-@pytest.mark.skipif(importlib.util.find_spec("transformers") is not None, reason="transformers is installed")
-def test_hf_config_without_transformers_says_how_to_install(tmp_path, capsys):
+def test_hf_config_without_transformers_says_how_to_install(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
     config = write(tmp_path / "config.json", '{"model_type": "llama", "hidden_size": 64}')
     assert main(["--model", config]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "pip install transformers" in err
+
+
+def test_hf_config_is_counted_like_the_real_model(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    shape = {"n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 1000, "n_positions": 128}
+    config = write(tmp_path / "config.json", json.dumps({"model_type": "gpt2", **shape}))
+    proc = cli("--model", config, "--stage", "0", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**shape))
+    # The LM head is tied to the token embedding: counted once.
+    assert out["params"] == sum(p.numel() for p in model.parameters())
+    assert out["largest_layer_params"] == max(
+        sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()
+    )
