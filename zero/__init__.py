@@ -2,11 +2,13 @@
 
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["ZeroEngine", "initialize"]
+__all__ = ["GatheredParameters", "Init", "ZeroEngine", "consolidated_state_dict", "initialize"]
 
 if TYPE_CHECKING:
     from zero.engine import ZeroEngine
     from zero.initialization import initialize
+    from zero.stage3 import GatheredParameters, Init
+    from zero.stage3_engine import consolidated_state_dict
 
 
 def __getattr__(name: str) -> Any:
@@ -23,4 +25,15 @@ def __getattr__(name: str) -> Any:
 
         globals()["ZeroEngine"] = ZeroEngine
         return ZeroEngine
+    if name in ("Init", "GatheredParameters"):
+        import zero.stage3 as stage3
+
+        value = getattr(stage3, name)
+        globals()[name] = value
+        return value
+    if name == "consolidated_state_dict":
+        from zero.stage3_engine import consolidated_state_dict
+
+        globals()[name] = consolidated_state_dict
+        return consolidated_state_dict
     raise AttributeError(f"module 'zero' has no attribute {name!r}")

@@ -6,6 +6,9 @@ Layout of `<save_dir>/<tag>/`:
   state, the config;
 * `rank<r>_states.pt` (every rank): RNG states (torch, CUDA, numpy, python) and the optimizer's metadata
   (rule, hyperparameters, step count, partition bounds);
+* stage 3: `param_rank<r>.bin`, the rank's parameter partitions in the model dtype, unit after unit
+  (read one unit at a time from their tier; `rank<r>_states.pt` lists the units by their stable names), and
+  `model_states.pt` holds only what is not partitioned (buffers);
 * `optim_rank<r>.bin`: the rank's fp32 master and optimizer states, raw, tensor after tensor
   (`[master | state_1 | ...]`, partition-size each). It is streamed chunk by chunk through an aio handle,
   straight from NVMe-resident state (read back through the swapper's slots) or from host memory, so saving
@@ -143,6 +146,62 @@ def _read_optimizer(engine: ZeroEngine, path: str) -> None:
     engine._state.stats.reset()
 
 
+def _is_stage3(engine: ZeroEngine) -> bool:
+    return getattr(engine, "partitioner", None) is not None
+
+
+def _trainable_numel(engine: ZeroEngine) -> int:
+    return engine.trainable_numel if _is_stage3(engine) else engine.flat.numel  # type: ignore[attr-defined]
+
+
+def _module_state(engine: ZeroEngine) -> Dict[str, Any]:
+    """The module's state dict; at stage 3 without the partitioned parameters (saved per rank)."""
+    if not _is_stage3(engine):
+        return engine.module.state_dict()
+    from zero.stage3.unit import is_partitioned
+
+    return {
+        k: v.detach().clone()
+        for k, v in engine.module.state_dict(keep_vars=True).items()
+        if not is_partitioned(v)
+    }
+
+
+def _unit_index(engine: ZeroEngine) -> List[Tuple[str, int, str]]:
+    return [(u.name, u.part_numel, str(u.dtype)) for u in engine.partitioner.units]  # type: ignore[attr-defined]
+
+
+def _write_params(engine: ZeroEngine, path: str) -> None:
+    """Stage 3: every unit's partition, back to back in unit order, one unit in memory at a time."""
+    part = engine.partitioner  # type: ignore[attr-defined]
+    with open(path, "wb") as f:
+        for u in part.units:
+            values = part.read_partition(u, torch.empty(u.part_numel, dtype=u.dtype))
+            f.write(values.view(torch.uint8).numpy().tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _read_params(engine: ZeroEngine, path: str, saved_units: List[Tuple[str, int, str]]) -> None:
+    part = engine.partitioner  # type: ignore[attr-defined]
+    mine = _unit_index(engine)
+    if [(n, k, d) for n, k, d in saved_units] != mine:
+        diff = next(
+            (f"{a} vs {b}" for a, b in zip(saved_units, mine) if tuple(a) != tuple(b)),
+            f"{len(saved_units)} vs {len(mine)} units",
+        )
+        raise ValueError(f"{path}: saved parameter partitions do not match this model's units ({diff})")
+    expected = sum(u.part_nbytes for u in part.units)
+    size = os.path.getsize(path)
+    if size != expected:
+        raise ValueError(f"{path}: {size} bytes, expected {expected} for this model's partitions")
+    with open(path, "rb") as f:
+        for u in part.units:
+            raw = bytearray(f.read(u.part_nbytes))
+            values = torch.frombuffer(raw, dtype=torch.uint8).view(u.dtype)
+            part.write_partition(u, values)
+
+
 def _write_latest(save_dir: str, tag: str) -> None:
     tmp = os.path.join(save_dir, f".latest.tmp-{os.getpid()}")
     with open(tmp, "w") as f:
@@ -175,6 +234,8 @@ def save_checkpoint(
     r = engine.rank
     _write_optimizer(engine, os.path.join(tmp, f"optim_rank{r}.bin"))
     _crash_point("after_optimizer")
+    if _is_stage3(engine):
+        _write_params(engine, os.path.join(tmp, f"param_rank{r}.bin"))
     rank_state = {
         "rng": _rng_state(),
         "optimizer": {
@@ -185,19 +246,21 @@ def save_checkpoint(
             "n_states": engine.rule.n_states,
         },
     }
+    if _is_stage3(engine):
+        rank_state["stage3_units"] = _unit_index(engine)
     _save_file(rank_state, os.path.join(tmp, f"rank{r}_states.pt"))
     if r == 0:
         model_states = {
             "format_version": FORMAT_VERSION,
-            "module": engine.module.state_dict(),
+            "module": _module_state(engine),
             "global_steps": engine.global_steps,
             "global_samples": engine.global_samples,
             "micro_steps": engine.micro_steps,
             "skipped_steps": engine.skipped_steps,
             "world_size": engine.world_size,
             "stage": engine.stage,
-            "numel": engine.flat.numel,
-            "padded_numel": engine.flat.padded_numel,
+            "numel": _trainable_numel(engine),
+            "padded_numel": engine.flat.padded_numel if not _is_stage3(engine) else engine.part_numel,
             "dtype": str(engine.dtype),
             "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
             "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
@@ -258,14 +321,34 @@ def load_checkpoint(
     ms = torch.load(os.path.join(path, "model_states.pt"), map_location="cpu", weights_only=False)
     if ms.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{path}: checkpoint format {ms.get('format_version')}, expected {FORMAT_VERSION}")
-    if ms["numel"] != engine.flat.numel:
+    if ms["numel"] != _trainable_numel(engine):
         raise ValueError(
-            f"{path}: checkpoint has {ms['numel']} trainable elements, the model {engine.flat.numel}"
+            f"{path}: checkpoint has {ms['numel']} trainable elements, the model {_trainable_numel(engine)}"
         )
-    with torch.no_grad():
-        engine.module.load_state_dict(ms["module"], strict=load_module_strict)
+    if ms.get("stage", 0) == 3 and not _is_stage3(engine) or ms.get("stage", 0) != 3 and _is_stage3(engine):
+        raise ValueError(
+            f"{path}: saved at stage {ms.get('stage')}, this engine runs stage {engine.stage}: export with "
+            "zero.consolidated_state_dict / save_16bit_model to move between stage 3 and stages 0-2"
+        )
     rank_file = os.path.join(path, f"rank{engine.rank}_states.pt")
     rs = torch.load(rank_file, map_location="cpu", weights_only=False)
+    with torch.no_grad():
+        if _is_stage3(engine):
+            missing, unexpected = engine.module.load_state_dict(ms["module"], strict=False)
+            from zero.stage3.unit import is_partitioned
+
+            own = dict(engine.module.state_dict(keep_vars=True))
+            missing = [k for k in missing if not is_partitioned(own[k])]
+            if load_module_strict and (missing or unexpected):
+                raise ValueError(f"{path}: module state mismatch: missing {missing}, unexpected {unexpected}")
+            if ms["world_size"] != engine.world_size:
+                raise ValueError(
+                    f"{path}: saved by {ms['world_size']} rank(s), this run has {engine.world_size}: stage-3 "
+                    "partitions cannot be mapped"
+                )
+            _read_params(engine, os.path.join(path, f"param_rank{engine.rank}.bin"), rs["stage3_units"])
+        else:
+            engine.module.load_state_dict(ms["module"], strict=load_module_strict)
     if load_optimizer_states:
         meta = rs["optimizer"]
         if ms["world_size"] != engine.world_size or tuple(meta["partition"]) != (engine.lo, engine.hi):

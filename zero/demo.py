@@ -2,7 +2,9 @@
 
 Prints the loss per step and, from the engine's own report, where the bytes live (pinned host memory,
 NVMe swap files), how many moved per step and at what rate. Options: --offload {none,cpu,nvme}, --steps,
---dir (the nvme_path; default a temporary directory, removed at the end).
+--dir (the nvme_path; default a temporary directory, removed at the end), --stage {2,3} and, at stage 3,
+--offload-param {none,cpu,nvme} (ZeRO-Infinity: `--stage 3 --offload-param nvme` keeps parameters and
+optimizer state in swap files; the model is then built under zero.Init, never whole in memory).
 """
 
 from __future__ import annotations
@@ -17,14 +19,19 @@ from typing import List, Optional
 import torch
 
 import zero
-from zero.models import GPT, GPTConfig, corpus_bytes, get_batch
+from zero.models import GPT, GPTConfig, corpus_bytes, get_batch, num_params
 from zero.report import format_bytes
 
 
-def build_config(offload: str, nvme_dir: str, batch: int, sub_group: int) -> dict:
-    zo: dict = {"stage": 2, "sub_group_size": sub_group}
+def build_config(
+    offload: str, nvme_dir: str, batch: int, sub_group: int, stage: int = 2, offload_param: str = "none"
+) -> dict:
+    zo: dict = {"stage": stage, "sub_group_size": sub_group}
     if offload != "none":
         zo["offload_optimizer"] = {"device": offload, "nvme_path": nvme_dir, "buffer_count": 4}
+    if stage == 3 and offload_param != "none":
+        # max_in_cpu 0: every partition in its swap file (DeepSpeed's default keeps up to 1e9 in memory)
+        zo["offload_param"] = {"device": offload_param, "nvme_path": nvme_dir, "max_in_cpu": 0}
     return {
         "train_micro_batch_size_per_gpu": batch,
         "gradient_clipping": 1.0,
@@ -51,30 +58,40 @@ def main(argv: Optional[List[str]] = None) -> int:
         "--d-model", type=int, default=256, help="model width (default 256: about 3.3M parameters)"
     )
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--stage", type=int, choices=(2, 3), default=2, help="ZeRO stage (default 2)")
+    ap.add_argument(
+        "--offload-param",
+        choices=("none", "cpu", "nvme"),
+        default="none",
+        help="stage 3: where parameter partitions live (default none)",
+    )
     args = ap.parse_args(argv)
     if args.steps < 1:
         ap.error("--steps must be >= 1")
+    if args.offload_param != "none" and args.stage != 3:
+        ap.error("--offload-param needs --stage 3")
 
     torch.manual_seed(0)
     model_cfg = GPTConfig(
         seq_len=128, n_layer=args.layers, n_head=max(1, args.d_model // 64), d_model=args.d_model
     )
-    model = GPT(model_cfg)
-    n_params = sum(p.numel() for p in model.parameters())
+    n_params = num_params(model_cfg)
     data = corpus_bytes()
     tmp = tempfile.TemporaryDirectory(prefix="zero-demo-") if args.dir is None else None
     nvme_dir = args.dir if args.dir is not None else tmp.name  # type: ignore[union-attr]
     # Several sub-groups, so the NVMe pipeline (read i+1 / update i / write i-1) has something to overlap.
     sub_group = max(1 << 16, n_params // 6)
-    engine, _, _, _ = zero.initialize(
-        model=model, config=build_config(args.offload, nvme_dir, args.batch, sub_group)
-    )
+    cfg = build_config(args.offload, nvme_dir, args.batch, sub_group, args.stage, args.offload_param)
+    with zero.Init(config=cfg, enabled=args.stage == 3):
+        model = GPT(model_cfg)
+    engine, _, _, _ = zero.initialize(model=model, config=cfg)
     print(
         f"zero-offload demo: GPT {n_params / 1e6:.1f}M parameters ({model_cfg.n_layer} layers, d_model "
         f"{model_cfg.d_model}), byte-level text of {len(data) / 1e3:.0f} kB of Python stdlib source"
     )
     print(
-        f"optimizer: AdamW, ZeRO stage 2, offload={args.offload}"
+        f"optimizer: AdamW, ZeRO stage {args.stage}, offload={args.offload}"
+        + (f", offload_param={args.offload_param}" if args.stage == 3 else "")
         + (f", swap files under {engine.swap_dir}" if engine.swap_dir else "")
         + f", device {engine.device}, {torch.get_num_threads()} threads"
     )
@@ -101,6 +118,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                 f"{dt * 1e3:6.0f} ms (fwd {rep.forward_s * 1e3:.0f} bwd {rep.backward_s * 1e3:.0f} "
                 f"opt {rep.optimizer_s * 1e3:.0f})"
             )
+            param_io = getattr(engine, "last_param_io", None)
+            if param_io and param_io["param_nvme_read_bytes"]:
+                line += (
+                    f"  params r {format_bytes(param_io['param_nvme_read_bytes'])} "
+                    f"w {format_bytes(param_io['param_nvme_write_bytes'])}"
+                )
             if rep.nvme_read_bytes:
                 line += (
                     f"  nvme r {format_bytes(rep.nvme_read_bytes)} w {format_bytes(rep.nvme_write_bytes)} "

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
@@ -29,6 +30,7 @@ from torch import nn
 from offload.pinned import PinnedMemoryBudgetError, PinnedPool, pinned_bytes_in_use
 from offload.swap.optimizer_swapper import AioSettings, OptimizerSwapper, slot_bytes
 from offload.swap.space import SwapSpace, check_nvme_path
+from zero.comm import settle
 from zero.optimizer_offload import (
     DeviceState,
     UpdateRule,
@@ -36,7 +38,7 @@ from zero.optimizer_offload import (
     rule_from_client_optimizer,
     rule_from_config,
 )
-from zero.partition import FlatParams, GradReducer, partition_range
+from zero.partition import FlatParams, GradReadiness, GradReducer, partition_range
 from zero.report import PhaseClock, StepReport
 
 __all__ = ["PINNED_BUDGET_ENV", "ZeroEngine"]
@@ -171,12 +173,9 @@ class ZeroEngine:
         self.device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
         zcfg = cfg.zero_optimization
         self.stage = int(zcfg.stage)
-        if self.stage > 2:
-            raise NotImplementedError(
-                f"zero_optimization.stage={self.stage}: this engine implements stages 0, 1 and 2 (parameter "
-                "partitioning, stage 3, is not available yet)"
-            )
-        if zcfg.offload_param is not None and zcfg.offload_param.device != "none":
+        if self.stage > 3:
+            raise ValueError(f"zero_optimization.stage={self.stage}: stages 0, 1, 2 and 3 exist")
+        if self.stage < 3 and zcfg.offload_param is not None and zcfg.offload_param.device != "none":
             raise ValueError(
                 f"zero_optimization.offload_param.device={zcfg.offload_param.device!r} needs stage 3; "
                 "with stages 0-2 only offload_optimizer is supported"
@@ -223,9 +222,36 @@ class ZeroEngine:
         else:
             raise ValueError("no optimizer: give an 'optimizer' block in the config or pass optimizer=")
         self.rule: UpdateRule = rule
+        if self.stage == 3:
+            self._setup_stage3(model, params, hyper, off)  # zero/stage3_engine.py
+        else:
+            self._setup_flat(model, params, hyper, off)
+        self.lr_scheduler = self._make_scheduler(lr_scheduler)
+        self.loss_scaler = self._make_loss_scaler()
 
-        # -- flat buffers: remember fp32 weights before a cast to 16 bits loses their low bits
-        fp32_weights = torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in params])
+    def __new__(cls, model: nn.Module, cfg: Any, **kwargs: Any) -> ZeroEngine:
+        # Stage 3 partitions the parameters themselves: its engine lives in zero/stage3_engine.py.
+        if cls is ZeroEngine and int(cfg.zero_optimization.stage) == 3:
+            from zero.stage3_engine import Stage3Engine
+
+            cls = Stage3Engine
+        return super().__new__(cls)
+
+    def _setup_stage3(
+        self, model: nn.Module, params: List[nn.Parameter], hyper: Dict[str, Any], off: Any
+    ) -> None:
+        raise NotImplementedError("stage 3 is set up by zero.stage3_engine.Stage3Engine")
+
+    def _setup_flat(
+        self, model: nn.Module, params: List[nn.Parameter], hyper: Dict[str, Any], off: Any
+    ) -> None:
+        """Stages 0-2: flat parameter and gradient buffers; the rank's partition is a slice."""
+        rank, world_size, rule, zcfg = self.rank, self.world_size, self.rule, self.config.zero_optimization
+        # -- flat buffers: remember fp32 weights before a cast to 16 bits loses their low bits. fp32
+        # weights stay exact in the flat buffer: the master is filled from there, no full-size copy.
+        fp32_weights: Optional[torch.Tensor] = None
+        if self.dtype != torch.float32:
+            fp32_weights = torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in params])
         model.to(self.device)
         if self.dtype != torch.float32:
             model.to(self.dtype)
@@ -255,10 +281,18 @@ class ZeroEngine:
             self.grad_host = self._pinned(self.part_numel, "the fp32 gradient partition").zero_()
         self._grads_aliased = grads_aliased
         sub_group = max(1, int(zcfg.sub_group_size))
-        init = torch.zeros(self.part_numel, dtype=torch.float32)
-        real = max(0, min(self.hi, self.flat.numel) - self.lo)
-        init[:real] = fp32_weights[self.lo : self.lo + real]
-        del fp32_weights
+        init: Union[torch.Tensor, Callable[[int, int, torch.Tensor], None]]
+        if fp32_weights is None:
+            buf, lo = self.flat.param_buffer, self.lo  # the padding is zero there too
+
+            def init(start: int, n: int, out: torch.Tensor) -> None:
+                out.copy_(buf[lo + start : lo + start + n])
+
+        else:
+            init = torch.zeros(self.part_numel, dtype=torch.float32)
+            real = max(0, min(self.hi, self.flat.numel) - self.lo)
+            init[:real] = fp32_weights[self.lo : self.lo + real]
+            del fp32_weights
         self._init_state(init, aliased, sub_group, off)
 
         # -- communication, hooks, scheduler, loss scaling
@@ -273,8 +307,33 @@ class ZeroEngine:
                 overlap=bool(zcfg.overlap_comm),
             )
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook(i)) for i, p in enumerate(params)]
-        self.lr_scheduler = self._make_scheduler(lr_scheduler)
-        self.loss_scaler = self._make_loss_scaler()
+        self._setup_overlap(off)
+
+    def _setup_overlap(self, off: Any) -> None:
+        """Stepping sub-groups during backward (offload_optimizer.pipeline_read / pipeline_write).
+
+        Each sub-group is stepped as soon as its gradients are final, so its NVMe read, update and write
+        overlap the rest of backward. The update must not depend on gradients still to come, which rules
+        out gradient clipping (needs the global norm first) and several ranks (the reduction ends with
+        backward); there the optimizer runs after backward as usual. A pass that fails or finds an fp16
+        overflow is not committed (two NVMe copies), exactly as after backward.
+        """
+        self._early_gate: Optional[GradReadiness] = None
+        self._early_thread: Optional[threading.Thread] = None
+        self._early_result: Optional[Tuple[bool, Optional[BaseException], int, bool]] = None
+        state = self._state
+        if not (
+            off is not None
+            and bool(getattr(off, "pipeline", False))
+            and isinstance(state, OptimizerSwapper)
+            and state.copies > 1
+            and self.world_size == 1
+            and self.gradient_clipping <= 0
+            and self.device.type == "cpu"
+        ):
+            return
+        state.step_order = list(reversed(range(len(state.chunks))))  # backward makes the last grads first
+        self._early_gate = GradReadiness(self.flat, self.lo, state.chunks)
 
     # --------------------------------------------------------------------------------------------- set-up
     @staticmethod
@@ -313,14 +372,28 @@ class ZeroEngine:
         except PinnedMemoryBudgetError as e:
             err = PinnedMemoryBudgetError(e.requested, e.in_use, e.cap)
             err.args = (
-                f"{e} - needed for {what} ({numel} x {dtype}); "
-                f"raise zero_offload.pinned_budget_bytes or {PINNED_BUDGET_ENV}",
+                f"{e} - needed for {what} ({numel} x {dtype}); raise zero_offload.pinned_budget_bytes "
+                f"or {PINNED_BUDGET_ENV}",
             )
             raise err from None
 
-    def _init_state(self, init: torch.Tensor, aliased: bool, sub_group: int, off: Any) -> None:
+    def _init_state(
+        self,
+        init: Union[torch.Tensor, Callable[[int, int, torch.Tensor], None]],
+        aliased: bool,
+        sub_group: int,
+        off: Any,
+        swap_copies: int = 2,
+    ) -> None:
+        """fp32 master (from `init`: the values, or `fill(start, n, out)` so NVMe never needs them whole)
+        and optimizer states on the offload tier. `swap_copies=1`: NVMe state updated in place (stage 3
+        when the disk cannot hold two copies; steps are then not atomic)."""
         n_states = self.rule.n_states
         part = self.part_numel
+        if callable(init) and self.offload_device != "nvme" and not aliased:
+            values = torch.empty(part, dtype=torch.float32)
+            init(0, part, values)
+            init = values
         if self.offload_device == "nvme":
             nvme_path = check_nvme_path(off.nvme_path or "")
             buffer_count = max(1, int(off.buffer_count))
@@ -337,13 +410,17 @@ class ZeroEngine:
                     buffer_count=buffer_count,
                     aio=AioSettings.from_config(self.config.aio),
                     name=f"optim-rank{self.rank}",
+                    **({"copies": swap_copies} if swap_copies != 2 else {}),
                 )
             except BaseException:
                 self._space.close()  # no half-built swap directory left behind
                 raise
 
             def fill(start: int, n: int, master: torch.Tensor, states: List[torch.Tensor]) -> None:
-                master.copy_(init[start : start + n])
+                if callable(init):
+                    init(start, n, master)
+                else:
+                    master.copy_(init[start : start + n])
                 for s in states:
                     s.zero_()
 
@@ -359,7 +436,8 @@ class ZeroEngine:
             pinned = self.offload_device == "cpu"
             if aliased:
                 master = self.flat.param_buffer[self.lo : self.hi]
-                master.copy_(init)  # the fp32 weights, bit for bit (already there: same values)
+                if not callable(init):
+                    master.copy_(init)  # the fp32 weights, bit for bit (already there: same values)
             elif pinned:
                 master = self._pinned(part, "the fp32 master partition").copy_(init)
             else:
@@ -372,15 +450,18 @@ class ZeroEngine:
             self._state = DeviceState(master, states, chunk_for_writer, pinned=pinned)
             if self.device.type == "cuda" and not pinned:
                 self._torch_opt = self._device_optimizer(master, states)
-        self._writer = _ParamWriter(
-            self.flat, self.lo, aliased, chunk_for_writer, self.pool if self.device.type == "cuda" else None
+        self._writer = self._make_writer(aliased, chunk_for_writer)
+
+    def _make_writer(self, aliased: bool, chunk_numel: int) -> Any:
+        return _ParamWriter(
+            self.flat, self.lo, aliased, chunk_numel, self.pool if self.device.type == "cuda" else None
         )
 
     def _slot_numel(self, sub_group: int, buffer_count: int, n_states: int, alignment: int) -> int:
         """Elements per staging slot: one sub-group if the budget allows, else a piece of one (split)."""
         free = self.pool.cap_bytes - self.pool.bytes_in_use
         if self.device.type == "cuda":
-            free -= 2 * min(sub_group, self.part_numel) * self.flat.param_buffer.element_size()
+            free -= 2 * min(sub_group, self.part_numel) * torch.empty((), dtype=self.dtype).element_size()
         want = min(sub_group, self.part_numel)
         if buffer_count * slot_bytes(want, n_states, alignment) <= free:
             return want
@@ -391,8 +472,8 @@ class ZeroEngine:
             need = buffer_count * slot_bytes(floor, n_states, alignment) + self.pool.bytes_in_use
             raise ValueError(
                 f"pinned memory budget too small for NVMe staging: {self.pool.cap_bytes} bytes "
-                f"(zero_offload.pinned_budget_bytes / {PINNED_BUDGET_ENV}) "
-                f"with {self.pool.bytes_in_use} bytes already used for gradients; "
+                f"(zero_offload.pinned_budget_bytes / {PINNED_BUDGET_ENV}) with "
+                f"{self.pool.bytes_in_use} bytes already used for gradients; "
                 f"offload_optimizer.buffer_count={buffer_count} slots of one sub-group "
                 f"(sub_group_size={sub_group}, {want} elements, {1 + n_states} fp32 tensors) need "
                 f"{buffer_count * slot_bytes(want, n_states, alignment)} bytes, and at least {need} bytes in "
@@ -447,6 +528,8 @@ class ZeroEngine:
             self.flat.claim_grad(index)
             if self.reducer is not None:
                 self.reducer.grad_ready(index)
+            if self._early_thread is not None:
+                self._early_gate.param_ready(index)  # type: ignore[union-attr]
 
         return hook
 
@@ -505,11 +588,22 @@ class ZeroEngine:
             self.reducer.begin()
         if boundary:
             # NVMe: the first sub-groups' states do not depend on the gradients; read them during backward.
+            self._discard_early_pass()  # a second boundary backward without step(): start over
             self._state.prefetch()
+        early = boundary and getattr(self, "_early_gate", None) is not None and not retain_graph
+        if early:
+            self._start_early_pass()
         scale = self.loss_scale / self.gas
-        with self._clock.phase("backward_s"):
-            scaled = loss.float() * scale if scale != 1.0 else loss
-            scaled.backward(retain_graph=retain_graph)
+        try:
+            with self._clock.phase("backward_s"):
+                scaled = loss.float() * scale if scale != 1.0 else loss
+                scaled.backward(retain_graph=retain_graph)
+        except BaseException:
+            if early:
+                self._discard_early_pass()
+            raise
+        if early:
+            self._early_gate.all_ready()  # type: ignore[union-attr]
         if self.reducer is not None and boundary:
             with self._clock.phase("comm_s"):
                 self.reducer.finish()
@@ -546,7 +640,7 @@ class ZeroEngine:
         elif self.lr_scheduler is not None:
             self.optimizer._opt_called = True  # torch's schedulers check that the optimizer stepped first
             self.lr_scheduler.step(**(lr_kwargs or {}))
-        self.flat.zero_grads()
+        self.zero_grad()
         rep.skipped = overflow
         rep.loss_scale = self.loss_scale
 
@@ -558,7 +652,7 @@ class ZeroEngine:
         sq = torch.linalg.vector_norm(self.grad_host, dtype=torch.float32).pow(2).reshape(1)
         if self.world_size > 1 and self.stage >= 1:
             sq = sq.to(self.device) if self.device.type == "cuda" else sq
-            dist.all_reduce(sq)
+            settle(dist.all_reduce(sq, async_op=True))
         norm = math.sqrt(float(sq.item())) / grad_scale if math.isfinite(float(sq.item())) else math.inf
         if not math.isfinite(norm):
             return grad_scale, bool(self.fp16)
@@ -569,15 +663,78 @@ class ZeroEngine:
                 grad_scale /= coef
         return grad_scale, False
 
+    # --------------------------------------------------------------- optimizer steps during backward
+    def _start_early_pass(self) -> None:
+        """Start the NVMe pass on a worker thread; it steps each sub-group once its gradients are final."""
+        gate = self._early_gate
+        assert gate is not None
+        fused_check = self.fp16  # no clipping here; an overflow stops the pass and nothing is committed
+        grad_scale = self.loss_scale * self.world_size
+        step = self.optimizer.step_count + 1
+        group = self.optimizer.param_groups[0]
+        # The kernel reads 16-bit gradients itself: the gradient buffer is used in place, never copied.
+        grad = self.flat.grad_buffer[self.lo : self.hi]
+        rule, writer = self.rule, self._writer
+        h2d0 = writer.h2d_bytes
+
+        def update(start: int, n: int, master: torch.Tensor, states: List[torch.Tensor]) -> bool:
+            ok = rule.apply(
+                master,
+                grad[start : start + n],
+                states,
+                step=step,
+                group=group,
+                grad_scale=grad_scale,
+                param_copy=writer.param_copy(start, n),
+                check_finite=fused_check,
+            )
+            if ok:
+                writer.after_update(start, n, master)
+            return ok
+
+        def run() -> None:
+            try:
+                ok = self._state.step(update, ready=gate.wait)
+                self._early_result = (ok, None, h2d0, fused_check)
+            except BaseException as e:  # noqa: BLE001 - handed to step() on the main thread
+                self._early_result = (False, e, h2d0, fused_check)
+
+        gate.begin()
+        self._early_result = None
+        self._early_thread = threading.Thread(target=run, name="zero-optimizer-overlap", daemon=True)
+        self._early_thread.start()
+
+    def _join_early_pass(self) -> Optional[Tuple[bool, Optional[BaseException], int, bool]]:
+        thread = self._early_thread
+        if thread is None:
+            return None
+        thread.join()
+        self._early_thread = None
+        result, self._early_result = self._early_result, None
+        return result
+
+    def _discard_early_pass(self) -> None:
+        """Stop a pass started during backward and undo its effect on the parameters (state uncommitted)."""
+        if getattr(self, "_early_thread", None) is None:
+            return
+        self._early_gate.cancel()  # type: ignore[union-attr]
+        self._join_early_pass()
+        self._state.abort()
+        self._restore_params()
+        self._state.stats.reset()
+
     def _optimizer_pass(self, rep: StepReport) -> bool:
         """Run the optimizer over this rank's partition; True when the step was skipped (overflow)."""
+        if getattr(self, "_early_thread", None) is not None:
+            return self._finish_early_pass(rep)
         if not self._grads_aliased:
             self.grad_host.copy_(self.flat.grad_buffer[self.lo : self.hi], non_blocking=True)
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
             rep.device_to_host_bytes += self.part_numel * self.flat.grad_buffer.element_size()
         nvme = isinstance(self._state, OptimizerSwapper)
-        fused_check = self.fp16 and nvme and self.gradient_clipping <= 0
+        # The fused check needs an atomic step (two NVMe copies) to discard a half-done pass.
+        fused_check = self.fp16 and nvme and self.gradient_clipping <= 0 and self._state.copies > 1
         grad_scale, overflow = self._grad_scale_and_overflow(fused_check)
         if overflow:
             return True
@@ -621,7 +778,7 @@ class ZeroEngine:
             flag = torch.tensor(
                 [1.0 if ok else 0.0], device=self.device if self.device.type == "cuda" else "cpu"
             )
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            settle(dist.all_reduce(flag, op=dist.ReduceOp.MIN, async_op=True))
             ok = bool(flag.item() > 0)
         if ok:
             self._state.commit()
@@ -632,6 +789,40 @@ class ZeroEngine:
         writer.finish()
         rep.optimizer_compute_s += stats.compute_s
         rep.io_wait_s += stats.io_wait_s
+        rep.nvme_read_bytes += stats.bytes_read
+        rep.nvme_write_bytes += stats.bytes_written
+        stats.reset()
+        rep.host_to_device_bytes += writer.h2d_bytes - h2d0
+        return not ok
+
+    def _finish_early_pass(self, rep: StepReport) -> bool:
+        """Wait for the pass started in backward, then commit it or keep the previous state."""
+        result = self._join_early_pass()
+        assert result is not None
+        ok, err, h2d0, fused_check = result
+        step = self.optimizer.step_count + 1
+        stats, writer = self._state.stats, self._writer
+        if err is not None:
+            self._state.abort()
+            self._restore_params()
+            if isinstance(err, OSError):
+                raise OSError(
+                    err.errno,
+                    f"optimizer step {step} failed while swapping optimizer state ({err.strerror}); "
+                    "the previous state is kept and training can continue from it",
+                    getattr(err, "filename", None),
+                ) from err
+            raise err
+        if ok:
+            self._state.commit()
+            self.optimizer.step_count = step
+        else:
+            self._state.abort()
+            self._restore_params()
+        writer.finish()
+        rep.optimizer_compute_s += stats.compute_s
+        rep.io_wait_s += stats.io_wait_s
+        rep.gradient_wait_s += stats.gate_wait_s
         rep.nvme_read_bytes += stats.bytes_read
         rep.nvme_write_bytes += stats.bytes_written
         stats.reset()
@@ -667,7 +858,7 @@ class ZeroEngine:
         size = self.part_numel
         buf = self.flat.param_buffer
         outs = [buf[r * size : (r + 1) * size] for r in range(self.world_size)]
-        dist.all_gather(outs, buf[self.lo : self.hi].clone())
+        settle(dist.all_gather(outs, buf[self.lo : self.hi].clone(), async_op=True))
 
     def _finish_report(self) -> StepReport:
         rep = self._clock.finish()
@@ -691,6 +882,7 @@ class ZeroEngine:
         return self._space.dir if self._space is not None else None
 
     def optimizer_state_dict(self) -> Dict[str, Any]:
+        self._discard_early_pass()  # between backward and step: the committed state, as without overlap
         master = torch.empty(self.part_numel, dtype=torch.float32)
         states = [torch.empty(self.part_numel, dtype=torch.float32) for _ in range(self.rule.n_states)]
 
@@ -715,6 +907,7 @@ class ZeroEngine:
                 f"optimizer state is for {sd['rule']} over partition {tuple(sd['partition'])}, "
                 f"this engine runs {self.rule.kind} over {(self.lo, self.hi)}"
             )
+        self._discard_early_pass()
         master, states = sd["master"], sd["states"]
 
         def put(start: int, n: int, m: torch.Tensor, st: List[torch.Tensor]) -> None:
@@ -763,6 +956,9 @@ class ZeroEngine:
         """Free pinned buffers and remove the swap files. The model stays usable (weights are kept)."""
         if self._closed:
             return
+        if getattr(self, "_early_thread", None) is not None:
+            self._early_gate.cancel()  # type: ignore[union-attr]
+            self._join_early_pass()  # nothing may touch the slots once they are freed
         self._closed = True
         for h in self._hooks:
             h.remove()

@@ -35,6 +35,9 @@ class StepReport:
     optimizer_s: float = 0.0  # the whole optimizer phase, I/O included
     optimizer_compute_s: float = 0.0  # inside the fused kernels (and parameter copy-out)
     io_wait_s: float = 0.0  # blocked on NVMe reads/writes during the optimizer phase
+    # optimizer steps overlapped with backward (offload_optimizer.pipeline_*): how long that pass waited
+    # for gradients; its compute and I/O wait above then ran during backward_s, not after it
+    gradient_wait_s: float = 0.0
     nvme_read_bytes: int = 0
     nvme_write_bytes: int = 0
     device_to_host_bytes: int = 0  # gradients to the host tier

@@ -19,18 +19,20 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
 from offload.swap.space import SwapFile, SwapSpace, align_up
 
-__all__ = ["AioSettings", "ChunkFn", "OptimizerSwapper", "SwapStats"]
+__all__ = ["AioSettings", "ChunkFn", "OptimizerSwapper", "ReadyFn", "SwapStats"]
 
 FP32_BYTES = 4
 
 # (start element within the partition, numel, master view, state views) -> all values finite
 ChunkFn = Callable[[int, int, torch.Tensor, List[torch.Tensor]], bool]
+# chunk index -> go on (blocks until the chunk's inputs are ready; False cancels the pass)
+ReadyFn = Callable[[int], bool]
 
 
 @dataclass(frozen=True)
@@ -76,12 +78,13 @@ class SwapStats:
     bytes_written: int = 0
     io_wait_s: float = 0.0  # time blocked waiting for a slot's I/O
     compute_s: float = 0.0  # time inside the update function
+    gate_wait_s: float = 0.0  # time waiting for a chunk's inputs (gradients still being produced)
     chunks: int = 0
     extra: dict = field(default_factory=dict)
 
     def reset(self) -> None:
         self.bytes_read = self.bytes_written = self.chunks = 0
-        self.io_wait_s = self.compute_s = 0.0
+        self.io_wait_s = self.compute_s = self.gate_wait_s = 0.0
 
 
 def slot_bytes(chunk_numel: int, n_states: int, alignment: int) -> int:
@@ -103,11 +106,14 @@ class OptimizerSwapper:
         buffer_count: int = 4,
         aio: Optional[AioSettings] = None,
         name: str = "optimizer",
+        copies: int = 2,
     ) -> None:
         if numel <= 0:
             raise ValueError(f"numel must be positive, got {numel}")
         if chunk_numel <= 0:
             raise ValueError(f"chunk_numel must be positive, got {chunk_numel}")
+        if copies not in (1, 2):
+            raise ValueError(f"copies must be 1 (update in place) or 2 (atomic steps), got {copies}")
         if buffer_count < 1:
             raise ValueError(f"buffer_count must be >= 1, got {buffer_count}")
         self.space = space
@@ -129,19 +135,32 @@ class OptimizerSwapper:
         self._live = 0
         self._pending = False
         self._closed = False
-        self._prefetched = 0  # chunks 0..n-1 already queued for reading into slots 0..n-1
+        self._prefetched = 0  # chunks at positions 0..n-1 of _prefetch_order queued into slots 0..n-1
+        self._prefetch_order: List[int] = []
+        # The order `step` (and `prefetch`) visit chunks in. The engine reverses it when it steps
+        # sub-groups during backward, which produces the last parameters' gradients first.
+        self.step_order: List[int] = list(range(len(self.chunks)))
         try:
             n_slots = min(buffer_count, len(self.chunks))
             for _ in range(n_slots):
                 self._slots.append(pool.allocate(self.region_bytes // FP32_BYTES, torch.float32))
                 self._handles.append(self._aio.handle())
-            for copy in ("a", "b"):
+            for copy in ("a", "b")[:copies]:
                 self._files.append(space.create(f"{name}.{copy}.swp", self.region_bytes * len(self.chunks)))
         except BaseException:
             self.close()
             raise
 
     # ----------------------------------------------------------------------------------------------- sizes
+    @property
+    def copies(self) -> int:
+        """2: a step writes the spare copy (atomic); 1: in place (half the disk, a failed step is lost)."""
+        return len(self._files)
+
+    @property
+    def _spare(self) -> int:
+        return (self._live + 1) % len(self._files)
+
     @property
     def buffer_count(self) -> int:
         return len(self._slots)
@@ -205,30 +224,50 @@ class OptimizerSwapper:
             raise RuntimeError("OptimizerSwapper is closed")
 
     def _pipeline(
-        self, src: Optional[SwapFile], dst: Optional[SwapFile], fn: ChunkFn, use_prefetch: bool = False
+        self,
+        src: Optional[SwapFile],
+        dst: Optional[SwapFile],
+        fn: ChunkFn,
+        use_prefetch: bool = False,
+        order: Optional[Sequence[int]] = None,
+        ready: Optional[ReadyFn] = None,
     ) -> bool:
-        """Read chunks from `src` (or none), apply `fn`, write to `dst` (or none). Stops at a False."""
-        n_chunks, n_slots = len(self.chunks), len(self._slots)
-        issued = -1  # highest chunk whose read is queued
-        if use_prefetch:
+        """Read chunks from `src` (or none), apply `fn`, write to `dst` (or none). Stops at a False.
+
+        Chunks are visited in `order` (default: ascending); the chunk at position p always uses slot
+        p % slots, so a prefetch made with the same order lines up. `ready(i)`, when given, is called
+        before chunk i's update and blocks until its inputs are final; False cancels the pass.
+        """
+        order = list(range(len(self.chunks))) if order is None else list(order)
+        n_chunks, n_slots = len(order), len(self._slots)
+        issued = -1  # highest position whose read is queued
+        if use_prefetch and self._prefetched and self._prefetch_order == order:
             issued = self._prefetched - 1
         elif self._prefetched:
-            self._drain()  # this pass reuses the slots: the prefetched chunks are lost
+            self._drain()  # this pass reuses the slots (or another order): the prefetched chunks are lost
         self._prefetched = 0
         try:
-            for i in range(n_chunks):
-                slot = i % n_slots
-                if src is not None and issued < i:
+            for p in range(n_chunks):
+                slot = p % n_slots
+                i = order[p]
+                if src is not None and issued < p:
                     self._wait(slot)  # the slot's previous write must be done before it is refilled
                     self._read(i, slot, src)
-                    issued = i
-                if src is not None and n_slots > 1 and issued < i + 1 < n_chunks:
-                    nxt = (i + 1) % n_slots
+                    issued = p
+                if src is not None and n_slots > 1 and issued < p + 1 < n_chunks:
+                    nxt = (p + 1) % n_slots
                     self._wait(nxt)
-                    self._read(i + 1, nxt, src)
-                    issued = i + 1
+                    self._read(order[p + 1], nxt, src)
+                    issued = p + 1
                 elif src is None:
                     self._wait(slot)
+                if ready is not None:
+                    t0 = time.perf_counter()
+                    go = ready(i)
+                    self.stats.gate_wait_s += time.perf_counter() - t0
+                    if not go:
+                        self._drain()
+                        return False
                 self._wait(slot)  # this chunk's read
                 start, n = self.chunks[i]
                 master, states = self._views(slot, n)
@@ -261,28 +300,38 @@ class OptimizerSwapper:
         if self._prefetched:
             return
         src = self._files[self._live]
-        count = min(len(self._slots), len(self.chunks))
-        for i in range(count):
-            self._wait(i)
-            self._read(i, i, src)
+        order = self.step_order
+        count = min(len(self._slots), len(order))
+        for p in range(count):
+            self._wait(p)
+            self._read(order[p], p, src)
         self._prefetched = count
+        self._prefetch_order = list(order)
 
-    def step(self, fn: ChunkFn) -> bool:
-        """Run `fn` over every chunk of the live state, writing results to the spare copy.
+    def step(self, fn: ChunkFn, ready: Optional[ReadyFn] = None) -> bool:
+        """Run `fn` over every chunk of the live state (in `step_order`), writing results to the spare copy.
 
-        Returns False (and stops early) when `fn` returns False. The result becomes the state only after
-        `commit()`; `abort()` (or simply not committing) keeps the previous state.
+        Returns False (and stops early) when `fn` returns False, or `ready(i)` (called before chunk i's
+        update, e.g. to wait until its gradients are final) returns False. The result becomes the state
+        only after `commit()`; `abort()` (or simply not committing) keeps the previous state.
         """
         self._check_open()
         self._pending = False
-        ok = self._pipeline(self._files[self._live], self._files[1 - self._live], fn, use_prefetch=True)
+        ok = self._pipeline(
+            self._files[self._live],
+            self._files[self._spare],
+            fn,
+            use_prefetch=True,
+            order=self.step_order,
+            ready=ready,
+        )
         self._pending = ok
         return ok
 
     def commit(self) -> None:
         if not self._pending:
             raise RuntimeError("OptimizerSwapper.commit() without a completed step")
-        self._live = 1 - self._live
+        self._live = self._spare
         self._pending = False
 
     def abort(self) -> None:
@@ -307,8 +356,8 @@ class OptimizerSwapper:
             fn(start, n, master, states)
             return True
 
-        self._pipeline(None, self._files[1 - self._live], fill)
-        self._live = 1 - self._live
+        self._pipeline(None, self._files[self._spare], fill)
+        self._live = self._spare
 
     def close(self) -> None:
         """Release the staging slots and aio handles (the swap files belong to the SwapSpace)."""

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zero.comm import settle
 from zero.stage3.partitioner import Stage3Partitioner
 from zero.stage3.unit import Unit, is_partitioned
 
@@ -78,6 +79,13 @@ class Init:
         self.partitioner = partitioner
         if enabled and partitioner is None:
             self.partitioner = Stage3Partitioner(cfg, device=device, group=data_parallel_group)
+        if enabled and dtype is None and self.partitioner is not None:
+            # As DeepSpeed: the config's fp16 / bf16 section decides the dtype the engine will train in.
+            loaded = self.partitioner.config
+            if loaded.fp16.enabled:
+                self.dtype = torch.float16
+            elif loaded.bf16.enabled:
+                self.dtype = torch.bfloat16
         self._depth: Dict[int, int] = {}
         self._seq = 0
         if enabled and module is not None:
@@ -275,7 +283,7 @@ class GatheredParameters:
                     view.copy_(p.data.reshape(-1))
                     p.data = view.view(u.shapes[i])
             if owner.world_size > 1:
-                dist.broadcast(full, src=self.modifier_rank, group=owner.group)
+                settle(dist.broadcast(full, src=self.modifier_rank, group=owner.group, async_op=True))
             owner.write_partition(
                 u, full[u.lo : u.hi].clone() if owner._aliased(u) is None else full[u.lo : u.hi]
             )

@@ -222,6 +222,11 @@ class PartitionStore:
     def swap_dir(self) -> Optional[str]:
         return self._space.dir if self._space is not None else None
 
+    @property
+    def bytes_on_disk(self) -> int:
+        """Bytes allocated to this store's swap files (0 without NVMe)."""
+        return self._space.bytes_allocated if self._space is not None else 0
+
     # ---------------------------------------------------------------------------------------- staging slots
     def ensure_slots(self) -> None:
         """Allocate the pinned staging slots now (before training), or fail naming the largest layer."""

@@ -1,0 +1,223 @@
+"""Optimizer steps overlapped with backward (offload_optimizer.pipeline_read / pipeline_write, NVMe tier).
+
+Every sub-group is stepped on a worker thread as soon as its gradients are final. Each element's update
+does not depend on the order the sub-groups run in, so the trajectory must be bit-identical to the
+engine stepping after backward; an fp16 overflow found part way through the overlapped pass must undo
+it (nothing committed, parameters restored), again giving the very same trajectory.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import zero
+from offload.pinned import PinnedPool
+from offload.swap import OptimizerSwapper, SwapSpace
+from zero.models import GPT, GPTConfig, corpus_bytes, get_batch
+from zero.partition import FlatParams, GradReadiness
+
+MODEL = GPTConfig(vocab_size=256, seq_len=16, n_layer=2, n_head=2, d_model=32)
+
+
+def _config(nvme: str, pipeline: bool, dtype: str = "fp32", **extra: object) -> dict:
+    cfg: dict = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+        "zero_optimization": {
+            "stage": 2,
+            "sub_group_size": 8192,  # about 8 sub-groups: several become ready at different times
+            "offload_optimizer": {
+                "device": "nvme",
+                "nvme_path": nvme,
+                "buffer_count": 3,
+                "pipeline_read": pipeline,
+                "pipeline_write": pipeline,
+            },
+        },
+    }
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    if dtype == "fp16":
+        # 2**16 overflows the first step of this model: the scaler halves it, later steps go through.
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 16, "loss_scale_window": 2}
+    cfg.update(extra)
+    return cfg
+
+
+def _train(cfg: dict, steps: int, gas: int = 1):
+    torch.manual_seed(0)
+    engine = zero.initialize(model=GPT(MODEL), config=dict(cfg, gradient_accumulation_steps=gas))[0]
+    data = corpus_bytes()
+    losses = []
+    for s in range(steps * gas):
+        x, y = get_batch(data, 2, MODEL.seq_len, s)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    params = torch.cat([p.detach().float().reshape(-1) for p in engine.module.parameters()])
+    state = engine.optimizer.state_dict()
+    out = {
+        "losses": losses,
+        "params": params,
+        "state": state,
+        "skipped": engine.skipped_steps,
+        "early": engine._early_gate is not None,
+        "report": engine.last_report,
+    }
+    engine.close()
+    return out
+
+
+def _same(a: dict, b: dict) -> None:
+    assert a["losses"] == b["losses"]
+    assert torch.equal(a["params"], b["params"])
+    assert torch.equal(a["state"]["master"], b["state"]["master"])
+    for x, y in zip(a["state"]["states"], b["state"]["states"]):
+        assert torch.equal(x, y)
+    assert a["skipped"] == b["skipped"]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_overlapped_steps_match_steps_after_backward(tmp_path, dtype):
+    plain = _train(_config(str(tmp_path), False, dtype), steps=3)
+    overlapped = _train(_config(str(tmp_path), True, dtype), steps=3)
+    assert not plain["early"] and overlapped["early"]
+    _same(plain, overlapped)
+    rep = overlapped["report"]
+    assert rep.nvme_read_bytes > 0 and rep.nvme_write_bytes > 0
+    # The trajectory really moved (a pass that never committed would also be "identical").
+    assert overlapped["state"]["step"] == 3
+
+
+def test_overlap_with_gradient_accumulation(tmp_path):
+    plain = _train(_config(str(tmp_path), False), steps=2, gas=2)
+    overlapped = _train(_config(str(tmp_path), True), steps=2, gas=2)
+    _same(plain, overlapped)
+
+
+def test_overflow_in_overlapped_pass_is_undone(tmp_path):
+    """fp16: the fused finite check stops the speculative pass; nothing is committed, params restored."""
+    plain = _train(_config(str(tmp_path), False, "fp16"), steps=4)
+    overlapped = _train(_config(str(tmp_path), True, "fp16"), steps=4)
+    assert 0 < overlapped["skipped"] < 4  # some steps overflowed and were undone, later ones went through
+    _same(plain, overlapped)
+
+
+def test_clipping_falls_back_to_stepping_after_backward(tmp_path):
+    cfg = _config(str(tmp_path), True, gradient_clipping=0.5)
+    plain = _train(_config(str(tmp_path), False, gradient_clipping=0.5), steps=2)
+    clipped = _train(cfg, steps=2)
+    assert not clipped["early"]  # the global norm is needed before any update
+    _same(plain, clipped)
+
+
+def test_state_dict_between_backward_and_step_sees_committed_state(tmp_path):
+    torch.manual_seed(0)
+    engine = zero.initialize(model=GPT(MODEL), config=_config(str(tmp_path), True))[0]
+    data = corpus_bytes()
+    x, y = get_batch(data, 2, MODEL.seq_len, 0)
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    committed = engine.optimizer.state_dict()
+    engine.backward(engine(x, y))
+    mid = engine.optimizer.state_dict()  # discards the overlapped pass, restores the parameters
+    assert torch.equal(mid["master"], committed["master"]) and mid["step"] == 0
+    assert all(torch.equal(a, p.detach()) for a, p in zip(before, engine.module.parameters()))
+    engine.step()  # the update then runs after backward, from the same gradients
+    assert engine.optimizer.state_dict()["step"] == 1
+    assert not all(torch.equal(a, p.detach()) for a, p in zip(before, engine.module.parameters()))
+    engine.close()
+
+
+def test_failed_backward_cancels_the_pass(tmp_path):
+    torch.manual_seed(0)
+    engine = zero.initialize(model=GPT(MODEL), config=_config(str(tmp_path), True))[0]
+    data = corpus_bytes()
+    x, y = get_batch(data, 2, MODEL.seq_len, 0)
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    loss = engine(x, y)
+    hook = loss.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("backward failed")))
+    with pytest.raises(RuntimeError, match="backward failed"):
+        engine.backward(loss)
+    hook.remove()
+    assert engine._early_thread is None
+    assert all(torch.equal(a, p.detach()) for a, p in zip(before, engine.module.parameters()))
+    assert engine.optimizer.state_dict()["step"] == 0
+    engine.close()
+
+
+def test_grad_readiness_waits_for_every_parameter_of_a_chunk():
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (3000, 500, 4000, 600)]
+    flat = FlatParams(params)
+    chunks = [(s, min(2048, flat.padded_numel - s)) for s in range(0, flat.padded_numel, 2048)]
+    gate = GradReadiness(flat, 0, chunks)
+    # parameter 0 covers [0, 3000): chunks 0 and 1; parameter 1 [3000, 3500): chunk 1; ...
+    assert gate.chunks_of[0] == [0, 1] and gate.chunks_of[1] == [1]
+    assert gate.counts[1] == 3  # parameters 0, 1 and 2 overlap [2048, 4096)
+    gate.begin()
+    released = []
+
+    def waiter(c: int) -> None:
+        released.append((c, gate.wait(c)))
+
+    t = threading.Thread(target=waiter, args=(1,))
+    t.start()
+    gate.param_ready(0)
+    gate.param_ready(1)
+    t.join(timeout=0.2)
+    assert t.is_alive() and released == []  # parameter 2 still missing
+    gate.param_ready(2)
+    t.join()
+    assert released == [(1, True)]
+    assert gate.wait(0)  # parameter 0 alone made chunk 0 ready
+    gate.cancel()
+    assert not gate.wait(3)
+    gate.begin()
+    gate.all_ready()
+    assert gate.wait(3)  # backward finished: unused parameters never fire their hooks
+
+
+def test_swapper_step_order_and_ready_gate(tmp_path):
+    pool = PinnedPool(16 << 20)
+    with SwapSpace(str(tmp_path)) as space:
+        sw = OptimizerSwapper(space, 5000, 1, pool, chunk_numel=1000, buffer_count=2)
+        values = torch.arange(5000, dtype=torch.float32)
+
+        def fill(start, n, master, states):
+            master.copy_(values[start : start + n])
+            states[0].zero_()
+
+        sw.load(fill)
+        sw.step_order = [4, 3, 2, 1, 0]
+        sw.prefetch()  # lines up with the reversed order: the step uses these reads
+        read0 = sw.stats.bytes_read
+        visited, gated = [], []
+
+        def ready(i):
+            gated.append(i)
+            return True
+
+        def add(start, n, master, states):
+            visited.append(start // 1000)
+            master.add_(1)
+            return True
+
+        assert sw.step(add, ready=ready)
+        sw.commit()
+        assert visited == [4, 3, 2, 1, 0] and gated == visited
+        assert sw.stats.bytes_read == read0 + 3 * (sw.region_bytes)  # 2 prefetched, 3 read in the step
+        got = torch.empty(5000)
+
+        def take(start, n, master, states):
+            got[start : start + n].copy_(master)
+
+        sw.read_all(take)
+        assert torch.equal(got, values + 1)
+        assert not sw.step(add, ready=lambda i: i != 2)  # a cancelled pass is not committed
+        sw.abort()
+        sw.read_all(take)
+        assert torch.equal(got, values + 1)
+        sw.close()
