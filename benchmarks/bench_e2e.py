@@ -1,0 +1,445 @@
+"""End-to-end training step of a GPT decoder: plain torch vs this engine vs DeepSpeed, same model and data.
+
+    .venv/bin/python -m benchmarks.bench_e2e [--size 350m] [--dtype fp32] [--repeats 2] [--no-deepspeed]
+
+Every configuration runs in its own process (so peak RSS does not mix), 2 warm-up steps then `--steps`
+timed ones, on the same seed and token batches. Each offload configuration runs ours, then DeepSpeed's
+(A B A B over `--repeats` rounds); DeepSpeed runs under its own interpreter (`--ds-python`, default
+/work/dsvenv/bin/python) through benchmarks/deepspeed_runner.py, which also holds the shared timing loop.
+
+Per configuration: median / min / max step time over all timed steps of all rounds, the forward /
+backward / optimizer split (wall time around engine(x) / backward / step) and the optimizer phase's I/O
+wait (ours: the engine's report), peak RSS (initialisation and steady state), bytes read and written on
+disk per step (/proc/self/io), init time, and the largest relative loss difference from plain torch over
+all steps. Output: benchmarks/out/e2e.json and e2e.md (plot with benchmarks.plot_e2e).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List, Optional
+
+from benchmarks.harness import OUT_DIR, machine_info, markdown_table
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUNNER = os.path.join(ROOT, "benchmarks", "deepspeed_runner.py")
+DS_PYTHON = "/work/dsvenv/bin/python"
+
+# GPT-3 paper shapes with a 32000-token vocabulary and an untied head.
+SIZES: Dict[str, Dict[str, int]] = {
+    "125m": {"n_layer": 12, "d_model": 768, "n_head": 12},
+    "350m": {"n_layer": 24, "d_model": 1024, "n_head": 16},
+    "760m": {"n_layer": 24, "d_model": 1536, "n_head": 16},
+    "tiny": {"n_layer": 2, "d_model": 128, "n_head": 2},  # smoke tests of the benchmark itself
+}
+
+LR, WEIGHT_DECAY = 1e-4, 0.01
+
+# name -> (zero_optimization for ours, for DeepSpeed); None: that side has no such configuration.
+CONFIGS: Dict[str, Dict[str, Any]] = {
+    "zero2-opt-cpu": {"stage": 2, "optimizer": "cpu", "param": None},
+    "zero2-opt-nvme": {"stage": 2, "optimizer": "nvme", "param": None},  # DeepSpeed: stage 3 only
+    # the same without optimizer steps during backward: what the overlap buys
+    "zero2-opt-nvme-no-overlap": {"stage": 2, "optimizer": "nvme", "param": None, "pipeline": False},
+    "zero3-opt-nvme-param-cpu": {"stage": 3, "optimizer": "nvme", "param": "cpu"},
+    "zero3-opt-nvme-param-nvme": {"stage": 3, "optimizer": "nvme", "param": "nvme"},
+}
+DEFAULT_CONFIGS = [c for c in CONFIGS if c != "zero2-opt-nvme-no-overlap"]
+
+
+def zero_section(
+    cfg: Dict[str, Any], nvme_dir: str, sub_group: int, deepspeed: bool, pipeline: bool = True
+) -> Dict[str, Any]:
+    zo: Dict[str, Any] = {"stage": cfg["stage"], "sub_group_size": sub_group}
+    off: Dict[str, Any] = {"device": cfg["optimizer"]}
+    if cfg["optimizer"] == "nvme":
+        off.update(nvme_path=nvme_dir, buffer_count=4)
+        # pipeline_read/write: ours steps sub-groups during backward. DeepSpeed 0.19.8 keeps its defaults
+        # (false): with them on, its pipelined swapper fails an assertion (new_alloc_buffers) on stage 3.
+        if not deepspeed:
+            on = bool(cfg.get("pipeline", pipeline))
+            off.update(pipeline_read=on, pipeline_write=on)
+    if deepspeed and cfg["optimizer"] == "cpu":
+        off["pin_memory"] = True
+    zo["offload_optimizer"] = off
+    if cfg["param"] is not None:
+        par: Dict[str, Any] = {"device": cfg["param"]}
+        if cfg["param"] == "nvme":
+            par.update(nvme_path=nvme_dir, buffer_count=5, buffer_size=int(1e8))
+        zo["offload_param"] = par
+    return zo
+
+
+def engine_config(
+    cfg: Dict[str, Any],
+    dtype: str,
+    nvme_dir: str,
+    sub_group: int,
+    micro_batch: int,
+    deepspeed: bool,
+    pipeline: bool = True,
+) -> Dict[str, Any]:
+    conf: Dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": LR, "weight_decay": WEIGHT_DECAY, "betas": [0.9, 0.999], "eps": 1e-8},
+        },
+        "zero_optimization": zero_section(cfg, nvme_dir, sub_group, deepspeed, pipeline),
+        "aio": {"block_size": 1 << 20, "queue_depth": 32, "single_submit": False, "overlap_events": True},
+    }
+    if dtype == "bf16":
+        conf["bf16"] = {"enabled": True}
+    if deepspeed:
+        conf["steps_per_print"] = 1 << 30
+    return conf
+
+
+# ------------------------------------------------------------------------------------------- workers
+def _worker(spec: Dict[str, Any]) -> Dict[str, Any]:
+    """Run one configuration of ours or plain torch in this process (spec["engine"])."""
+    import torch
+
+    from benchmarks.deepspeed_runner import batch, make_model, measure, peak_rss_bytes, rss_bytes
+
+    rss0 = rss_bytes()
+    t0 = time.perf_counter()
+    model = make_model(spec)
+    if spec["engine"] == "torch":
+        bf16 = spec["dtype"] == "bf16"
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+        init_s = time.perf_counter() - t0
+        init_peak = peak_rss_bytes()
+
+        def forward(i: int) -> torch.Tensor:
+            x, y = batch(spec, i)
+            # bf16 baseline: autocast over fp32 weights (the mixed-precision recipe the engines implement)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                return model(x, y)
+
+        def backward(loss: torch.Tensor) -> None:
+            loss.backward()
+
+        def step() -> None:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        out = measure(spec, forward, backward, step)
+    else:
+        import zero
+
+        engine, *_ = zero.initialize(model=model, config=spec["config"])
+        init_s = time.perf_counter() - t0
+        init_peak = peak_rss_bytes()
+
+        def forward(i: int) -> torch.Tensor:
+            x, y = batch(spec, i)
+            return engine(x, y)
+
+        def extra() -> Dict[str, float]:
+            rep = engine.last_report
+            return {
+                "io_wait_s": rep.io_wait_s,
+                "optimizer_compute_s": rep.optimizer_compute_s,
+                "engine_optimizer_s": rep.optimizer_s,
+                "engine_backward_s": rep.backward_s,
+                "nvme_read_bytes": float(rep.nvme_read_bytes),
+                "nvme_write_bytes": float(rep.nvme_write_bytes),
+            }
+
+        out = measure(spec, forward, engine.backward, engine.step, extra)
+        out["pinned_bytes"] = engine.pinned_bytes
+        engine.close()
+    out.update(init_s=init_s, init_peak_rss_bytes=init_peak, rss_before_init_bytes=rss0)
+    out["peak_rss_bytes"] = max(init_peak, out["steady_peak_rss_bytes"])
+    return out
+
+
+def _run(spec: Dict[str, Any], ds_python: str, log: Any) -> Optional[Dict[str, Any]]:
+    """One configuration in a fresh process; None (and the error in the log) when it failed."""
+    with tempfile.TemporaryDirectory(prefix="e2e-run-", dir=spec.get("nvme_dir")) as tmp:
+        spec = dict(spec)
+        spec_path, out_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "out.json")
+        if spec["config"] is not None:  # each run's swap files in a directory of its own
+            conf = json.loads(json.dumps(spec["config"]).replace(spec["nvme_dir"], tmp))
+            spec["config"] = conf
+            spec["ds_config"] = conf
+        with open(spec_path, "w") as f:
+            json.dump(spec, f)
+        if spec["engine"] == "deepspeed":
+            cmd = [ds_python, RUNNER, spec_path, out_path]
+        else:
+            cmd = [sys.executable, "-m", "benchmarks.bench_e2e", "--worker", spec_path, out_path]
+        env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONWARNINGS="ignore")
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        wall = time.perf_counter() - t0
+        label = f"{spec['name']} / {spec['engine']}"
+        if proc.returncode != 0 or not os.path.exists(out_path):
+            tail = (proc.stdout + proc.stderr)[-3000:]
+            print(f"[e2e] {label}: FAILED rc={proc.returncode}\n{tail}", file=log, flush=True)
+            return None
+        with open(out_path) as f:
+            out = json.load(f)
+        out["process_wall_s"] = wall
+        med = statistics.median(r["step_s"] for r in out["rows"])
+        print(
+            f"[e2e] {label}: median step {med:.2f} s, init {out['init_s']:.1f} s, "
+            f"peak RSS {out['peak_rss_bytes'] / 2**30:.2f} GiB",
+            file=log,
+            flush=True,
+        )
+        return out
+
+
+def _summary(runs: List[Dict[str, Any]], torch_losses: Optional[List[float]]) -> Dict[str, Any]:
+    rows = [r for run in runs for r in run["rows"]]
+    steps = [r["step_s"] for r in rows]
+
+    def med(key: str) -> Optional[float]:
+        vals = [r[key] for r in rows if key in r]
+        return statistics.median(vals) if vals else None
+
+    out: Dict[str, Any] = {
+        "runs": len(runs),
+        "timed_steps": len(steps),
+        "step_s": statistics.median(steps),
+        "step_min_s": min(steps),
+        "step_max_s": max(steps),
+        "forward_s": med("forward_s"),
+        "backward_s": med("backward_s"),
+        "optimizer_s": med("optimizer_s"),
+        "io_wait_s": med("io_wait_s"),
+        "optimizer_compute_s": med("optimizer_compute_s"),
+        "disk_read_bytes_per_step": med("disk_read_bytes"),
+        "disk_write_bytes_per_step": med("disk_write_bytes"),
+        "nvme_read_bytes_per_step": med("nvme_read_bytes"),
+        "nvme_write_bytes_per_step": med("nvme_write_bytes"),
+        "peak_rss_bytes": max(run["peak_rss_bytes"] for run in runs),
+        "init_peak_rss_bytes": max(run["init_peak_rss_bytes"] for run in runs),
+        "steady_peak_rss_bytes": max(run["steady_peak_rss_bytes"] for run in runs),
+        "init_s": statistics.median(run["init_s"] for run in runs),
+        "losses": runs[0]["losses"],
+    }
+    if torch_losses is not None:
+        diffs = [abs(a - b) / abs(b) for run in runs for a, b in zip(run["losses"], torch_losses) if b != 0]
+        out["loss_rel_diff_vs_torch"] = max(diffs) if diffs else None
+    return out
+
+
+def _stage3_available() -> bool:
+    """Whether this tree's engine dispatches stage 3 (another part of the project adds it)."""
+    with open(os.path.join(ROOT, "zero", "engine.py")) as f:
+        return "stage3" in f.read()
+
+
+def _table(results: Dict[str, Dict[str, Any]]) -> str:
+    base = results.get("torch", {}).get("torch")
+    rows = []
+    for name, by_engine in results.items():
+        for eng, s in by_engine.items():
+            ds = by_engine.get("deepspeed") if eng != "deepspeed" else None
+            ds = ds or (
+                results.get(s.get("ds_reference", ""), {}).get("deepspeed") if eng == "ours" else None
+            )
+
+            def gb(v: Optional[float]) -> str:
+                return "" if v is None else f"{v / 1e9:.2f}"
+
+            def sec(v: Optional[float]) -> str:
+                return "" if v is None else f"{v:.2f}"
+
+            rows.append(
+                [
+                    name,
+                    eng,
+                    f"{s['step_s']:.2f} ({s['step_min_s']:.2f}-{s['step_max_s']:.2f})",
+                    "" if base is None else f"{s['step_s'] / base['step_s']:.2f}",
+                    "" if ds is None else f"{s['step_s'] / ds['step_s']:.2f}",
+                    sec(s["forward_s"]),
+                    sec(s["backward_s"]),
+                    sec(s["optimizer_s"]),
+                    sec(s["io_wait_s"]),
+                    f"{s['peak_rss_bytes'] / 2**30:.2f}",
+                    "" if base is None else f"{s['peak_rss_bytes'] / base['peak_rss_bytes']:.2f}",
+                    f"{gb(s['disk_read_bytes_per_step'])} / {gb(s['disk_write_bytes_per_step'])}",
+                    f"{s['init_s']:.1f}",
+                    "" if s.get("loss_rel_diff_vs_torch") is None else f"{s['loss_rel_diff_vs_torch']:.1e}",
+                ]
+            )
+    headers = [
+        "configuration",
+        "engine",
+        "step s median (min-max)",
+        "x torch",
+        "x DeepSpeed",
+        "fwd s",
+        "bwd s",
+        "opt s",
+        "io-wait s",
+        "peak RSS GiB",
+        "RSS x torch",
+        "disk GB r / w per step",
+        "init s",
+        "loss rel diff",
+    ]
+    return markdown_table(headers, rows)
+
+
+def _write(
+    raw: Dict[str, Any], args: argparse.Namespace, size: Dict[str, int], stage3: bool, final: bool
+) -> None:
+    """Summaries, JSON and table from the runs so far (rewritten after every run: a long run can be read)."""
+    torch_runs = raw["torch"]["torch"]
+    torch_losses = torch_runs[0]["losses"] if torch_runs else None
+    results: Dict[str, Dict[str, Any]] = {}
+    for name, by_engine in raw.items():
+        for eng, runs in by_engine.items():
+            if runs:
+                results.setdefault(name, {})[eng] = _summary(runs, None if name == "torch" else torch_losses)
+    # ZeRO-2 with the optimizer on NVMe has no DeepSpeed counterpart; compare with its closest one.
+    for name in ("zero2-opt-nvme", "zero2-opt-nvme-no-overlap"):
+        if "ours" in results.get(name, {}):
+            results[name]["ours"]["ds_reference"] = "zero3-opt-nvme-param-cpu"
+    table = _table(results)
+    payload = {
+        "benchmark": args.out_name,
+        "machine": machine_info(),
+        "model": size,
+        "size": args.size,
+        "dtype": args.dtype,
+        "micro_batch": args.micro_batch,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "sub_group_size": args.sub_group,
+        "pipeline": not args.no_pipeline,
+        "stage3_in_tree": stage3,
+        "results": results,
+        "raw": raw,
+        "note": "2 CPU cores shared with other jobs: times are noisy; DeepSpeed runs in /work/dsvenv",
+    }
+    os.makedirs(OUT_DIR, exist_ok=True)
+    json_path = os.path.join(OUT_DIR, f"{args.out_name}.json")
+    with open(json_path, "w") as f:
+        json.dump(payload, f, indent=2, default=float)
+    with open(os.path.join(OUT_DIR, f"{args.out_name}.md"), "w") as f:
+        f.write(table + "\n")
+    if final:
+        print(table)
+        print(f"\nwrote {json_path}")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "--worker":
+        with open(argv[1]) as f:
+            spec = json.load(f)
+        out = _worker(spec)
+        with open(argv[2], "w") as f:
+            json.dump(out, f)
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", choices=sorted(SIZES), default="125m")
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--steps", type=int, default=6, help="timed steps per run (after --warmup)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=1, help="rounds of ours/DeepSpeed runs per configuration")
+    ap.add_argument("--micro-batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--sub-group", type=int, default=20_000_000, help="sub_group_size (both engines)")
+    ap.add_argument(
+        "--configs", default=",".join(DEFAULT_CONFIGS), help="comma-separated subset of " + ",".join(CONFIGS)
+    )
+    ap.add_argument("--no-deepspeed", action="store_true", help="only plain torch and ours")
+    ap.add_argument("--no-ours", action="store_true", help="only plain torch and DeepSpeed")
+    ap.add_argument(
+        "--no-pipeline", action="store_true", help="offload_optimizer.pipeline_read/write off (both engines)"
+    )
+    ap.add_argument("--ds-python", default=DS_PYTHON)
+    ap.add_argument("--nvme-dir", default=None, help="where swap files go (default: a directory under /tmp)")
+    ap.add_argument("--out-name", default="e2e")
+    ap.add_argument(
+        "--reuse",
+        default=None,
+        help="a previous output JSON: its runs are kept and added to",
+    )
+    ap.add_argument("--skip-torch", action="store_true", help="do not run plain torch (with --reuse)")
+    args = ap.parse_args(argv)
+
+    nvme_root = args.nvme_dir or tempfile.mkdtemp(prefix="zo-e2e-", dir="/tmp")
+    os.makedirs(nvme_root, exist_ok=True)
+    size = dict(SIZES[args.size], vocab_size=args.vocab, seq_len=args.seq)
+    base_spec = {
+        "size": size,
+        "dtype": args.dtype,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "seed": 0,
+        "micro_batch": args.micro_batch,
+        "nvme_dir": nvme_root,
+    }
+    use_ds = not args.no_deepspeed and os.path.exists(args.ds_python)
+    stage3 = _stage3_available()
+    names = [c for c in args.configs.split(",") if c]
+    unknown = [c for c in names if c not in CONFIGS]
+    if unknown:
+        ap.error(f"unknown configuration(s) {unknown}; choose from {list(CONFIGS)}")
+    log = sys.stdout
+    print(
+        f"[e2e] size {args.size} {size}, {args.dtype}, nvme dir {nvme_root}, stage 3 in tree: {stage3}",
+        flush=True,
+    )
+
+    raw: Dict[str, Dict[str, List[Dict[str, Any]]]] = {"torch": {"torch": []}}
+    if args.reuse:
+        with open(args.reuse) as f:
+            raw.update(json.load(f)["raw"])
+    for name in names:
+        raw.setdefault(name, {})
+    for _ in range(args.repeats):
+        if not (args.skip_torch and raw["torch"]["torch"]):
+            out = _run(dict(base_spec, name="torch", engine="torch", config=None), args.ds_python, log)
+            if out is not None:
+                raw["torch"]["torch"].append(out)
+        for name in names:
+            cfg = CONFIGS[name]
+            engines = []
+            if not args.no_ours and (cfg["stage"] < 3 or stage3):
+                engines.append("ours")
+            if use_ds and not (cfg["stage"] < 3 and cfg["optimizer"] == "nvme"):
+                engines.append("deepspeed")
+            for eng in engines:
+                conf = engine_config(
+                    cfg,
+                    args.dtype,
+                    nvme_root,
+                    args.sub_group,
+                    args.micro_batch,
+                    eng == "deepspeed",
+                    not args.no_pipeline,
+                )
+                spec = dict(base_spec, name=name, engine=eng, config=conf, ds_config=conf)
+                out = _run(spec, args.ds_python, log)
+                if out is not None:
+                    raw[name].setdefault(eng, []).append(out)
+                    _write(raw, args, size, stage3, final=False)
+
+    _write(raw, args, size, stage3, final=True)
+    if args.nvme_dir is None:
+        shutil.rmtree(nvme_root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
