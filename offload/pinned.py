@@ -12,6 +12,7 @@ adds what the C++ core must not know about:
 from __future__ import annotations
 
 import ctypes
+import os
 import resource
 import sys
 import threading
@@ -25,6 +26,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ALIGNMENT",
+    "PINNED_BUDGET_ENV",
+    "default_pinned_budget",
     "HostBuffer",
     "MemlockLimitWarning",
     "PinnedMemoryBudgetError",
@@ -194,6 +197,26 @@ def pinned_tensor(numel: int, dtype: torch.dtype) -> torch.Tensor:
         # The ctypes array is writable; torch only warns for read-only buffers, but stay quiet regardless.
         warnings.simplefilter("ignore", UserWarning)
         return torch.frombuffer(host.as_ctypes(), dtype=dtype, count=numel)
+
+
+PINNED_BUDGET_ENV = "ZERO_OFFLOAD_PINNED_BUDGET"
+
+
+def default_pinned_budget(configured: Optional[int] = None) -> int:
+    """The process's pinned-memory cap in bytes: `configured` (the config's zero_offload.pinned_budget_bytes)
+    if given, else $ZERO_OFFLOAD_PINNED_BUDGET, else half of physical memory."""
+    if configured is not None:
+        return int(configured)
+    env = os.environ.get(PINNED_BUDGET_ENV)
+    if env:
+        try:
+            value = int(env)
+        except ValueError:
+            raise ValueError(f"{PINNED_BUDGET_ENV} must be a byte count (an integer), got {env!r}") from None
+        if value < 0:
+            raise ValueError(f"{PINNED_BUDGET_ENV} must be >= 0, got {value}")
+        return value
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2)
 
 
 class PinnedPool:

@@ -244,9 +244,15 @@ def test_gathered_state_dict_equals_plain(tmp_path):
     zi.partitioner.close()
 
 
-def test_pinned_budget_from_the_environment_checked_when_init_model_is_attached(tmp_path, monkeypatch):
-    monkeypatch.setenv("ZERO_OFFLOAD_PINNED_BUDGET", "4096")
-    with Init(config=s3_config("nvme", tmp_path)) as zi:
+@pytest.mark.parametrize("source", ["env", "config"])
+def test_pinned_budget_checked_when_init_model_is_attached(tmp_path, monkeypatch, source):
+    cfg = s3_config("nvme", tmp_path)
+    if source == "env":
+        monkeypatch.setenv("ZERO_OFFLOAD_PINNED_BUDGET", "4096")
+    else:
+        monkeypatch.setenv("ZERO_OFFLOAD_PINNED_BUDGET", str(1 << 40))  # the config key wins over the env
+        cfg["zero_offload"] = {"pinned_budget_bytes": 4096}
+    with Init(config=cfg) as zi:
         model = MLP(d=16, h=40, n=1)
     with pytest.raises(Stage3PinnedBudgetError, match="4096 bytes"):
         zi.partitioner.attach(model)

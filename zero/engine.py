@@ -27,7 +27,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from offload.pinned import PinnedMemoryBudgetError, PinnedPool, pinned_bytes_in_use
+from offload.pinned import (
+    PINNED_BUDGET_ENV,
+    PinnedMemoryBudgetError,
+    PinnedPool,
+    default_pinned_budget,
+    pinned_bytes_in_use,
+)
 from offload.swap.optimizer_swapper import AioSettings, OptimizerSwapper, slot_bytes
 from offload.swap.space import SwapSpace, check_nvme_path
 from zero.comm import settle
@@ -45,26 +51,7 @@ __all__ = ["PINNED_BUDGET_ENV", "ZeroEngine"]
 
 # Cap on pinned host memory the engine may take (bytes). Until the config has a key for it, the
 # environment sets it; default: half of physical memory.
-PINNED_BUDGET_ENV = "ZERO_OFFLOAD_PINNED_BUDGET"
 MIN_SLOT_NUMEL = 4096  # below this a staging slot is mostly per-request overhead
-
-
-def _default_pinned_budget() -> int:
-    env = os.environ.get(PINNED_BUDGET_ENV)
-    if env:
-        try:
-            value = int(env)
-        except ValueError:
-            raise ValueError(f"{PINNED_BUDGET_ENV} must be a byte count (an integer), got {env!r}") from None
-        if value < 0:
-            raise ValueError(f"{PINNED_BUDGET_ENV} must be >= 0, got {value}")
-        return value
-    try:
-        import psutil
-
-        return int(psutil.virtual_memory().total // 2)
-    except ImportError:  # pragma: no cover - psutil is a dependency
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2)
 
 
 def init_distributed() -> Tuple[int, int, int]:
@@ -257,7 +244,7 @@ class ZeroEngine:
             model.to(self.dtype)
         self.module = model
         configured = self.config.zero_offload.pinned_budget_bytes
-        cap = configured if configured is not None else _default_pinned_budget()
+        cap = default_pinned_budget(configured)
         self.pool = PinnedPool(cap)
         host_is_device = self.device.type == "cpu"
         aliased = host_is_device and self.dtype == torch.float32 and self.offload_device in ("none", "cpu")
@@ -664,18 +651,11 @@ class ZeroEngine:
         return grad_scale, False
 
     # --------------------------------------------------------------- optimizer steps during backward
-    def _start_early_pass(self) -> None:
-        """Start the NVMe pass on a worker thread; it steps each sub-group once its gradients are final."""
-        gate = self._early_gate
-        assert gate is not None
-        fused_check = self.fp16  # no clipping here; an overflow stops the pass and nothing is committed
-        grad_scale = self.loss_scale * self.world_size
-        step = self.optimizer.step_count + 1
-        group = self.optimizer.param_groups[0]
-        # The kernel reads 16-bit gradients itself: the gradient buffer is used in place, never copied.
-        grad = self.flat.grad_buffer[self.lo : self.hi]
+    def _chunk_update(
+        self, grad: torch.Tensor, step: int, group: Dict[str, Any], grad_scale: float, fused_check: bool
+    ) -> Callable[[int, int, torch.Tensor, List[torch.Tensor]], bool]:
+        """The swapper's per-chunk update: the optimizer rule on [start, start + n), then the copy-back."""
         rule, writer = self.rule, self._writer
-        h2d0 = writer.h2d_bytes
 
         def update(start: int, n: int, master: torch.Tensor, states: List[torch.Tensor]) -> bool:
             ok = rule.apply(
@@ -691,6 +671,21 @@ class ZeroEngine:
             if ok:
                 writer.after_update(start, n, master)
             return ok
+
+        return update
+
+    def _start_early_pass(self) -> None:
+        """Start the NVMe pass on a worker thread; it steps each sub-group once its gradients are final."""
+        gate = self._early_gate
+        assert gate is not None
+        fused_check = self.fp16  # no clipping here; an overflow stops the pass and nothing is committed
+        grad_scale = self.loss_scale * self.world_size
+        step = self.optimizer.step_count + 1
+        group = self.optimizer.param_groups[0]
+        # The kernel reads 16-bit gradients itself: the gradient buffer is used in place, never copied.
+        grad = self.flat.grad_buffer[self.lo : self.hi]
+        h2d0 = self._writer.h2d_bytes
+        update = self._chunk_update(grad, step, group, grad_scale, fused_check)
 
         def run() -> None:
             try:
@@ -746,22 +741,7 @@ class ZeroEngine:
             return False
         stats = self._state.stats  # counts since the last step, including reads prefetched during backward
         h2d0 = self._writer.h2d_bytes
-        grad, rule, writer = self.grad_host, self.rule, self._writer
-
-        def update(start: int, n: int, master: torch.Tensor, states: List[torch.Tensor]) -> bool:
-            ok = rule.apply(
-                master,
-                grad[start : start + n],
-                states,
-                step=step,
-                group=group,
-                grad_scale=grad_scale,
-                param_copy=writer.param_copy(start, n),
-                check_finite=fused_check,
-            )
-            if ok:
-                writer.after_update(start, n, master)
-            return ok
+        update = self._chunk_update(self.grad_host, step, group, grad_scale, fused_check)
 
         try:
             ok = self._state.step(update)
@@ -786,13 +766,13 @@ class ZeroEngine:
         else:
             self._state.abort()
             self._restore_params()
-        writer.finish()
+        self._writer.finish()
         rep.optimizer_compute_s += stats.compute_s
         rep.io_wait_s += stats.io_wait_s
         rep.nvme_read_bytes += stats.bytes_read
         rep.nvme_write_bytes += stats.bytes_written
         stats.reset()
-        rep.host_to_device_bytes += writer.h2d_bytes - h2d0
+        rep.host_to_device_bytes += self._writer.h2d_bytes - h2d0
         return not ok
 
     def _finish_early_pass(self, rep: StepReport) -> bool:

@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from offload.pinned import PinnedPool
+from offload.pinned import PinnedPool, default_pinned_budget
 from zero.comm import settle
-from zero.engine import ZeroEngine, _default_pinned_budget
+from zero.engine import ZeroEngine
 from zero.stage3.partitioner import Stage3Partitioner
 from zero.stage3.unit import Unit, is_partitioned
 
@@ -128,7 +128,7 @@ class Stage3Engine(ZeroEngine):
         self._early_thread = None
         self._early_result = None
         configured = self.config.zero_offload.pinned_budget_bytes
-        self.pool = PinnedPool(configured if configured is not None else _default_pinned_budget())
+        self.pool = PinnedPool(default_pinned_budget(configured))
         self._check_dtypes(model)
         # fp32 values of parameters about to be cast to 16 bits: the master starts from them (low bits kept)
         fp32_sources: Dict[int, torch.Tensor] = {}

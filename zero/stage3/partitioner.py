@@ -27,35 +27,22 @@ from torch import nn
 
 from offload.config import load_config
 from offload.config.zero import OffloadParamConfig
-from offload.pinned import PinnedPool
+from offload.pinned import PinnedPool, default_pinned_budget
 from offload.swap.optimizer_swapper import AioSettings
 from zero.stage3.comm import all_gather_flat, dist_info, reduce_scatter_flat
 from zero.stage3.store import PartitionStore, UnitSize
 from zero.stage3.unit import PartitionStatus, Unit, is_partitioned, set_param_attributes
 
-__all__ = ["PINNED_BUDGET_ENV", "GradCallback", "Stage3Partitioner", "default_pinned_pool"]
+__all__ = ["GradCallback", "Stage3Partitioner", "default_pinned_pool"]
 
 GradCallback = Callable[[Unit, torch.Tensor], None]
 PREFETCH_LOOKAHEAD = 64  # trace entries inspected per gather: bounds the bookkeeping on the hot path
 
 
-PINNED_BUDGET_ENV = "ZERO_OFFLOAD_PINNED_BUDGET"  # the engine's variable: one budget for the process
-
-
-def default_pinned_pool() -> PinnedPool:
-    """A PinnedPool capped by $ZERO_OFFLOAD_PINNED_BUDGET (bytes), else half of physical memory."""
-    env = os.environ.get(PINNED_BUDGET_ENV)
-    if env:
-        try:
-            cap = int(env)
-        except ValueError:
-            raise ValueError(f"{PINNED_BUDGET_ENV} must be a byte count (an integer), got {env!r}") from None
-        if cap < 0:
-            raise ValueError(f"{PINNED_BUDGET_ENV} must be >= 0, got {cap}")
-        return PinnedPool(cap)
-    import psutil
-
-    return PinnedPool(int(psutil.virtual_memory().total // 2))
+def default_pinned_pool(config: Any = None) -> PinnedPool:
+    """A PinnedPool capped by the config's zero_offload.pinned_budget_bytes, else the process default."""
+    configured = config.zero_offload.pinned_budget_bytes if config is not None else None
+    return PinnedPool(default_pinned_budget(configured))
 
 
 def _load(config: Any) -> Any:
@@ -95,7 +82,7 @@ class Stage3Partitioner:
             device=self.device,
             rank=self.rank,
             pin_memory=off.pin_memory,
-            pool=pool if pool is not None else default_pinned_pool(),
+            pool=pool if pool is not None else default_pinned_pool(self.config),
             nvme_path=off.nvme_path,
             buffer_count=off.buffer_count,
             buffer_size=off.buffer_size,
