@@ -942,12 +942,7 @@ class ZeroEngine:
         self._closed = True
         for h in self._hooks:
             h.remove()
-        if self._writer is not None:
-            self._writer.close()
-        if self._state is not None:
-            self._state.close()
-        if self._space is not None:
-            self._space.close()
+        self._close_optimizer_state()
         # Give the model weights of its own, then drop every reference to the flat and pinned buffers so
         # their memory goes back to the system now rather than when the engine object is collected.
         with torch.no_grad():
@@ -955,6 +950,15 @@ class ZeroEngine:
                 p.data = p.data.clone()
                 p.grad = None
         self.flat.release()
+
+    def _close_optimizer_state(self) -> None:
+        """Free the optimizer side (copy-back writer, states, swap space) and drop the references to it."""
+        if self._writer is not None:
+            self._writer.close()
+        if self._state is not None:
+            self._state.close()
+        if self._space is not None:
+            self._space.close()
         self.grad_host = None  # type: ignore[assignment]
         self._state = None
         self._writer = None

@@ -413,17 +413,8 @@ class Stage3Engine(ZeroEngine):
         if self._closed:
             return
         self._closed = True
-        if self._writer is not None:
-            self._writer.close()
-        if self._state is not None:
-            self._state.close()
-        if self._space is not None:
-            self._space.close()
+        self._close_optimizer_state()
         self.partitioner.close()
-        self.grad_host = None  # type: ignore[assignment]
-        self._state = None
-        self._writer = None
-        self._torch_opt = None
 
     def __repr__(self) -> str:
         return (
