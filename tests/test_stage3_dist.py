@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from dist_helpers import run_on_ranks
 
 from zero.models import GPT, GPTConfig
 
@@ -31,8 +28,7 @@ def _batches():
     return x, y
 
 
-def _worker(rank: int, world: int, init_file: str, nvme: str, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+def _rank_main(rank: int, world: int, nvme: str, out_dir: str) -> dict:
     from zero.stage3 import GatheredParameters, Init, Stage3Partitioner
 
     x, y = _batches()
@@ -70,17 +66,13 @@ def _worker(rank: int, world: int, init_file: str, nvme: str, out_dir: str) -> N
             with GatheredParameters([w]):
                 results["modified"] = torch.equal(w, torch.full_like(w, 0.25))
         part.close()
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    return results
 
 
 @pytest.fixture(scope="module")
 def two_rank_results(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("s3dist")
-    nvme = tmp / "nvme"
-    nvme.mkdir()
-    mp.spawn(_worker, args=(2, str(tmp / "init"), str(nvme), str(tmp)), nprocs=2, join=True)
-    return [torch.load(tmp / f"rank{r}.pt") for r in range(2)]
+    results, _ = run_on_ranks(_rank_main, tmp_path_factory.mktemp("s3dist"))
+    return results
 
 
 @pytest.mark.parametrize("tier", ["none", "cpu", "nvme"])

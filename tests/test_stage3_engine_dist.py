@@ -7,8 +7,7 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from dist_helpers import run_on_ranks
 from test_engine_dist import GLOBAL_BATCH, LOSS_ATOL, PARAM_ATOL, STEPS, TINY, make_config
 
 import zero
@@ -83,24 +82,17 @@ def checkpoint_case(rank, world_size, nvme_dir, ckpt_dir):
     return {"same": same, "files": sorted(os.listdir(path))}
 
 
-def _worker(rank, world_size, init_file, nvme_dir, out_dir):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    try:
-        results = {name: train_case(case, rank, world_size, nvme_dir) for name, case in CASES.items()}
-        results["checkpoint"] = checkpoint_case(rank, world_size, nvme_dir, os.path.join(out_dir, "ckpt"))
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+def _rank_main(rank, world_size, nvme_dir, out_dir):
+    results = {name: train_case(case, rank, world_size, nvme_dir) for name, case in CASES.items()}
+    results["checkpoint"] = checkpoint_case(rank, world_size, nvme_dir, os.path.join(out_dir, "ckpt"))
+    return results
 
 
 @pytest.fixture(scope="module")
 def two_rank_results(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("dist3")
-    nvme = tmp / "nvme"
-    nvme.mkdir()
-    mp.spawn(_worker, args=(2, str(tmp / "init"), str(nvme), str(tmp)), nprocs=2, join=True)
+    results, nvme = run_on_ranks(_rank_main, tmp_path_factory.mktemp("dist3"))
     assert os.listdir(nvme) == []  # both ranks removed their parameter and optimizer swap directories
-    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return results
 
 
 def test_two_rank_checkpoint_resumes_bit_identically(two_rank_results):

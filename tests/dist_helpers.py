@@ -1,0 +1,31 @@
+"""Run a test body on two (or more) gloo ranks in spawned processes and collect each rank's result."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, List, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+# fn(rank, world_size, nvme_dir, out_dir) -> a picklable result; it must be a module-level function.
+RankFn = Callable[[int, int, str, str], Any]
+
+
+def _worker(rank: int, fn: RankFn, world_size: int, init_file: str, nvme_dir: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        result = fn(rank, world_size, nvme_dir, out_dir)
+        torch.save(result, str(Path(out_dir) / f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_on_ranks(fn: RankFn, tmp: Path, world_size: int = 2) -> Tuple[List[Any], Path]:
+    """Run `fn` on `world_size` ranks; returns their results in rank order and the shared nvme dir."""
+    nvme = tmp / "nvme"
+    nvme.mkdir()
+    args = (fn, world_size, str(tmp / "init"), str(nvme), str(tmp))
+    mp.spawn(_worker, args=args, nprocs=world_size, join=True)
+    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(world_size)], nvme
