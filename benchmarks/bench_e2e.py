@@ -51,6 +51,8 @@ CONFIGS: Dict[str, Dict[str, Any]] = {
     "zero2-opt-nvme-no-overlap": {"stage": 2, "optimizer": "nvme", "param": None, "pipeline": False},
     "zero3-opt-nvme-param-cpu": {"stage": 3, "optimizer": "nvme", "param": "cpu"},
     "zero3-opt-nvme-param-nvme": {"stage": 3, "optimizer": "nvme", "param": "nvme"},
+    # max_in_cpu 0: every parameter partition lives on disk (the default keeps 1e9 elements in host memory)
+    "zero3-opt-nvme-param-nvme-all": {"stage": 3, "optimizer": "nvme", "param": "nvme", "max_in_cpu": 0},
 }
 DEFAULT_CONFIGS = [c for c in CONFIGS if c != "zero2-opt-nvme-no-overlap"]
 
@@ -74,6 +76,8 @@ def zero_section(
         par: Dict[str, Any] = {"device": cfg["param"]}
         if cfg["param"] == "nvme":
             par.update(nvme_path=nvme_dir, buffer_count=5, buffer_size=int(1e8))
+            if "max_in_cpu" in cfg:
+                par["max_in_cpu"] = cfg["max_in_cpu"]
         zo["offload_param"] = par
     return zo
 
