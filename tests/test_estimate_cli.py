@@ -131,9 +131,12 @@ def test_config_supplies_stage_offload_buffers_precision_and_batch(tmp_path):
     ).to_dict()
     assert out["rows"][0] == expected
     row = out["rows"][0]
-    # 4 ranks x (2 optimizer slots x 1e6 x 12 B + 2 copy-back slots x 1e6 x 2 B)
-    assert row["breakdown"]["cpu"]["swap_buffers"] == 4 * (2 * 10**6 * 12 + 2 * 10**6 * 2)
-    assert row["breakdown"]["cpu_pageable"]["grads_fp32"] == 10**9 * 4  # pin_memory false
+    # 4 ranks x (2 pinned optimizer slots x 1e6 x 12 B + one pageable write-back chunk of 1e6 x 2 B):
+    # stage 3 writes updated weights back through one chunk, not through pinned copy-back slots
+    assert row["breakdown"]["cpu"]["swap_buffers"] == 4 * (2 * 10**6 * 12 + 10**6 * 2)
+    # stage 3 keeps gradient partitions in the compute dtype, pinned where the CPU optimizer reads them
+    assert row["breakdown"]["cpu_pinned"]["grads_16bit"] == 10**9 * 2
+    assert row["breakdown"]["cpu"]["grads_fp32"] == 0
     assert row["breakdown"]["cpu_pinned"]["params_16bit"] == 10**9 * 2
     assert row["breakdown"]["gpu"]["activations"] == activation_bytes(
         ActivationSettings(batch_size=2, seq_len=128, hidden_size=256, num_layers=4), 2

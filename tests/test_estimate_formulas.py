@@ -85,31 +85,53 @@ def test_stage2_keeps_a_gradient_partition_plus_one_layer_bucket():
 
 
 def test_stage3_partitions_params_and_adds_gathered_layers():
-    assert nonzero(estimate(SETUP, 3).gpu) == {
+    # stage 3 accumulates the gradient partition in 16 bits (no fp32 copy) and writes updated weights
+    # through one pageable chunk of the partition (250 elements x 2 B per rank)
+    est = estimate(SETUP, 3)
+    assert nonzero(est.gpu) == {
         "params_16bit": 500 + 2 * 100 * 2,
         "grads_16bit": 200 + 500,
         "master_params_fp32": 1000,
         "optimizer_states": 2000,
-        "grads_fp32": 1000,
     }
+    assert nonzero(est.cpu_pageable) == {"swap_buffers": 2 * 500}
     est = estimate(SETUP, 3, "cpu", "cpu")
     assert nonzero(est.gpu) == {"params_16bit": 400, "grads_16bit": 200}
-    assert nonzero(est.cpu_pinned) == {**HOST_PARTITION, "params_16bit": 1000, "swap_buffers": 2000}
+    assert nonzero(est.cpu_pinned) == {
+        "master_params_fp32": 2000,
+        "optimizer_states": 4000,
+        "grads_16bit": 1000,
+        "params_16bit": 1000,
+    }
+    assert nonzero(est.cpu_pageable) == {"swap_buffers": 2 * 500}
 
 
 def test_nvme_offload_staging_buffers_and_io_bytes():
     buffers = SwapBufferSettings(
-        optimizer_buffer_count=4, sub_group_size=100, param_buffer_count=5, param_buffer_size=50
+        optimizer_buffer_count=4,
+        sub_group_size=100,
+        param_buffer_count=5,
+        param_buffer_size=50,
+        param_max_in_cpu=0,
     )
     setup = TrainingSetup(params=1000, largest_layer_params=100, gpus_per_node=2, nodes=2, buffers=buffers)
     est = estimate(setup, 3, "nvme", "nvme")
     assert nonzero(est.gpu) == {"params_16bit": 400, "grads_16bit": 200}
-    # per rank: 3 optimizer slots (a 250-element partition is 3 sub-groups of 100) x 100 x (4 + 8)
-    # + 2 copy-back slots x 100 x 2 + 5 parameter buffers x 50 x 2 = 4500; two ranks per node
-    assert nonzero(est.cpu_pinned) == {"grads_fp32": 2000, "swap_buffers": 9000}
+    # per rank: the 16-bit gradient partition 250 x 2; 3 optimizer slots (a 250-element partition is 3
+    # sub-groups of 100) x 100 x (4 + 8) + 5 parameter buffers x min(50, 25-element layer partition) x 2
+    # = 3850; two ranks per node
+    assert nonzero(est.cpu_pinned) == {"grads_16bit": 1000, "swap_buffers": 7700}
+    # pageable: one 100-element chunk of updated weights + one layer partition to assemble, x 2 B
+    assert nonzero(est.cpu_pageable) == {"swap_buffers": 2 * (200 + 50)}
     # master and states twice on disk (the live copy and the one being written), in whole sub-group
     # regions: 3 x 100 elements per rank for a 250-element partition
     assert nonzero(est.nvme) == {"params_16bit": 1000, "master_params_fp32": 4800, "optimizer_states": 9600}
+    # a disk too small for two copies: the engine keeps one, updated in place
+    assert est.nvme_min_bytes == 1000 + 2400 + 4800
+    small_disk = estimate(setup, 3, "nvme", "nvme", nvme_free_bytes=10_000)
+    assert small_disk.nvme_bytes == small_disk.nvme_min_bytes == est.nvme_min_bytes
+    assert any("two copies" in note for note in small_disk.notes)
+    assert estimate(setup, 3, "nvme", "nvme", nvme_free_bytes=10**9).nvme_bytes == est.nvme_bytes
     # per node: master + states read and written once; 16-bit params read twice, written once
     assert est.nvme_read_bytes_per_step == 2 * 250 * 12 + 2 * 2 * 250 * 2
     assert est.nvme_write_bytes_per_step == 2 * 250 * 12 + 2 * 250 * 2
@@ -117,8 +139,9 @@ def test_nvme_offload_staging_buffers_and_io_bytes():
 
 def test_swap_buffers_never_exceed_the_partition_and_large_ones_are_flagged():
     est = estimate(SETUP, 3, "nvme")  # default sub_group_size 1e9 -> one sub-group, the whole partition
-    # per rank: one optimizer slot of 250 x 12 B, two copy-back slots of 250 x 2 B
-    assert est.cpu_pinned["swap_buffers"] == 2 * (250 * 12 + 2 * 250 * 2)
+    # per rank: one optimizer slot of 250 x 12 B (stage 3 has no pinned copy-back slots)
+    assert est.cpu_pinned["swap_buffers"] == 2 * 250 * 12
+    assert estimate(SETUP, 2, "nvme").cpu_pinned["swap_buffers"] == 2 * (250 * 12 + 2 * 250 * 2)
     assert any("sub_group_size" in note for note in est.notes)
     small = TrainingSetup(1000, 100, 2, 2, buffers=SwapBufferSettings(sub_group_size=10))
     assert not estimate(small, 3, "nvme").notes
@@ -128,6 +151,18 @@ def test_param_buffer_smaller_than_a_layer_partition_is_flagged():
     buffers = SwapBufferSettings(param_buffer_size=10)
     est = estimate(TrainingSetup(1000, 100, buffers=buffers), 3, "cpu", "nvme")
     assert any("buffer_size" in note for note in est.notes)
+
+
+def test_max_in_cpu_keeps_the_first_parameter_partitions_in_host_memory():
+    setup = TrainingSetup(1000, 100, buffers=SwapBufferSettings(param_max_in_cpu=600))
+    est = estimate(setup, 3, "cpu", "nvme")
+    assert est.cpu_pinned["params_16bit"] == 600 * 2
+    assert est.nvme["params_16bit"] == 400 * 2
+    assert est.nvme_read_bytes_per_step == 2 * 400 * 2  # only what lives on NVMe is read
+    everything = estimate(TrainingSetup(1000, 100), 3, "cpu", "nvme")  # DeepSpeed's default 1e9
+    assert everything.nvme_bytes == 0 and everything.cpu_pinned["swap_buffers"] == 0
+    with pytest.raises(EstimateInputError, match="param_max_in_cpu"):
+        SwapBufferSettings(param_max_in_cpu=-1)
 
 
 def test_pin_memory_false_puts_offloaded_state_in_pageable_memory():
@@ -148,10 +183,16 @@ def test_fp32_has_no_16bit_copies_and_one_master():
     est = estimate(setup, 1, "cpu")
     assert nonzero(est.gpu) == {"master_params_fp32": 4000, "grads_fp32": 4000}
     assert nonzero(est.cpu_pinned) == {**HOST_PARTITION, "swap_buffers": 2 * 2 * 250 * 4}
-    # stage 3 with params and optimizer both on the host: the partition is stored once
+    # stage 3: the parameter partition and the optimizer's fp32 master are two copies, even in fp32;
+    # the gradient partition is fp32 (the compute dtype) and no staging chunk is needed
     est = estimate(setup, 3, "cpu", "cpu")
     assert nonzero(est.gpu) == {"master_params_fp32": 800, "grads_fp32": 400}
-    assert nonzero(est.cpu_pinned) == {**HOST_PARTITION, "swap_buffers": 2 * 2 * 250 * 4}
+    assert nonzero(est.cpu_pinned) == {
+        "master_params_fp32": 2 * 2000,
+        "optimizer_states": 4000,
+        "grads_fp32": 2000,
+    }
+    assert not nonzero(est.cpu_pageable)
 
 
 @pytest.mark.parametrize(

@@ -44,7 +44,8 @@ def test_gpt_forward_and_grads_bit_exact(tier, tmp_path):
     torch.manual_seed(0)
     ref = GPT(TINY_GPT)
     model = copy.deepcopy(ref)
-    part, col = attach(model, s3_config(tier, tmp_path))
+    # reuse distance 0: every unit is freed after each use, so the peak shows partitioning at work
+    part, col = attach(model, s3_config(tier, tmp_path, stage3_max_reuse_distance=0))
     x = torch.randint(0, 256, (2, 16))
     y = torch.randint(0, 256, (2, 16))
     check_step(ref, model, col, lambda m: m(x, y), steps=3)

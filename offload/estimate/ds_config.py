@@ -113,6 +113,15 @@ def read_ds_config(path: str) -> ConfigChoices:
     pin = _bool(par_section, "pin_memory", where, prefix)
     if pin is not None:
         buffers["param_pin_memory"] = pin
+    max_in_cpu = par_section.get("max_in_cpu")
+    if max_in_cpu is not None and not _is_auto(max_in_cpu):
+        if isinstance(max_in_cpu, float) and max_in_cpu.is_integer():
+            max_in_cpu = int(max_in_cpu)
+        if isinstance(max_in_cpu, bool) or not isinstance(max_in_cpu, int) or max_in_cpu < 0:
+            raise EstimateInputError(
+                f"{where}: {prefix}max_in_cpu must be an integer >= 0, got {max_in_cpu!r}"
+            )
+        buffers["param_max_in_cpu"] = max_in_cpu
 
     sub_group = _positive_int(zero, "sub_group_size", where, "zero_optimization.")
     if sub_group is not None:

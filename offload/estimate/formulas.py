@@ -70,8 +70,22 @@ class EnginePlacement:
     # switches only when the whole step succeeded, so a failed step leaves the previous state intact.
     optimizer_nvme_copies: int
     # With the optimizer off the GPU, updated parameters go back to the GPU through this many pinned
-    # staging slots of one sub-group each (compute dtype).
+    # staging slots of one sub-group each (compute dtype). Stages 0-2 only: stage 3 writes updated weights
+    # into the parameter partitions through one pageable chunk (below).
     param_copy_back_slots: int
+    # Stage 3 (zero/stage3_engine.py): the gradient partition is accumulated in the compute dtype (16-bit
+    # for mixed precision, no fp32 copy) in the optimizer's tier (pinned host memory when offloaded).
+    stage3_grad_partition_in_compute_dtype: bool
+    # Stage 3: the fp32 master is always its own copy (the parameter partitions live in their own tier,
+    # 16-bit or fp32), so fp32 training keeps the parameters twice.
+    stage3_master_separate: bool
+    # Stage 3 with NVMe optimizer state: the engine keeps optimizer_nvme_copies copies when nvme_path has
+    # room for them plus this headroom, else updates one copy in place (steps are then not atomic).
+    stage3_nvme_copies_headroom: float
+    # Stage 3 updated-weights staging: one chunk of min(sub_group_size, partition) compute-dtype elements in
+    # pageable host memory (mixed precision only), and with NVMe parameters one pageable buffer of the
+    # largest layer's partition to assemble a unit before its swap file is written.
+    stage3_writer_chunks: int
 
 
 ENGINE_PLACEMENT = EnginePlacement(
@@ -95,6 +109,10 @@ ENGINE_PLACEMENT = EnginePlacement(
     cap_swap_buffers_to_partition=True,
     optimizer_nvme_copies=2,
     param_copy_back_slots=2,
+    stage3_grad_partition_in_compute_dtype=True,
+    stage3_master_separate=True,
+    stage3_nvme_copies_headroom=1.05,
+    stage3_writer_chunks=1,
 )
 
 # DeepSpeed's defaults for the swap-buffer settings (our config schema is DeepSpeed-compatible).
@@ -102,6 +120,7 @@ DEFAULT_OPTIMIZER_BUFFER_COUNT = 4
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
 DEFAULT_PARAM_BUFFER_COUNT = 5
 DEFAULT_PARAM_BUFFER_SIZE = 100_000_000
+DEFAULT_PARAM_MAX_IN_CPU = 1_000_000_000
 
 _TIERS = ("gpu", "cpu_pinned", "cpu_pageable", "nvme")
 
@@ -116,12 +135,20 @@ class SwapBufferSettings:
     param_buffer_size: int = DEFAULT_PARAM_BUFFER_SIZE
     optimizer_pin_memory: bool = ENGINE_PLACEMENT.pin_memory_default
     param_pin_memory: bool = ENGINE_PLACEMENT.pin_memory_default
+    # offload_param.max_in_cpu: with NVMe parameters, the first partitions up to this many elements stay
+    # in host memory (DeepSpeed's default 1e9 keeps a model under 1e9 parameters off the disk entirely).
+    param_max_in_cpu: int = DEFAULT_PARAM_MAX_IN_CPU
 
     def __post_init__(self) -> None:
         for name in ("optimizer_buffer_count", "sub_group_size", "param_buffer_count", "param_buffer_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise EstimateInputError(f"buffer setting {name} must be a positive integer, got {value!r}")
+        value = self.param_max_in_cpu
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise EstimateInputError(
+                f"buffer setting param_max_in_cpu must be an integer >= 0, got {value!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -194,6 +221,9 @@ class MemoryEstimate:
     nvme_read_bytes_per_step: int = 0  # per node, one optimizer step (forward + backward + update)
     nvme_write_bytes_per_step: int = 0
     notes: Tuple[str, ...] = ()
+    # Stage 3 with NVMe optimizer state on a disk too small for two copies: the engine updates one copy in
+    # place. The least NVMe it can run with (equals nvme_bytes elsewhere); None: same as nvme_bytes.
+    nvme_min_bytes_value: Optional[int] = None
 
     @property
     def cpu(self) -> Dict[str, int]:
@@ -220,6 +250,10 @@ class MemoryEstimate:
         return sum(self.nvme.values())
 
     @property
+    def nvme_min_bytes(self) -> int:
+        return self.nvme_bytes if self.nvme_min_bytes_value is None else self.nvme_min_bytes_value
+
+    @property
     def options(self) -> str:
         return (
             f"stage={self.stage}, offload_optimizer={self.offload_optimizer}, "
@@ -236,6 +270,7 @@ class MemoryEstimate:
             "per_cpu_pinned_bytes": self.per_cpu_pinned_bytes,
             "per_cpu_pageable_bytes": self.per_cpu_pageable_bytes,
             "nvme_bytes": self.nvme_bytes,
+            "nvme_min_bytes": self.nvme_min_bytes,
             "breakdown": {
                 "gpu": dict(self.gpu),
                 "cpu": self.cpu,
@@ -300,11 +335,107 @@ def _host_tier(pinned: bool) -> str:
     return "cpu_pinned" if pinned else "cpu_pageable"
 
 
+def _stage3(
+    setup: TrainingSetup,
+    offload_optimizer: str,
+    offload_param: str,
+    nvme_free_bytes: Optional[int],
+    ledger: _Ledger,
+    notes: List[str],
+) -> Tuple[int, int, int]:
+    """Stage 3 as zero/stage3_engine.py allocates it, per rank. Returns (NVMe read bytes per step, NVMe
+    write bytes per step, NVMe bytes the optimizer state would shrink by with one copy instead of two)."""
+    plan = ENGINE_PLACEMENT
+    n, bufs, cb = setup.world_size, setup.buffers, setup.compute_bytes
+    mixed, state_bytes = setup.mixed_precision, setup.optimizer_state_bytes
+    part = math.ceil(setup.params / n)
+    layer_part = math.ceil(setup.largest_layer_params / n)
+    param_component = "params_16bit" if mixed else "master_params_fp32"
+    grad_component = "grads_16bit" if mixed else "grads_fp32"
+    opt_home = plan.optimizer_homes[offload_optimizer]["master_params_fp32"]
+    host_opt = _host_tier(bufs.optimizer_pin_memory)
+    nvme_read = nvme_write = 0
+
+    # Parameter partitions in their tier (NVMe: the first max_in_cpu elements stay in host memory), and
+    # the gathered layers on the GPU.
+    on_nvme = 0
+    if offload_param == "nvme":
+        in_cpu = min(bufs.param_max_in_cpu, part)
+        on_nvme = part - in_cpu
+        ledger.add(_host_tier(bufs.param_pin_memory), param_component, in_cpu * cb)
+        ledger.add("nvme", param_component, on_nvme * cb)
+    else:
+        home = plan.param_homes[offload_param]
+        ledger.add(_host_tier(bufs.param_pin_memory) if home == "cpu" else home, param_component, part * cb)
+    ledger.add("gpu", param_component, plan.stage3_live_layers * setup.largest_layer_params * cb)
+
+    # Gradients: one unit's full gradient on the GPU until its reduce-scatter, then the rank's partition
+    # accumulated in the compute dtype where the optimizer reads it (pinned host memory when offloaded).
+    ledger.add("gpu", grad_component, plan.grad_bucket_layers * setup.largest_layer_params * cb)
+    grad_bytes = cb if plan.stage3_grad_partition_in_compute_dtype else FP32_BYTES
+    grad_tier = "gpu" if offload_optimizer == "none" else "cpu_pinned"
+    ledger.add(grad_tier, grad_component if grad_bytes == cb else "grads_fp32", part * grad_bytes)
+
+    # Optimizer: fp32 master (its own copy at stage 3) and states.
+    chunk = min(bufs.sub_group_size, part)
+    n_chunks = math.ceil(part / chunk)
+    spare_copies = 0
+    if offload_optimizer == "nvme":
+        # swap files hold whole chunk regions [master | states] (the engine pads each to 4 KiB: not counted)
+        region = chunk * (FP32_BYTES + state_bytes)
+        copies = plan.optimizer_nvme_copies
+        need_two = copies * part * (FP32_BYTES + state_bytes) * plan.stage3_nvme_copies_headroom
+        if nvme_free_bytes is not None and need_two * setup.gpus_per_node > nvme_free_bytes:
+            copies = 1
+            notes.append(
+                "nvme_path cannot hold two copies of the optimizer state: the engine updates one copy in "
+                "place (a step that fails half way cannot be rolled back)"
+            )
+        ledger.add("nvme", "master_params_fp32", copies * n_chunks * chunk * FP32_BYTES)
+        ledger.add("nvme", "optimizer_states", copies * n_chunks * chunk * state_bytes)
+        spare_copies = (copies - 1) * n_chunks * region
+        slots = min(bufs.optimizer_buffer_count, n_chunks)
+        ledger.add("cpu_pinned", "swap_buffers", slots * region)
+        if 2 * slots * region > part * (FP32_BYTES + state_bytes):
+            notes.append(
+                f"optimizer swap buffers ({slots} x {chunk} elements) are over "
+                "half the state they stage, so NVMe saves little host memory: lower sub_group_size (e.g. 1e8)"
+            )
+        nvme_read += part * (FP32_BYTES + state_bytes)
+        nvme_write += part * (FP32_BYTES + state_bytes)
+    else:
+        tier = host_opt if opt_home == "cpu" else opt_home
+        ledger.add(tier, "master_params_fp32", part * FP32_BYTES)
+        ledger.add(tier, "optimizer_states", part * state_bytes)
+
+    # Staging: updated 16-bit weights pass through one pageable chunk; NVMe units are assembled in a
+    # pageable buffer of one partition and read through pinned slots of the largest layer's partition.
+    if mixed:
+        ledger.add("cpu_pageable", "swap_buffers", plan.stage3_writer_chunks * chunk * cb)
+    if on_nvme:
+        ledger.add("cpu_pageable", "swap_buffers", layer_part * cb)
+        slot = min(bufs.param_buffer_size, layer_part)
+        ledger.add("cpu_pinned", "swap_buffers", bufs.param_buffer_count * slot * cb)
+        nvme_read += 2 * on_nvme * cb
+        nvme_write += on_nvme * cb
+    return nvme_read, nvme_write, spare_copies
+
+
 def estimate(
-    setup: TrainingSetup, stage: int, offload_optimizer: str = "none", offload_param: str = "none"
+    setup: TrainingSetup,
+    stage: int,
+    offload_optimizer: str = "none",
+    offload_param: str = "none",
+    nvme_free_bytes: Optional[int] = None,
 ) -> MemoryEstimate:
-    """Bytes per GPU, per node's host memory (pinned and pageable) and per node's NVMe for one setting."""
+    """Bytes per GPU, per node's host memory (pinned and pageable) and per node's NVMe for one setting.
+
+    `nvme_free_bytes` (free space at nvme_path, per node): at stage 3 the engine keeps one copy of the
+    NVMe optimizer state instead of two when the disk cannot hold two; given, the estimate does the same.
+    `nvme_min_bytes` is the NVMe needed with one copy either way."""
     check_combination(stage, offload_optimizer, offload_param)
+    if stage == 3:
+        return _estimate_stage3(setup, offload_optimizer, offload_param, nvme_free_bytes)
     plan = ENGINE_PLACEMENT
     partitioned_from = plan.partitioned_from_stage
     opt_home = plan.optimizer_homes[offload_optimizer]
@@ -420,6 +551,47 @@ def estimate(
         nvme_read_bytes_per_step=nvme_read * per_node,
         nvme_write_bytes_per_step=nvme_write * per_node,
         notes=tuple(notes),
+    )
+
+
+def _scaled(setup: TrainingSetup, ledger: _Ledger) -> Dict[str, Dict[str, int]]:
+    per_node = setup.gpus_per_node  # host memory and NVMe are shared by the node's ranks
+    return {
+        tier: {name: value * (1 if tier == "gpu" else per_node) for name, value in ledger.bytes[tier].items()}
+        for tier in _TIERS
+    }
+
+
+def _estimate_stage3(
+    setup: TrainingSetup, offload_optimizer: str, offload_param: str, nvme_free_bytes: Optional[int]
+) -> MemoryEstimate:
+    ledger = _Ledger()
+    notes: List[str] = []
+    read, write, spare_copy = _stage3(setup, offload_optimizer, offload_param, nvme_free_bytes, ledger, notes)
+    bufs = setup.buffers
+    layer_part = math.ceil(setup.largest_layer_params / setup.world_size)
+    if offload_param == "nvme" and bufs.param_buffer_size < layer_part:
+        notes.append(
+            f"offload_param.buffer_size {bufs.param_buffer_size} is smaller than the largest layer's "
+            f"partition ({layer_part} elements): such partitions are streamed in pieces and not prefetched"
+        )
+    if setup.activations is not None:
+        ledger.add("gpu", "activations", activation_bytes(setup.activations, setup.compute_bytes))
+    scaled = _scaled(setup, ledger)
+    per_node = setup.gpus_per_node
+    nvme_total = sum(scaled["nvme"].values())
+    return MemoryEstimate(
+        stage=3,
+        offload_optimizer=offload_optimizer,
+        offload_param=offload_param,
+        gpu=scaled["gpu"],
+        cpu_pinned=scaled["cpu_pinned"],
+        cpu_pageable=scaled["cpu_pageable"],
+        nvme=scaled["nvme"],
+        nvme_read_bytes_per_step=read * per_node,
+        nvme_write_bytes_per_step=write * per_node,
+        notes=tuple(notes),
+        nvme_min_bytes_value=nvme_total - spare_copy * per_node,
     )
 
 

@@ -145,7 +145,8 @@ def check_fit(estimate: MemoryEstimate, machine: MachineProfile) -> FitCheck:
     return FitCheck(
         gpu=_within(estimate.per_gpu_bytes, machine.gpu_bytes),
         cpu=_within(estimate.per_cpu_bytes, machine.ram_bytes),
-        nvme=_within(estimate.nvme_bytes, machine.nvme_free_bytes) if estimate.nvme_bytes else True,
+        # stage 3 runs with one copy of the NVMe optimizer state when two do not fit (nvme_min_bytes)
+        nvme=_within(estimate.nvme_min_bytes, machine.nvme_free_bytes) if estimate.nvme_bytes else True,
         nvme_io_seconds=nvme_io_seconds(estimate, machine),
     )
 

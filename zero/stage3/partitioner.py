@@ -10,10 +10,16 @@ This is the object the engine constructs for stage 3 (see docs/stage3.md, "The s
 * `read_partition` / `write_partition` and `memory_segments` give the optimizer its flat partitions and
   a way to write updated values back to memory or the swap file.
 
-Prefetch: the order in which units are gathered is recorded over one pass (root forward to the next root
-forward, backward included). On later passes, each gather queues async NVMe reads for the units that follow
-in that order (up to stage3_prefetch_bucket_size elements, never more than stage3_max_live_parameters
-elements gathered or in flight), so reads overlap compute. A pass that differs re-records the order.
+Prefetch: the order in which units are used (fetched in forward, held in backward) is recorded over one
+pass (root forward to the next root forward, backward included). On later passes, each use queues async
+NVMe reads for the units that follow in that order (up to stage3_prefetch_bucket_size elements, never more
+than stage3_max_live_parameters elements gathered or in flight), so reads overlap compute. A pass that
+differs re-records the order.
+
+Reuse (stage3_max_reuse_distance): a unit whose next use in the recorded order comes after at most that
+many elements of other uses is kept whole when its module is done with it, instead of being freed and
+fetched again (a module called twice, a tied weight, the last layers turning from forward into backward),
+as long as everything gathered stays within stage3_max_live_parameters.
 """
 
 from __future__ import annotations
@@ -74,6 +80,7 @@ class Stage3Partitioner:
         self.persistence_threshold = int(z.stage3_param_persistence_threshold)
         self.prefetch_bucket_numel = int(z.stage3_prefetch_bucket_size)
         self.max_live_numel = int(z.stage3_max_live_parameters)
+        self.max_reuse_numel = int(z.stage3_max_reuse_distance)  # 0: never keep a unit for its next use
         self.model_persistence_numel = int(z.stage3_model_persistence_threshold)
         self._persistent_numel = 0
         self.offload_param = off
@@ -104,7 +111,12 @@ class Stage3Partitioner:
         self._recording: List[int] = []
         self._trace_valid = False
         self._trace_pos = 0
+        self._next_use: List[int] = []  # per trace position: where the same unit is used next, or -1
+        self._uses_before: List[int] = []  # per trace position: elements of the uses before it
+        self._kept: set = set()  # units kept whole for a reuse the trace predicts
         self._live_numel = 0
+        self.peak_live_numel = 0
+        self.reuse_keeps = 0  # times a unit was kept for its next use instead of freed
         self._closed = False
         self.hooks: Any = None
         self._meta_map: Dict[int, Any] = {}
@@ -232,6 +244,8 @@ class Stage3Partitioner:
         return None
 
     def _gather(self, unit: Unit) -> None:
+        if self._kept and self._live_numel + unit.numel > self.max_live_numel:
+            self._evict_kept(self._live_numel + unit.numel - self.max_live_numel)
         full = self._aliased(unit)
         if full is None:
             full = torch.empty(unit.padded_numel, dtype=unit.dtype, device=self.device)
@@ -250,7 +264,7 @@ class Stage3Partitioner:
         self.live_full_bytes += unit.nbytes
         self.peak_full_bytes = max(self.peak_full_bytes, self.live_full_bytes)
         self._live_numel += unit.numel
-        self._traced(unit)
+        self.peak_live_numel = max(self.peak_live_numel, self._live_numel)
 
     def _free(self, unit: Unit) -> None:
         released = self.released_tensor(unit.dtype)
@@ -260,22 +274,62 @@ class Stage3Partitioner:
         unit.full = None
         self.live_full_bytes -= unit.nbytes
         self._live_numel -= unit.numel
+        self._kept.discard(unit.index)
 
     def fetch(self, unit: Unit) -> None:
         """Hold `unit` whole on the device until the matching `release`."""
         unit.refs += 1
         if unit.full is None:
             self._gather(unit)
+        self._traced(unit)  # after the read: prefetches queued now must not take the slot it needs
 
     def release(self, unit: Unit) -> None:
         unit.refs -= 1
         if unit.refs < 0:
             raise RuntimeError(f"unit {unit.name!r} released more often than fetched")
-        self._maybe_free(unit)
+        self._maybe_free(unit, keep_for_reuse=True)
 
-    def _maybe_free(self, unit: Unit) -> None:
+    def _maybe_free(self, unit: Unit, keep_for_reuse: bool = False) -> None:
         if unit.full is not None and unit.refs == 0 and not unit.bwd_hold and not unit.persistent:
+            if keep_for_reuse and self._reused_soon(unit):
+                self._kept.add(unit.index)
+                self.reuse_keeps += 1
+                return
             self._free(unit)
+
+    def _reused_soon(self, unit: Unit) -> bool:
+        """True when the trace says `unit` is used again within max_reuse_distance elements of other uses
+        and keeping it leaves everything gathered within max_live_parameters."""
+        pos = unit.trace_pos
+        if self.max_reuse_numel <= 0 or not self._trace_valid or pos is None or pos >= len(self._next_use):
+            return False
+        nxt = self._next_use[pos]
+        if nxt < self._trace_pos or self._live_numel > self.max_live_numel:
+            return False  # no later use in this pass, or over the live budget already
+        between = self._uses_before[nxt] - self._uses_before[self._trace_pos]
+        return between <= self.max_reuse_numel
+
+    def _evict_kept(self, numel: int) -> None:
+        """Free kept units, the one used last first, until `numel` elements are free (or none is left):
+        what is kept for reuse never pushes what is gathered above max_live_parameters."""
+
+        def next_use(index: int) -> int:
+            pos = self.units[index].trace_pos
+            nxt = self._next_use[pos] if pos is not None and pos < len(self._next_use) else -1
+            return nxt if nxt >= 0 else len(self._next_use)
+
+        for index in sorted(self._kept, key=next_use, reverse=True):
+            if numel <= 0:
+                break
+            u = self.units[index]
+            if u.refs == 0 and not u.bwd_hold:
+                numel -= u.numel
+                self._free(u)
+
+    def _drop_kept(self) -> None:
+        """Free units kept for a reuse that will not come (the order changed, the pass or backward ended)."""
+        for index in list(self._kept):
+            self._maybe_free(self.units[index])
 
     def hold_for_backward(self, unit: Unit) -> None:
         """Gather `unit` for a module's backward; it is freed once its gradients are in (or backward ends)."""
@@ -284,6 +338,7 @@ class Stage3Partitioner:
         unit.bwd_hold = True
         if unit.full is None:
             self._gather(unit)
+        self._traced(unit)
 
     def release_all(self) -> None:
         """Free every gathered, non-persistent unit (after an exception, or to drop all full weights)."""
@@ -297,25 +352,48 @@ class Stage3Partitioner:
         """Called at the start of a root forward: closes the recorded order of the previous pass."""
         if self.in_backward:  # the last backward raised before its end callback ran: forget its state
             self._abort_backward()
+        self._drop_kept()
         if self._recording:
             if not self._trace_valid or self._recording != self.trace:
-                self.trace = self._recording
+                self._set_trace(self._recording)
             self._trace_valid = True
         self._recording = []
         self._trace_pos = 0
         if self._trace_valid:
             self._prefetch_from(0)
 
+    def _set_trace(self, trace: List[int]) -> None:
+        """Adopt a recorded order of uses; precompute each use's next use and the elements in between
+        (persistent units cost nothing to reuse: they never count)."""
+        self.trace = trace
+        self._next_use = [-1] * len(trace)
+        last: Dict[int, int] = {}
+        for pos in range(len(trace) - 1, -1, -1):
+            self._next_use[pos] = last.get(trace[pos], -1)
+            last[trace[pos]] = pos
+        self._uses_before = [0] * (len(trace) + 1)
+        total = 0
+        for pos, index in enumerate(trace):
+            self._uses_before[pos] = total
+            u = self.units[index]
+            total += 0 if u.persistent else u.numel
+        self._uses_before[len(trace)] = total
+
     def _traced(self, unit: Unit) -> None:
+        """Record a use of `unit` (a forward fetch or a backward hold, gathered or not: recording uses
+        rather than gathers keeps the order the same whether units were kept for reuse or not)."""
         self._recording.append(unit.index)
+        unit.trace_pos = None
         if not self._trace_valid:
             return
         pos = self._trace_pos
         if pos < len(self.trace) and self.trace[pos] == unit.index:
+            unit.trace_pos = pos
             self._trace_pos = pos + 1
             self._prefetch_from(pos + 1)
         else:
             self._trace_valid = False  # the order changed: stop guessing until it is recorded again
+            self._drop_kept()
 
     def _prefetch_from(self, pos: int) -> None:
         budget = self.prefetch_bucket_numel
@@ -371,7 +449,7 @@ class Stage3Partitioner:
         self._reduced.add(unit.index)
         self.grad_callback(unit, part)
         unit.bwd_hold = False
-        self._maybe_free(unit)
+        self._maybe_free(unit, keep_for_reuse=True)
 
     def end_backward(self) -> None:
         """End of a backward: reduce what no hook reduced (unused parameters: zeros), free held units."""

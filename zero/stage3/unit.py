@@ -102,6 +102,7 @@ class Unit:
         self.trainable = [i for i, p in enumerate(self.params) if p.requires_grad]
         self.grad_flat: Optional[torch.Tensor] = None
         self.grads_seen = 0
+        self.trace_pos: Optional[int] = None  # position of its latest use in the partitioner's trace
 
     @property
     def nbytes(self) -> int:
