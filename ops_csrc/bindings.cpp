@@ -64,6 +64,8 @@ PYBIND11_MODULE(_cpu_optim, m) {
     m.def("simd_level", [] { return std::string(simd_level_name(simd_level())); });
     m.def("best_simd_level", [] { return std::string(simd_level_name(best_simd_level())); });
     m.def("set_simd_level", &set_simd_level, py::arg("name"));
+    m.def("stream_policy", [] { return std::string(stream_policy_name()); });
+    m.def("set_stream_policy", &set_stream_policy, py::arg("name"));
     m.def("get_num_threads", &num_threads);
     m.def("set_num_threads", &set_num_threads, py::arg("threads"), py::call_guard<py::gil_scoped_release>());
 
@@ -142,6 +144,14 @@ PYBIND11_MODULE(_cpu_optim, m) {
         },
         py::arg("segments"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("weight_decay"));
 
+    m.def(
+        "bandwidth_probe",
+        [](const std::string& kind, uintptr_t dst, uintptr_t a, uintptr_t b, size_t n) {
+            return bandwidth_probe(kind, reinterpret_cast<float*>(dst), reinterpret_cast<const float*>(a),
+                                   reinterpret_cast<const float*>(b), n);
+        },
+        py::arg("kind"), py::arg("dst"), py::arg("a"), py::arg("b"), py::arg("n"),
+        py::call_guard<py::gil_scoped_release>());
     m.def(
         "all_finite",
         [](uintptr_t data, size_t n, int dtype) {

@@ -15,6 +15,15 @@ enum DType : int { kF32 = 0, kBF16 = 1, kF16 = 2, kNone = 3 };
 
 enum class SimdLevel : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 
+// Which stores of a step go out as non-temporal (streaming) stores, for full vectors whose destination is
+// aligned to the vector width. kStreamCopy (the default) streams only the write-only 16-bit param copy;
+// kStreamAll also the read-modify-write arrays (param, states); kStreamNone streams nothing. The last two
+// exist to measure the first against.
+enum StreamPolicy : int { kStreamNone = 0, kStreamCopy = 1, kStreamAll = 2 };
+
+// The policy in force (set through set_stream_policy in dispatch.h); read once per kernel range.
+int stream_policy();
+
 // Pointers shared by all three optimizers. `state_a`/`state_b` are exp_avg/exp_avg_sq (Adam), sum (Adagrad,
 // state_b unused) or exp_avg (Lion, state_b unused). All arrays have the same element count.
 struct Arrays {

@@ -32,6 +32,7 @@ SimdLevel detect_best() {
 
 const SimdLevel g_best = detect_best();
 std::atomic<int> g_level{static_cast<int>(g_best)};
+std::atomic<int> g_stream{kStreamCopy};
 
 // Guards the pool: one parallel step at a time (steps called from several Python threads queue here),
 // and no pool replacement while a step runs.
@@ -192,6 +193,31 @@ void set_simd_level(const std::string& name) {
     g_level.store(static_cast<int>(wanted));
 }
 
+int stream_policy() { return g_stream.load(std::memory_order_relaxed); }
+
+const char* stream_policy_name() {
+    switch (stream_policy()) {
+        case kStreamNone:
+            return "none";
+        case kStreamAll:
+            return "all";
+        default:
+            return "copy";
+    }
+}
+
+void set_stream_policy(const std::string& name) {
+    if (name == "none") {
+        g_stream.store(kStreamNone);
+    } else if (name == "copy") {
+        g_stream.store(kStreamCopy);
+    } else if (name == "all") {
+        g_stream.store(kStreamAll);
+    } else {
+        throw std::invalid_argument("unknown stream policy '" + name + "' (expected none, copy or all)");
+    }
+}
+
 int num_threads() {
     std::lock_guard<std::mutex> lock(g_pool_mu);
     return g_pool->size();
@@ -272,7 +298,20 @@ bool run_multi(const std::vector<Segment>& segs, const std::vector<Consts>& cons
     std::vector<size_t> offsets(segs.size() + 1, 0);
     for (size_t s = 0; s < segs.size(); ++s) offsets[s + 1] = offsets[s] + segs[s].n;
     if (offsets.back() == 0) return true;
-    return parallel_for(offsets.back(), [&](size_t begin, size_t end) {
+    // parallel_for cuts the concatenation on 64-element boundaries, which fall anywhere inside a
+    // segment. Moving each cut up to the next 64-element boundary of the segment it falls in keeps
+    // every thread's range aligned within its own arrays (aligned vector loads, streaming stores, no
+    // cache line written by two threads). Neighbouring blocks move their shared cut alike, so the
+    // ranges still tile [0, total).
+    const auto align_cut = [&](size_t x) {
+        if (x >= offsets.back()) return offsets.back();
+        const size_t s =
+            static_cast<size_t>(std::upper_bound(offsets.begin(), offsets.end(), x) - offsets.begin()) - 1;
+        const size_t local = (x - offsets[s] + kChunkAlign - 1) / kChunkAlign * kChunkAlign;
+        return std::min(offsets[s] + local, offsets[s + 1]);
+    };
+    return parallel_for(offsets.back(), [&](size_t block_begin, size_t block_end) {
+        const size_t begin = align_cut(block_begin), end = align_cut(block_end);
         bool ok = true;
         size_t s =
             static_cast<size_t>(std::upper_bound(offsets.begin(), offsets.end(), begin) - offsets.begin()) -
@@ -287,6 +326,53 @@ bool run_multi(const std::vector<Segment>& segs, const std::vector<Consts>& cons
 }
 
 }  // namespace
+
+double bandwidth_probe(const std::string& kind, float* dst, const float* a, const float* b, size_t n) {
+    // Plain loops over the same pool and block split as the optimizer steps (the compiler vectorizes
+    // them), as the reference for how fast this process can move memory. The pointers are copied to
+    // locals: under -fno-strict-aliasing (Python's flags) a store through dst could otherwise change a
+    // captured pointer, which forces a reload per element and blocks vectorization.
+    if (kind == "read") {
+        std::vector<double> sums(static_cast<size_t>(num_threads()) * 8, 0.0);
+        std::atomic<size_t> slot{0};
+        parallel_for(n, [&](size_t begin, size_t end) {
+            float acc[8] = {};
+            size_t i = begin;
+            for (; i + 8 <= end; i += 8) {
+                for (int k = 0; k < 8; ++k) acc[k] += a[i + k];
+            }
+            for (; i < end; ++i) acc[0] += a[i];
+            double total = 0.0;
+            for (float x : acc) total += x;
+            sums[slot.fetch_add(1) % sums.size()] += total;
+            return true;
+        });
+        double total = 0.0;
+        for (double x : sums) total += x;
+        return total;
+    }
+    if (kind == "scale") {
+        // STREAM's Scale rather than a copy: the compiler would turn a copy loop into memcpy, which
+        // switches to non-temporal stores on large sizes.
+        parallel_for(n, [dst, a](size_t begin, size_t end) {
+            float* const d = dst;
+            const float* const x = a;
+            for (size_t i = begin; i < end; ++i) d[i] = 0.5f * x[i];
+            return true;
+        });
+        return 0.0;
+    }
+    if (kind == "triad") {
+        parallel_for(n, [dst, a, b](size_t begin, size_t end) {
+            float* const d = dst;
+            const float *const x = a, *const y = b;
+            for (size_t i = begin; i < end; ++i) d[i] = x[i] + 0.5f * y[i];
+            return true;
+        });
+        return 0.0;
+    }
+    throw std::invalid_argument("unknown bandwidth probe '" + kind + "' (expected read, scale or triad)");
+}
 
 bool adam_step(const Arrays& a, size_t n, const AdamHyper& h, double grad_scale, bool check_finite) {
     check_arrays(a, n, true);

@@ -17,6 +17,10 @@ SimdLevel simd_level();
 void set_simd_level(const std::string& name);  // "auto", "scalar", "avx2" or "avx512"
 const char* simd_level_name(SimdLevel level);
 
+// Throws std::invalid_argument for a name other than "none", "copy" or "all" (see StreamPolicy).
+void set_stream_policy(const std::string& name);
+const char* stream_policy_name();
+
 int num_threads();
 void set_num_threads(int threads);  // throws std::invalid_argument when threads < 1
 
@@ -41,6 +45,10 @@ bool adam_step(const Arrays& a, size_t n, const AdamHyper& h, double grad_scale,
 bool adagrad_step(const Arrays& a, size_t n, const AdagradHyper& h, double grad_scale, bool check_finite);
 bool lion_step(const Arrays& a, size_t n, const LionHyper& h, double grad_scale, bool check_finite);
 bool all_finite(const void* data, int dtype, size_t n);
+
+// Memory-bandwidth reference for the benchmark, on the same pool: "read" sums a (returns the sum),
+// "scale" writes dst = 0.5 * a, "triad" dst = a + 0.5 * b. n floats each; throws for another kind.
+double bandwidth_probe(const std::string& kind, float* dst, const float* a, const float* b, size_t n);
 
 // Many tensors in one parallel pass: an optimizer step over a param group wakes the pool once and splits
 // the concatenated elements evenly over the threads. Each segment carries its own step number (Adam's

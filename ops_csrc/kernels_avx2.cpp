@@ -61,7 +61,8 @@ struct Avx2Isa {
     static __m128i to_f16(V v) { return _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT); }
     static void store_bf16(uint16_t* p, V v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_bf16(v)); }
     static void store_f16(uint16_t* p, V v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_f16(v)); }
-    static constexpr size_t kStreamBytes = 16;
+    static constexpr bool kCanStream = true;
+    static void stream_f32(float* p, V v) { _mm256_stream_ps(p, v); }
     static void stream_bf16(uint16_t* p, V v) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), to_bf16(v)); }
     static void stream_f16(uint16_t* p, V v) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), to_f16(v)); }
     static void stream_fence() { _mm_sfence(); }

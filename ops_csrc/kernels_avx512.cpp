@@ -63,7 +63,8 @@ struct Avx512Isa {
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(v));
     }
     static void store_f16(uint16_t* p, V v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_f16(v)); }
-    static constexpr size_t kStreamBytes = 32;
+    static constexpr bool kCanStream = true;
+    static void stream_f32(float* p, V v) { _mm512_stream_ps(p, v); }
     static void stream_bf16(uint16_t* p, V v) {
         _mm256_stream_si256(reinterpret_cast<__m256i*>(p), to_bf16(v));
     }

@@ -8,8 +8,8 @@
 // Interface required of I: type V (fp32 lanes), constant W (lane count), and static functions zero, set1,
 // add, sub, mul, div, sqrt, fmadd (a * b + c, one rounding), sign (torch.sign: +1, -1, +0 for zeros and
 // NaN), load_f32/load_bf16/load_f16, store_f32/store_bf16/store_f16, none_nan (no NaN lane), and for
-// non-temporal copy-out kStreamBytes (required alignment, 0: never stream), stream_bf16, stream_f16 and
-// stream_fence.
+// non-temporal stores kCanStream (false: never stream), stream_f32, stream_bf16, stream_f16 (aligned to
+// the vector width) and stream_fence.
 //
 // Floating-point order mirrors torch's eager CPU ops for fp32 tensors (checked bit for bit in the tests):
 // a torch op that torch vectorizes with an FMA (lerp, add with alpha, addcmul) is one fmadd here, every
@@ -42,32 +42,36 @@ inline typename I::V load(const void* base, size_t i) {
     }
 }
 
-// The 16-bit param copy is write-only here (it is read next by a GPU copy or a file write), so full,
-// aligned vectors go out as non-temporal stores: no read-for-ownership of the destination lines, and no
-// eviction of the arrays this pass still has to read.
+// Stores one vector of dtype D at element i; kNone (no copy) stores nothing. Stream selects a
+// non-temporal store, which the caller only picks for a destination aligned to the vector width.
 template <class I, int D, bool Stream>
-inline void store_copy(void* base, size_t i, typename I::V v) {
-    if constexpr (D == kBF16 && Stream) {
+inline void store(void* base, size_t i, typename I::V v) {
+    if constexpr (D == kF32 && Stream) {
+        I::stream_f32(static_cast<float*>(base) + i, v);
+    } else if constexpr (D == kF32) {
+        I::store_f32(static_cast<float*>(base) + i, v);
+    } else if constexpr (D == kBF16 && Stream) {
         I::stream_bf16(static_cast<uint16_t*>(base) + i, v);
-    } else if constexpr (D == kF16 && Stream) {
-        I::stream_f16(static_cast<uint16_t*>(base) + i, v);
     } else if constexpr (D == kBF16) {
         I::store_bf16(static_cast<uint16_t*>(base) + i, v);
+    } else if constexpr (D == kF16 && Stream) {
+        I::stream_f16(static_cast<uint16_t*>(base) + i, v);
     } else if constexpr (D == kF16) {
         I::store_f16(static_cast<uint16_t*>(base) + i, v);
     }
 }
 
+// Whether element `begin` of an array of dtype D starts a vector-width-aligned block. The loop advances
+// by W elements, so an aligned start keeps every full vector's store aligned.
 template <class I, int D>
-inline void store(void* base, size_t i, typename I::V v) {
-    if constexpr (D == kF32) {
-        I::store_f32(static_cast<float*>(base) + i, v);
-    } else if constexpr (D == kBF16) {
-        I::store_bf16(static_cast<uint16_t*>(base) + i, v);
-    } else if constexpr (D == kF16) {
-        I::store_f16(static_cast<uint16_t*>(base) + i, v);
-    }
+inline bool vector_aligned(const void* base, size_t begin) {
+    constexpr size_t bytes = I::W * elem_size<D>();
+    return (reinterpret_cast<uintptr_t>(base) + begin * elem_size<D>()) % bytes == 0;
 }
+
+// Below this many elements a range streams nothing: a short copy is likely still in cache when it is
+// read next, and the fence at the end of a streamed range is not free.
+constexpr size_t kMinStreamElems = 4096;
 
 // Tracks non-finite grads: g - g is +0 for a finite g and NaN for +-inf or NaN.
 template <class I>
@@ -83,23 +87,39 @@ inline void copy_bytes(void* dst, const void* src, size_t n) {
 // local buffers and run through the same vector body, so a tail element gets exactly the operations of an
 // element in the middle of the array; only the real elements are copied back.
 template <class I, int PT, int GT, int ST, int CT, class Body>
-bool run_range(const Arrays& a, size_t begin, size_t end, const Body& body) {
+bool run_range(const Arrays& arrays, size_t begin, size_t end, const Body& body_in) {
+    // Local copies of the pointers and of the body's captured constants: extensions build with
+    // -fno-strict-aliasing, under which every store through a data pointer could change anything
+    // reachable through a reference, so the loop would reload each pointer and constant per vector.
+    // Locals whose address does not escape stay in registers.
+    const Arrays a = arrays;
+    const Body body = body_in;
     using V = typename I::V;
     constexpr size_t W = I::W;
     V bad = I::zero();
     size_t i = begin;
-    bool streamed = false;
-    if constexpr (CT != kNone && I::kStreamBytes > 0) {
-        // i advances by W, so one aligned start keeps every full vector's store aligned.
-        const auto start = reinterpret_cast<uintptr_t>(static_cast<char*>(a.copy) + begin * elem_size<CT>());
-        streamed = start % I::kStreamBytes == 0 && end - begin >= W;
+    // The 16-bit param copy is write-only in this pass (read next by a GPU copy or a file write), so
+    // streaming it saves the read-for-ownership of its lines and keeps it from evicting the arrays still
+    // being read. Param and states are read first, so streaming them saves no traffic (kStreamAll is
+    // there to measure that).
+    int policy = kStreamNone;
+    if constexpr (I::kCanStream) {
+        if (end - begin >= kMinStreamElems) policy = stream_policy();
     }
-    if (streamed) {
-        for (; i + W <= end; i += W) body(a, i, bad, std::true_type{});
-        I::stream_fence();  // order the non-temporal stores before the pool reports the step done
+    const bool stream_copy = CT != kNone && policy != kStreamNone && vector_aligned<I, CT>(a.copy, begin);
+    const bool stream_rmw = policy == kStreamAll && vector_aligned<I, PT>(a.param, begin) &&
+                            vector_aligned<I, ST>(a.state_a, begin) &&
+                            (a.state_b == nullptr || vector_aligned<I, ST>(a.state_b, begin)) &&
+                            (CT == kNone || stream_copy);
+    if (stream_rmw) {
+        for (; i + W <= end; i += W) body(a, i, bad, std::true_type{}, std::true_type{});
+    } else if (stream_copy) {
+        for (; i + W <= end; i += W) body(a, i, bad, std::false_type{}, std::true_type{});
     } else {
-        for (; i + W <= end; i += W) body(a, i, bad, std::false_type{});
+        for (; i + W <= end; i += W) body(a, i, bad, std::false_type{}, std::false_type{});
     }
+    // Orders the non-temporal stores before the pool reports the step done.
+    if (stream_rmw || stream_copy) I::stream_fence();
     if (i < end) {
         const size_t n = end - i;
         alignas(64) unsigned char pbuf[W * 4] = {};
@@ -120,7 +140,7 @@ bool run_range(const Arrays& a, size_t begin, size_t end, const Body& body) {
             t.state_b = bbuf;
         }
         if (CT != kNone) t.copy = cbuf;
-        body(t, 0, bad, std::false_type{});
+        body(t, 0, bad, std::false_type{}, std::false_type{});
         copy_bytes(static_cast<char*>(a.param) + i * ps, pbuf, n * ps);
         copy_bytes(static_cast<char*>(a.state_a) + i * ss, abuf, n * ss);
         if (a.state_b != nullptr) copy_bytes(static_cast<char*>(a.state_b) + i * ss, bbuf, n * ss);
@@ -141,7 +161,7 @@ bool adam_impl(const Arrays& arrays, const AdamConsts& c, size_t begin, size_t e
         I::sub(lerp_w, I::set1(1.0f));  // torch's large-weight lerp: end + (w - 1) * (end - start)
     const V beta2 = I::set1(c.beta2), omb2 = I::set1(c.one_minus_beta2), bc2 = I::set1(c.bc2_sqrt);
     const V eps = I::set1(c.eps), neg_step = I::set1(c.neg_step_size);
-    auto body = [&](const Arrays& a, size_t i, V& bad, auto stream) {
+    auto body = [=](const Arrays& a, size_t i, V& bad, auto rmw, auto cp) {
         V g = load<I, GT>(a.grad, i);
         bad = track_nonfinite<I>(bad, g);
         if (c.unscale) g = I::div(g, grad_scale);
@@ -159,10 +179,10 @@ bool adam_impl(const Arrays& arrays, const AdamConsts& c, size_t begin, size_t e
         v = I::fmadd(I::mul(omb2, g), g, v);
         const V denom = I::add(I::div(I::sqrt(v), bc2), eps);
         p = I::add(p, I::div(I::mul(neg_step, m), denom));
-        store<I, PT>(a.param, i, p);
-        store<I, ST>(a.state_a, i, m);
-        store<I, ST>(a.state_b, i, v);
-        store_copy<I, CT, decltype(stream)::value>(a.copy, i, p);
+        store<I, PT, decltype(rmw)::value>(a.param, i, p);
+        store<I, ST, decltype(rmw)::value>(a.state_a, i, m);
+        store<I, ST, decltype(rmw)::value>(a.state_b, i, v);
+        store<I, CT, decltype(cp)::value>(a.copy, i, p);
     };
     return run_range<I, PT, GT, ST, CT>(arrays, begin, end, body);
 }
@@ -174,7 +194,7 @@ bool adagrad_impl(const Arrays& arrays, const AdagradConsts& c, size_t begin, si
     using V = typename I::V;
     const V grad_scale = I::set1(c.grad_scale), wd = I::set1(c.weight_decay);
     const V eps = I::set1(c.eps), neg_lr = I::set1(c.neg_lr);
-    auto body = [&](const Arrays& a, size_t i, V& bad, auto stream) {
+    auto body = [=](const Arrays& a, size_t i, V& bad, auto rmw, auto cp) {
         V g = load<I, GT>(a.grad, i);
         bad = track_nonfinite<I>(bad, g);
         if (c.unscale) g = I::div(g, grad_scale);
@@ -184,9 +204,9 @@ bool adagrad_impl(const Arrays& arrays, const AdagradConsts& c, size_t begin, si
         s = I::fmadd(g, g, s);
         const V std_dev = I::add(I::sqrt(s), eps);
         p = I::add(p, I::div(I::mul(neg_lr, g), std_dev));
-        store<I, PT>(a.param, i, p);
-        store<I, ST>(a.state_a, i, s);
-        store_copy<I, CT, decltype(stream)::value>(a.copy, i, p);
+        store<I, PT, decltype(rmw)::value>(a.param, i, p);
+        store<I, ST, decltype(rmw)::value>(a.state_a, i, s);
+        store<I, CT, decltype(cp)::value>(a.copy, i, p);
     };
     return run_range<I, PT, GT, ST, CT>(arrays, begin, end, body);
 }
@@ -200,7 +220,7 @@ bool lion_impl(const Arrays& arrays, const LionConsts& c, size_t begin, size_t e
     const V grad_scale = I::set1(c.grad_scale), decay_mul = I::set1(c.decay_mul);
     const V beta1 = I::set1(c.beta1), omb1 = I::set1(c.one_minus_beta1);
     const V beta2 = I::set1(c.beta2), omb2 = I::set1(c.one_minus_beta2), neg_lr = I::set1(c.neg_lr);
-    auto body = [&](const Arrays& a, size_t i, V& bad, auto stream) {
+    auto body = [=](const Arrays& a, size_t i, V& bad, auto rmw, auto cp) {
         V g = load<I, GT>(a.grad, i);
         bad = track_nonfinite<I>(bad, g);
         if (c.unscale) g = I::div(g, grad_scale);
@@ -210,9 +230,9 @@ bool lion_impl(const Arrays& arrays, const LionConsts& c, size_t begin, size_t e
         const V update = I::sign(I::fmadd(g, omb1, I::mul(m, beta1)));
         p = I::fmadd(update, neg_lr, p);
         m = I::fmadd(g, omb2, I::mul(m, beta2));
-        store<I, PT>(a.param, i, p);
-        store<I, ST>(a.state_a, i, m);
-        store_copy<I, CT, decltype(stream)::value>(a.copy, i, p);
+        store<I, PT, decltype(rmw)::value>(a.param, i, p);
+        store<I, ST, decltype(rmw)::value>(a.state_a, i, m);
+        store<I, CT, decltype(cp)::value>(a.copy, i, p);
     };
     return run_range<I, PT, GT, ST, CT>(arrays, begin, end, body);
 }

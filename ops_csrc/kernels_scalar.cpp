@@ -36,7 +36,8 @@ struct ScalarIsa {
     static void store_bf16(uint16_t* p, V v) { *p = f32_to_bf16(v); }
     static void store_f16(uint16_t* p, V v) { *p = f32_to_f16(v); }
     static bool none_nan(V v) { return v == v; }
-    static constexpr size_t kStreamBytes = 0;  // never streams; these exist only to compile
+    static constexpr bool kCanStream = false;  // never streams; these exist only to compile
+    static void stream_f32(float* p, V v) { store_f32(p, v); }
     static void stream_bf16(uint16_t* p, V v) { store_bf16(p, v); }
     static void stream_f16(uint16_t* p, V v) { store_f16(p, v); }
     static void stream_fence() {}

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import offload.ops as ops
+import offload.ops._runtime as ops_runtime
 
 LEVELS = ops.available_simd_levels()
 TAIL_SIZES = [1, 7, 15, 17, 31, 33, 1023]
@@ -550,3 +551,64 @@ def test_param_copy_at_any_alignment(level, offset, cdt):
     ops.adam_update(p, g, m, v, step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, param_copy=copy)
     assert torch.equal(copy.view(torch.int16), p.to(cdt).view(torch.int16))
     assert bool((buf[:offset] == 0).all())
+
+
+# ---- non-temporal store paths ----
+
+STREAM_MIN = 4096  # kMinStreamElems in ops_csrc/kernels_impl.h: shorter ranges never stream
+# A range long enough to stream, with every tail length of an 8- or 16-lane vector; then past two thread
+# blocks (32768 elements each at 2 threads), where each block picks its own path.
+STREAM_SIZES = [STREAM_MIN + k for k in range(17)] + [2 * 32768 + STREAM_MIN + k for k in (0, 9)]
+
+
+@pytest.fixture
+def restore_stream_policy():
+    previous = ops_runtime.stream_policy()
+    yield
+    ops_runtime.set_stream_policy(previous)
+
+
+def _offset_view(n: int, offset: int, dtype: torch.dtype, fill: torch.Tensor) -> torch.Tensor:
+    # A view starting `offset` elements into a fresh buffer: offset 1 misaligns it for every vector store,
+    # offset 8 aligns a 16-bit array to 16 bytes (AVX2 width) but not 32 (AVX-512).
+    buf = torch.zeros(n + offset, dtype=dtype)
+    view = buf[offset:]
+    view.copy_(fill)
+    return view
+
+
+@pytest.mark.parametrize("simd", [lv for lv in LEVELS if lv != "scalar"])  # scalar never streams
+@pytest.mark.parametrize("policy", ["none", "copy", "all"])
+@pytest.mark.parametrize("copy_off,rmw_off", [(0, 0), (1, 0), (0, 1), (8, 8), (3, 5)])
+@pytest.mark.parametrize("cdt", [torch.bfloat16, torch.float16])
+def test_param_copy_equals_cast_on_every_store_path(
+    simd, restore_stream_policy, policy, copy_off, rmw_off, cdt
+):
+    # Each store policy and alignment takes its own loop in the kernel (streamed copy, streamed
+    # param/states, plain stores); every one must give the plain path's bits, and the copy must equal
+    # the cast of the updated param, tails included.
+    ops.force_simd_level(simd)
+    gen = torch.Generator().manual_seed(copy_off * 10 + rmw_off)
+    for n in STREAM_SIZES:
+        p0, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+        m0, v0 = torch.randn(n, generator=gen), torch.rand(n, generator=gen)
+        outs = []
+        for pol in dict.fromkeys(("none", policy)):
+            ops_runtime.set_stream_policy(pol)
+            p, m, v = (_offset_view(n, rmw_off, torch.float32, t) for t in (p0, m0, v0))
+            copy = _offset_view(n, copy_off, cdt, torch.zeros(n))
+            hyper = dict(step=2, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+            assert ops.adam_update(p, g, m, v, **hyper, param_copy=copy)
+            assert torch.equal(copy.view(torch.int16), p.to(cdt).view(torch.int16)), f"n={n}"
+            outs.append((p, m, v, copy))
+        for a, b in zip(outs[0], outs[-1]):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"n={n}"
+
+
+def test_stream_policy_switch(restore_stream_policy):
+    assert ops_runtime.stream_policy() == "copy"  # the default
+    for policy in ops_runtime.STREAM_POLICIES:
+        ops_runtime.set_stream_policy(policy)
+        assert ops_runtime.stream_policy() == policy
+    with pytest.raises(ValueError, match="unknown stream policy 'fast'"):
+        ops_runtime.set_stream_policy("fast")

@@ -515,3 +515,20 @@ def test_portable_build_compiles_and_runs(tmp_path):
     out = subprocess.run([str(exe)], check=True, capture_output=True, text=True, timeout=60).stdout.split()
     assert out[:4] == ["scalar", "3", "1", "1"]
     assert float(out[4]) == float(out[5]) and abs(float(out[4]) - 0.999) < 1e-6
+
+
+def test_bandwidth_probe_computes_its_loops():
+    # The benchmark's bandwidth reference must do the work it is credited with.
+    from offload import _cpu_optim
+
+    n = 100_003  # several blocks at 2 threads, with a tail
+    a = torch.arange(n, dtype=torch.float32) % 7
+    b = torch.full((n,), 2.0)
+    out = torch.zeros(n)
+    assert _cpu_optim.bandwidth_probe("read", 0, a.data_ptr(), 0, n) == float(a.double().sum())
+    _cpu_optim.bandwidth_probe("scale", out.data_ptr(), a.data_ptr(), 0, n)
+    assert torch.equal(out, a * 0.5)
+    _cpu_optim.bandwidth_probe("triad", out.data_ptr(), a.data_ptr(), b.data_ptr(), n)
+    assert torch.equal(out, a + 1.0)
+    with pytest.raises(ValueError, match="unknown bandwidth probe 'copy'"):
+        _cpu_optim.bandwidth_probe("copy", out.data_ptr(), a.data_ptr(), 0, n)

@@ -1,4 +1,4 @@
-"""Run-time switches of the C++ kernels: SIMD level and thread count.
+"""Run-time switches of the C++ kernels: SIMD level, thread count, non-temporal store policy.
 
 Imported once by offload.ops: it sets the thread count to torch's intra-op thread count (so the optimizer
 uses the cores torch was told to use) and applies ZO_SIMD when set, so a test or a user can force one
@@ -39,6 +39,27 @@ def force_simd_level(level: str | None) -> str:
     """
     previous = simd_level()
     _cpu_optim.set_simd_level("auto" if level is None else str(level))
+    return previous
+
+
+STREAM_POLICIES = ("none", "copy", "all")
+
+
+def stream_policy() -> str:
+    """Which stores go out non-temporal: "copy" (the default), "none" or "all"."""
+    return _cpu_optim.stream_policy()
+
+
+def set_stream_policy(policy: str) -> str:
+    """Choose the non-temporal store policy for later steps; returns the previous one.
+
+    "copy" (the default) streams the write-only 16-bit param copy; "none" streams nothing; "all" also
+    streams the param and the states, which is much slower on the machines measured (a streaming store to
+    a line just read evicts it). The other two exist for benchmarks; results are bit-identical under all
+    three. Raises ValueError for another name.
+    """
+    previous = stream_policy()
+    _cpu_optim.set_stream_policy(str(policy))
     return previous
 
 
