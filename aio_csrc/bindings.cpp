@@ -9,6 +9,7 @@
 
 #include "aio_error.h"
 #include "engine.h"
+#include "fault_inject.h"
 #include "handle.h"
 #include "pinned.h"
 
@@ -109,8 +110,13 @@ class PyHandle {
 
 class PyPinned {
   public:
-    PyPinned(size_t nbytes, size_t alignment, bool huge_pages, bool lock)
-        : mem_(std::make_unique<zo::PinnedMemory>(nbytes, alignment, huge_pages, lock)), nbytes_(nbytes) {}
+    PyPinned(size_t nbytes, size_t alignment, bool huge_pages, bool lock, zo::Populate populate)
+        : mem_(std::make_unique<zo::PinnedMemory>(nbytes, alignment, huge_pages, lock, populate)),
+          nbytes_(nbytes) {}
+    zo::PinnedMemory& mut() {
+        if (mem_->released()) throw py::value_error("PinnedBuffer was released");
+        return *mem_;
+    }
     const zo::PinnedMemory& mem() const {
         if (mem_->released()) throw py::value_error("PinnedBuffer was released");
         return *mem_;
@@ -154,6 +160,23 @@ PYBIND11_MODULE(_aio, m) {
             PyErr_SetString(g_backend_error, e.what());
         }
     });
+
+    m.def(
+        "_inject_alloc_failure",
+        [](int64_t n, const std::string& site) {
+            if (n < 0) throw zo::UsageError("n must be >= 0, got " + std::to_string(n));
+            static const char* const kSites[] = {"any",    "thread", "engine_setup", "request",
+                                                 "submit", "bounce", "block_lock"};
+            bool known = false;
+            for (const char* k : kSites) known = known || site == k;
+            if (!known) throw zo::UsageError("unknown fault injection site '" + site + "'");
+            zo::inject_alloc_failure(static_cast<long>(n), site);
+        },
+        py::arg("n"), py::arg("site") = "any",
+        "Test hook: make the nth internal allocation at `site` fail (bad_alloc; EAGAIN for 'thread'). "
+        "0 disarms. Sites: any, thread, engine_setup, request, submit, bounce, block_lock.");
+    m.def("_alloc_failure_countdown", &zo::alloc_failure_countdown,
+          "Test hook: matching allocations left before the injected failure; 0 once fired or disarmed.");
 
     m.def(
         "available_backends", [] { return zo::available_backends(); },
@@ -215,19 +238,41 @@ PYBIND11_MODULE(_aio, m) {
         .def_property_readonly("huge_pages", [](const PyPinned& b) { return b.raw().huge_pages(); })
         .def_property_readonly("lock_errno", [](const PyPinned& b) { return b.raw().lock_errno(); })
         .def_property_readonly("released", &PyPinned::released)
+        .def_property_readonly("populated", [](PyPinned& b) { return b.mut().populated(); })
+        .def(
+            "wait_populated",
+            [](PyPinned& b) {
+                zo::PinnedMemory& mem = b.mut();
+                py::gil_scoped_release nogil;
+                return mem.wait_populated();
+            },
+            "Block until the background population is done; returns its errno (0: every page resident).")
         .def("release", &PyPinned::release, "Unmap now; the buffer must not be used afterwards.");
 
     m.def(
         "alloc_pinned",
-        [](int64_t nbytes, int64_t alignment, bool huge_pages, bool lock) {
+        [](int64_t nbytes, int64_t alignment, bool huge_pages, bool lock, const std::string& populate) {
             if (nbytes < 0) throw zo::UsageError("nbytes must be >= 0, got " + std::to_string(nbytes));
             if (alignment <= 0)
                 throw zo::UsageError("alignment must be > 0, got " + std::to_string(alignment));
+            zo::Populate mode;
+            if (populate == "sync") {
+                mode = zo::Populate::kSync;
+            } else if (populate == "background") {
+                mode = zo::Populate::kBackground;
+            } else if (populate == "none") {
+                mode = zo::Populate::kNone;
+            } else {
+                throw zo::UsageError("populate must be 'sync', 'background' or 'none', got '" + populate +
+                                     "'");
+            }
             py::gil_scoped_release nogil;  // mlock faults in every page
             return std::make_unique<PyPinned>(static_cast<size_t>(nbytes), static_cast<size_t>(alignment),
-                                              huge_pages, lock);
+                                              huge_pages, lock, mode);
         },
         py::arg("nbytes"), py::arg("alignment") = 2 << 20, py::arg("huge_pages") = true,
-        py::arg("lock") = true,
-        "Anonymous, aligned, optionally huge-page backed and mlock'ed host buffer of exactly nbytes.");
+        py::arg("lock") = true, py::arg("populate") = "sync",
+        "Anonymous, aligned, optionally huge-page backed and mlock'ed host buffer of exactly nbytes. "
+        "populate: when a locked buffer's pages fault in: 'sync' (before returning), 'background' (a "
+        "thread of the buffer), 'none' (on first touch).");
 }

@@ -68,6 +68,9 @@ class Mapping {
 class UringEngine : public Engine {
   public:
     UringEngine(unsigned depth, bool single_submit) : single_submit_(single_submit) {
+        // Allocate before the ring exists, so that running out of memory cannot leak its descriptor.
+        slots_.resize(kFixedSlots);
+        refused_.reserve(kMaxRefused);
         // Cheapest first; older kernels reject unknown flags with EINVAL.
         const unsigned flag_sets[] = {IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN,
                                       IORING_SETUP_COOP_TASKRUN, 0};
@@ -93,7 +96,6 @@ class UringEngine : public Engine {
         rr.nr = kFixedSlots;
         rr.flags = IORING_RSRC_REGISTER_SPARSE;
         sparse_ = sys_register(fd_, IORING_REGISTER_BUFFERS2, &rr, sizeof(rr)) == 0;
-        slots_.resize(kFixedSlots);
     }
     ~UringEngine() override {
         // Closing the ring cancels and reaps what is left; the worker never closes with I/O in flight.
@@ -167,6 +169,7 @@ class UringEngine : public Engine {
 
   private:
     static constexpr unsigned kFixedSlots = 16;
+    static constexpr size_t kMaxRefused = 64;
     static constexpr size_t kMaxFixedLen = size_t(1) << 30;  // the kernel's limit per fixed buffer
 
     struct FixedSlot {
@@ -229,7 +232,7 @@ class UringEngine : public Engine {
         }
         if (!update_slot(victim, reinterpret_cast<void*>(base), wlen)) {
             // e.g. RLIMIT_MEMLOCK for an unprivileged user: use this buffer unregistered from now on.
-            if (refused_.size() < 64) refused_.push_back(region.id);
+            if (refused_.size() < kMaxRefused) refused_.push_back(region.id);  // capacity reserved
             return -1;
         }
         slots_[victim] = FixedSlot{region.id, base, wlen, ++clock_};

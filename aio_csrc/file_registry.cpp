@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <cerrno>
 
+#include "fault_inject.h"
+
 namespace zo {
 
 BlockLocks& BlockLocks::instance() {
@@ -22,7 +24,17 @@ bool BlockLocks::try_lock(const FileKey& f, const uint64_t* blocks, int n, uint6
             return false;
         }
     }
-    for (int i = 0; i < n; ++i) held_.insert(std::make_tuple(f.dev, f.ino, blocks[i]));
+    // All or nothing: if an insert runs out of memory, the blocks taken so far are given back.
+    int taken = 0;
+    try {
+        for (; taken < n; ++taken) {
+            alloc_point("block_lock");
+            held_.insert(std::make_tuple(f.dev, f.ino, blocks[taken]));
+        }
+    } catch (...) {
+        for (int i = 0; i < taken; ++i) held_.erase(std::make_tuple(f.dev, f.ino, blocks[i]));
+        throw;
+    }
     return true;
 }
 

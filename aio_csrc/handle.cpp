@@ -16,14 +16,15 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <deque>
 #include <future>
 #include <list>
 #include <new>
 #include <set>
+#include <system_error>
 #include <thread>
 
 #include "engine.h"
+#include "fault_inject.h"
 #include "file_registry.h"
 #include "file_util.h"
 #include "pinned.h"
@@ -72,12 +73,32 @@ struct Request {
 
     std::string name() const { return path.empty() ? fd_name(fd.get()) : path; }
     int read_fd() const { return rmw_fd.get() >= 0 ? rmw_fd.get() : fd.get(); }
-    void fail(int err, Op op, uint64_t off, uint64_t len, const std::string& detail) {
-        IoError e(err, op, name(), static_cast<int64_t>(off), static_cast<int64_t>(len), detail);
-        std::lock_guard<std::mutex> lk(err_mu);
-        if (!error) error.emplace(std::move(e));
+    // Never throws: when even the error text cannot be allocated, the errno alone is kept
+    // (fallback_err) and the request still fails rather than the worker thread dying.
+    void fail(int err, Op op, uint64_t off, uint64_t len, const std::string& detail) noexcept {
+        try {
+            IoError e(err, op, name(), static_cast<int64_t>(off), static_cast<int64_t>(len), detail);
+            std::lock_guard<std::mutex> lk(err_mu);
+            if (!error) error.emplace(std::move(e));
+        } catch (...) {
+            std::lock_guard<std::mutex> lk(err_mu);
+            if (fallback_err == 0) fallback_err = err;
+        }
         failed.store(true, std::memory_order_release);
     }
+    // A C++ exception met while working on this request becomes its error instead of escaping the
+    // worker thread (which would std::terminate the process): bad_alloc is ENOMEM.
+    void fail_internal(const std::exception& e, uint64_t off, uint64_t len) noexcept {
+        const Op op = write ? Op::kWrite : Op::kRead;
+        if (dynamic_cast<const std::bad_alloc*>(&e) != nullptr) {
+            fail(ENOMEM, op, off, len, "out of memory inside the I/O worker");
+        } else if (const auto* se = dynamic_cast<const std::system_error*>(&e)) {
+            fail(se->code().value(), op, off, len, std::string("inside the I/O worker: ") + e.what());
+        } else {
+            fail(EIO, op, off, len, std::string("internal error inside the I/O worker: ") + e.what());
+        }
+    }
+    int fallback_err = 0;  // guarded by err_mu
 };
 
 struct Task {
@@ -92,14 +113,20 @@ class Worker {
     Worker(Handle& h, const HandleOptions& o, const std::string& backend) : h_(h), o_(o), backend_(backend) {
         slots_.resize(o.queue_depth);
         for (unsigned i = o.queue_depth; i-- > 0;) free_slots_.push_back(i);
-        std::promise<std::string> init;
-        std::future<std::string> ready = init.get_future();
+        // Capacity up front, so that returning a bounce buffer never allocates on the worker thread.
+        free_bounce_.reserve(kMaxBounceBuffers);
+        std::promise<void> init;
+        std::future<void> ready = init.get_future();
         // The engine is created on the worker thread: an io_uring ring may then be SINGLE_ISSUER.
+        // std::thread throws std::system_error (EAGAIN) when the kernel refuses a thread; Handle turns it
+        // into an IoError.
+        alloc_point("thread");
         th_ = std::thread([this, &init] { run(init); });
-        const std::string err = ready.get();
-        if (!err.empty()) {
+        try {
+            ready.get();  // rethrows the thread's setup failure: BackendUnavailable, bad_alloc, ...
+        } catch (...) {
             th_.join();
-            throw BackendUnavailable(err);
+            throw;
         }
     }
     ~Worker() {
@@ -113,10 +140,12 @@ class Worker {
     Worker(const Worker&) = delete;
     Worker& operator=(const Worker&) = delete;
 
-    void enqueue(Task t) {
+    // Takes a one-element list: the caller allocated the node, so the worker never allocates to accept
+    // work (splicing does not allocate).
+    void enqueue(std::list<Task>& node) {
         {
             std::lock_guard<std::mutex> lk(mu_);
-            queue_.push_back(std::move(t));
+            queue_.splice(queue_.end(), node);
         }
         cv_.notify_one();
     }
@@ -144,42 +173,79 @@ class Worker {
     };
     enum class Bounce { kReady, kBusy, kNoMemory };
 
-    void run(std::promise<std::string>& init) {
+    // Nothing may escape this function: an exception leaving a std::thread terminates the process.
+    void run(std::promise<void>& init) noexcept {
+        std::vector<IoDone> done;
         try {
+            done.reserve(o_.queue_depth);
+            alloc_point("engine_setup");
             eng_ = make_engine(backend_, o_.queue_depth, o_.single_submit);
+        } catch (const std::bad_alloc&) {
+            init.set_exception(std::current_exception());  // MemoryError: no other backend would help
+            return;
+        } catch (const BackendUnavailable&) {
+            init.set_exception(std::current_exception());
+            return;
         } catch (const std::exception& e) {
-            init.set_value(e.what());
+            // Whatever else kept the engine from starting: under "auto" the next backend is tried.
+            try {
+                init.set_exception(std::make_exception_ptr(BackendUnavailable(e.what())));
+            } catch (...) {
+                init.set_exception(std::current_exception());  // the message did not fit in memory
+            }
+            return;
+        } catch (...) {
+            init.set_exception(std::current_exception());
             return;
         }
-        init.set_value("");
-        std::vector<IoDone> done;
-        done.reserve(o_.queue_depth);
+        init.set_value();
         for (;;) {
-            {
-                std::unique_lock<std::mutex> lk(mu_);
-                if (busy_ == 0 && active_.empty()) {
-                    cv_.wait(lk, [&] { return stop_ || (!queue_.empty() && !h_.paused()); });
-                    if (queue_.empty()) return;  // stop_: the handle waited for everything first
-                }
-                if (!h_.paused()) {
-                    while (!queue_.empty()) {
-                        active_.push_back(std::move(queue_.front()));
-                        queue_.pop_front();
-                    }
-                }
+            try {
+                if (!step(done)) return;
+            } catch (const std::exception& e) {
+                abandon_active(e);
+            } catch (...) {
+                abandon_active(std::runtime_error("unknown exception"));
             }
-            // overlap_events=False: a new batch only once the previous one has fully completed.
-            lock_blocked_ = false;
-            if (o_.overlap_events || busy_ == 0) fill();
-            if (busy_ == 0) {
-                // Nothing of ours in flight: the only thing to wait for is another writer's block.
-                if (lock_blocked_) BlockLocks::instance().wait_for_release(lock_gen_);
-                continue;
-            }
-            done.clear();
-            eng_->submit_and_reap(o_.overlap_events ? 1 : busy_, done);
-            for (const IoDone& d : done) complete(d);
         }
+    }
+
+    // Last resort for an exception that got past the per-piece handling: fail every request this worker
+    // holds, so none waits forever. Pieces already in the kernel still complete normally.
+    void abandon_active(const std::exception& e) noexcept {
+        for (Task& t : active_) {
+            t.req->fail_internal(e, t.pos, t.end - t.pos);
+            t.pos = t.end;
+        }
+        try {
+            fill();  // finishes the tasks that have nothing in flight
+        } catch (...) {
+            // fill() of failed tasks issues nothing; tasks left are finished by their last completion
+        }
+    }
+
+    // One round: take new tasks, issue pieces, reap completions. False when the worker should exit.
+    bool step(std::vector<IoDone>& done) {
+        {
+            std::unique_lock<std::mutex> lk(mu_);
+            if (busy_ == 0 && active_.empty()) {
+                cv_.wait(lk, [&] { return stop_ || (!queue_.empty() && !h_.paused()); });
+                if (queue_.empty()) return false;  // stop_: the handle waited for everything first
+            }
+            if (!h_.paused()) active_.splice(active_.end(), queue_);
+        }
+        // overlap_events=False: a new batch only once the previous one has fully completed.
+        lock_blocked_ = false;
+        if (o_.overlap_events || busy_ == 0) fill();
+        if (busy_ == 0) {
+            // Nothing of ours in flight: the only thing to wait for is another writer's block.
+            if (lock_blocked_) BlockLocks::instance().wait_for_release(lock_gen_);
+            return true;
+        }
+        done.clear();
+        eng_->submit_and_reap(o_.overlap_events ? 1 : busy_, done);
+        for (const IoDone& d : done) complete(d);
+        return true;
     }
 
     void fill() {
@@ -189,7 +255,16 @@ class Worker {
             if (t.req->failed.load(std::memory_order_acquire)) t.pos = t.end;
             bool blocked = false;
             while (t.pos < t.end && !free_slots_.empty()) {
-                if (!start_piece(it)) {
+                bool started = false;
+                try {
+                    started = start_piece(it);
+                } catch (const std::exception& e) {
+                    // start_piece changes nothing before it throws: fail the request, issue no more of it.
+                    t.req->fail_internal(e, t.pos, t.end - t.pos);
+                    t.pos = t.end;
+                    break;
+                }
+                if (!started) {
                     blocked = true;
                     break;
                 }
@@ -204,6 +279,7 @@ class Worker {
     }
 
     // Issues the next piece of *it. Returns false when it must wait for a bounce buffer or a block lock.
+    // Strong guarantee: if it throws (out of memory), no slot, bounce buffer or block lock is taken.
     bool start_piece(std::list<Task>::iterator it) {
         Task& t = *it;
         Request& r = *t.req;
@@ -250,15 +326,20 @@ class Worker {
             } else {
                 s.need = fo + len - s.io_off;
             }
-            free_bounce_.pop_back();
         }
         const uint32_t tag = free_slots_.back();
-        free_slots_.pop_back();
         slots_[tag] = s;
+        try {
+            issue(tag);
+        } catch (...) {
+            if (s.nlocked > 0) BlockLocks::instance().unlock(r.key, s.locked, s.nlocked);
+            throw;
+        }
+        free_slots_.pop_back();
+        if (s.bounce >= 0) free_bounce_.pop_back();
         ++busy_;
         ++t.outstanding;
         t.pos = end;
-        issue(tag);
         return true;
     }
 
@@ -286,6 +367,7 @@ class Worker {
         Slot& s = slots_[tag];
         Request& r = *s.task->req;
         char* base = s.bounce >= 0 ? bounce_ptr(s.bounce) : s.user;
+        alloc_point("submit");
         eng_->prepare(IoReq{r.fd.get(), r.write, base + s.done, static_cast<size_t>(s.io_len - s.done),
                             s.io_off + s.done, tag, s.bounce >= 0 && arena_fixed_});
     }
@@ -297,7 +379,7 @@ class Worker {
         if (d.res < 0) {
             const int err = static_cast<int>(-d.res);
             if ((err == EAGAIN || err == EINTR) && s.retries++ < kMaxRetries) {
-                issue(d.tag);
+                reissue(d.tag);
                 return;
             }
             r.fail(err, op, s.io_off + s.done, s.io_len - s.done,
@@ -329,7 +411,18 @@ class Worker {
             finish_piece(d.tag);
             return;
         }
-        issue(d.tag);  // short transfer: the remainder
+        reissue(d.tag);  // short transfer: the remainder
+    }
+
+    // Issues the rest of a piece already in flight; if that throws, the piece ends with the error.
+    void reissue(uint32_t tag) {
+        try {
+            issue(tag);
+        } catch (const std::exception& e) {
+            Slot& s = slots_[tag];
+            s.task->req->fail_internal(e, s.io_off + s.done, s.io_len - s.done);
+            finish_piece(tag);
+        }
     }
 
     void finish_piece(uint32_t tag) {
@@ -358,8 +451,10 @@ class Worker {
         if (arena_ && free_bounce_.size() != n_bounce_) return Bounce::kBusy;  // grow once all are back
         const unsigned n = std::min(o_.queue_depth, kMaxBounceBuffers);
         const uint64_t bytes = round_up(slot_bytes, kPreferredAlignment);
+        arena_fixed_ = false;
         try {
             arena_.reset();
+            alloc_point("bounce");
             arena_ = std::make_unique<PinnedMemory>(n * bytes, size_t(2) << 20, true, false);
         } catch (const std::bad_alloc&) {
             arena_.reset();
@@ -384,7 +479,7 @@ class Worker {
 
     std::mutex mu_;  // guards queue_ and stop_
     std::condition_variable cv_;
-    std::deque<Task> queue_;
+    std::list<Task> queue_;
     bool stop_ = false;
 
     // Owned by the worker thread alone.
@@ -432,6 +527,14 @@ Handle::Handle(const HandleOptions& opts) : opts_(opts) {
             // e.g. fs.aio-max-nr exhausted by many contexts: fall back to the next backend under "auto".
             workers_.clear();
             last_error = e.what();
+        } catch (const std::system_error& e) {
+            // std::thread could not start one (EAGAIN: RLIMIT_NPROC, threads-max, memory). The workers
+            // already started are joined by clear(); the caller gets an OSError with the errno.
+            const size_t started = workers_.size();
+            workers_.clear();
+            throw IoError(e.code().value(), Op::kSetup, "", 0, 0,
+                          "cannot start I/O worker thread " + std::to_string(started + 1) + " of " +
+                              std::to_string(opts.intra_op_parallelism));
         }
     }
     throw BackendUnavailable("backend '" + opts.backend + "' is unavailable: " + last_error);
@@ -605,6 +708,15 @@ int64_t Handle::dispatch(const std::shared_ptr<Request>& req, bool async) {
     const uint64_t per = (nblocks + std::min(n, nblocks) - 1) / std::min(n, nblocks);
     const uint64_t ntasks = (nblocks + per - 1) / per;
     r.tasks_left.store(static_cast<unsigned>(ntasks), std::memory_order_relaxed);
+    // Everything that allocates happens before the request is counted, so running out of memory here
+    // raises in the caller (MemoryError) and leaves the handle as it was.
+    alloc_point("request");
+    std::vector<std::list<Task>> nodes(ntasks);
+    for (uint64_t i = 0; i < ntasks; ++i) {
+        const uint64_t pos = std::max(r.offset, (first + i * per) * r.block);
+        const uint64_t end = std::min(r.offset + r.nbytes, (first + (i + 1) * per) * r.block);
+        nodes[i].push_back(Task{req, pos, end, 0});
+    }
     {
         std::lock_guard<std::mutex> lk(mu_);
         if (closed_) throw UsageError("the aio Handle is closed");
@@ -612,20 +724,27 @@ int64_t Handle::dispatch(const std::shared_ptr<Request>& req, bool async) {
         if (async) ++inflight_async_;
     }
     if (r.write) {
-        SizeTracker::instance().begin_write(r.fd.get(), r.key, r.size, r.offset, r.offset + r.nbytes,
-                                            r.direct, r.padded);
+        try {
+            SizeTracker::instance().begin_write(r.fd.get(), r.key, r.size, r.offset, r.offset + r.nbytes,
+                                                r.direct, r.padded);
+        } catch (...) {
+            {
+                std::lock_guard<std::mutex> lk(mu_);
+                --inflight_total_;
+                if (async) --inflight_async_;
+            }
+            cv_.notify_all();
+            throw;
+        }
     }
     // Rotate the first worker so that many small requests spread over all threads.
     const unsigned start = next_worker_.fetch_add(1, std::memory_order_relaxed);
-    for (uint64_t i = 0; i < ntasks; ++i) {
-        const uint64_t pos = std::max(r.offset, (first + i * per) * r.block);
-        const uint64_t end = std::min(r.offset + r.nbytes, (first + (i + 1) * per) * r.block);
-        workers_[(start + i) % n]->enqueue(Task{req, pos, end, 0});
-    }
+    for (uint64_t i = 0; i < ntasks; ++i) workers_[(start + i) % n]->enqueue(nodes[i]);
     if (async) return 0;
     std::unique_lock<std::mutex> lk(mu_);
     cv_.wait(lk, [&] { return r.done; });
     if (r.error) throw *r.error;
+    if (r.failed.load(std::memory_order_acquire)) throw std::bad_alloc();  // not even the error fitted
     return static_cast<int64_t>(r.nbytes);
 }
 
@@ -639,12 +758,24 @@ void Handle::request_finished(Request& r) {
     r.rmw_fd.reset();
     const int close_err = r.fd.reset();  // closes only descriptors opened by path
     if (close_err != 0) r.fail(close_err, Op::kClose, r.offset, r.nbytes, "closing the file");
+    if (r.failed.load(std::memory_order_acquire) && !r.error) {
+        // The error text could not be allocated when it happened; memory may be back by now.
+        r.fail(r.fallback_err, r.write ? Op::kWrite : Op::kRead, r.offset, r.nbytes, "");
+    }
     {
         std::lock_guard<std::mutex> lk(mu_);
         if (r.async) {
             --inflight_async_;
             ++completed_async_;
-            if (r.error && !first_error_) first_error_ = r.error;
+            if (r.error && !first_error_) {
+                try {
+                    first_error_ = r.error;
+                } catch (const std::bad_alloc&) {
+                    async_oom_ = true;
+                }
+            } else if (!r.error && r.failed.load(std::memory_order_acquire)) {
+                async_oom_ = true;
+            }
         } else {
             r.done = true;
         }
@@ -658,6 +789,11 @@ size_t Handle::wait() {
     cv_.wait(lk, [&] { return inflight_async_ == 0; });
     const size_t n = completed_async_;
     completed_async_ = 0;
+    if (async_oom_ && !first_error_) {
+        async_oom_ = false;
+        throw std::bad_alloc();  // a request failed without memory left even for its error
+    }
+    async_oom_ = false;
     if (first_error_) {
         IoError e = std::move(*first_error_);
         first_error_.reset();

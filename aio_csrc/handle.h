@@ -99,6 +99,7 @@ class Handle {
     size_t inflight_async_ = 0;
     size_t completed_async_ = 0;
     std::optional<IoError> first_error_;
+    bool async_oom_ = false;  // an async request failed and its error could not even be allocated
 };
 
 }  // namespace zo

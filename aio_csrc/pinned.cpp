@@ -3,11 +3,13 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdint>
 #include <fstream>
 #include <new>
 #include <string>
+#include <system_error>
 
 #include "aio_error.h"
 
@@ -26,6 +28,42 @@ bool thp_possible() {
     std::string s;
     if (!f || !std::getline(f, s)) return false;
     return s.find("[never]") == std::string::npos;
+}
+
+#ifndef MLOCK_ONFAULT
+#define MLOCK_ONFAULT 0x01
+#endif
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23  // Linux 5.14
+#endif
+
+// Population works in slices of one huge page: each holds the process's mmap lock (read) while it faults,
+// so a slice is what an mmap/munmap of the caller (malloc of a large tensor, an io_uring ring) may wait for,
+// and what release() waits for at most.
+constexpr size_t kPopulateSlice = size_t(2) << 20;
+// Buffers up to this size are populated before returning: a thread would cost more.
+constexpr size_t kPopulateSyncMax = size_t(16) << 20;
+
+// One buffer's slice at a time, process-wide: several populating threads would only compete with each
+// other and with the caller for the same memory bandwidth and mmap lock.
+std::mutex& populate_mutex() {
+    static std::mutex mu;
+    return mu;
+}
+
+// Fault in [p, p + n) as if written, without changing its contents: safe while the owner already uses the
+// memory. Returns 0 or an errno.
+int populate_range(char* p, size_t n) {
+    while (madvise(p, n, MADV_POPULATE_WRITE) != 0) {
+        if (errno == EINTR) continue;
+        if (errno != EINVAL) return errno;
+        // Kernel without MADV_POPULATE_WRITE: mlock of an already locked range populates it (content-safe).
+        while (mlock(p, n) != 0) {
+            if (errno != EINTR) return errno;
+        }
+        return 0;
+    }
+    return 0;
 }
 
 }  // namespace
@@ -72,7 +110,8 @@ bool PinnedRegistry::alive(uint64_t id) {
     return false;
 }
 
-PinnedMemory::PinnedMemory(size_t nbytes, size_t alignment, bool huge_pages, bool lock) : nbytes_(nbytes) {
+PinnedMemory::PinnedMemory(size_t nbytes, size_t alignment, bool huge_pages, bool lock, Populate populate)
+    : nbytes_(nbytes) {
     if (alignment == 0 || (alignment & (alignment - 1)) != 0)
         throw UsageError("alignment must be a power of two, got " + std::to_string(alignment));
     const size_t page = page_size();
@@ -93,18 +132,87 @@ PinnedMemory::PinnedMemory(size_t nbytes, size_t alignment, bool huge_pages, boo
     data_ = reinterpret_cast<char*>(aligned);
     if (huge_pages) huge_pages_ = madvise(data_, mapped_, MADV_HUGEPAGE) == 0 && thp_possible();
     region_id_ = PinnedRegistry::instance().add(aligned, mapped_);
-    if (lock) {
-        // mlock also faults every page in, so later I/O never takes a page fault on this buffer.
-        if (mlock(data_, mapped_) == 0) {
+    if (!lock) return;
+    // A thread costs more than faulting in one slice here and now.
+    if (populate == Populate::kBackground && mapped_ <= kPopulateSyncMax) populate = Populate::kSync;
+    if (populate != Populate::kSync) {
+        // MLOCK_ONFAULT checks RLIMIT_MEMLOCK like mlock (same errno on failure) but faults nothing in.
+        if (mlock2(data_, mapped_, MLOCK_ONFAULT) == 0) {
             locked_ = true;
-        } else {
-            lock_errno_ = errno;
+            if (populate == Populate::kBackground) start_populate();
+            return;
         }
+        if (errno != EINVAL && errno != ENOSYS) {
+            lock_errno_ = errno;
+            return;
+        }
+        // No MLOCK_ONFAULT on this kernel: lock and populate now.
     }
+    // mlock also faults every page in, so later I/O never takes a page fault on this buffer.
+    if (mlock(data_, mapped_) == 0) {
+        locked_ = true;
+        sync_populated_ = true;
+    } else {
+        lock_errno_ = errno;
+    }
+}
+
+void PinnedMemory::PopulateState::finish(int err) {
+    {
+        std::lock_guard<std::mutex> lk(mu);
+        done = true;
+        error = err;
+    }
+    cv.notify_all();
+}
+
+void PinnedMemory::start_populate() {
+    auto state = std::make_shared<PopulateState>();
+    char* base = data_;
+    const size_t len = mapped_;
+    try {
+        populate_thread_ = std::thread([state, base, len] {
+            int err = 0;
+            for (size_t off = 0; off < len && err == 0; off += kPopulateSlice) {
+                if (state->stop.load(std::memory_order_relaxed)) {
+                    err = ECANCELED;
+                    break;
+                }
+                std::lock_guard<std::mutex> lk(populate_mutex());
+                err = populate_range(base + off, std::min(kPopulateSlice, len - off));
+            }
+            state->finish(err);
+        });
+    } catch (const std::system_error&) {
+        // No thread to be had: populate here instead (the buffer is locked; the pages just fault in now).
+        state->finish(populate_range(base, len));
+    }
+    populate_ = std::move(state);
+}
+
+void PinnedMemory::stop_populate() {
+    if (populate_ == nullptr) return;
+    populate_->stop.store(true, std::memory_order_relaxed);
+    if (populate_thread_.joinable()) populate_thread_.join();
+}
+
+bool PinnedMemory::populated() {
+    if (sync_populated_) return true;
+    if (populate_ == nullptr) return false;
+    std::lock_guard<std::mutex> lk(populate_->mu);
+    return populate_->done && populate_->error == 0;
+}
+
+int PinnedMemory::wait_populated() {
+    if (populate_ == nullptr) return 0;
+    std::unique_lock<std::mutex> lk(populate_->mu);
+    populate_->cv.wait(lk, [this] { return populate_->done; });
+    return populate_->error;
 }
 
 void PinnedMemory::release() {
     if (data_ != nullptr) {
+        stop_populate();  // the thread must be done with the pages before they are unmapped
         // Out of the registry first, so that no engine registers it again; rings that hold it drop it on
         // their next I/O (their reference keeps the pages, never another mapping, until then).
         PinnedRegistry::instance().remove(region_id_);

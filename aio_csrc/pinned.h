@@ -3,9 +3,12 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <mutex>
+#include <thread>
 #include <vector>
 
 namespace zo {
@@ -36,11 +39,21 @@ class PinnedRegistry {
     std::atomic<uint64_t> epoch_{0};
 };
 
+// When the pages of a locked buffer are faulted in (allocated and zeroed by the kernel). Faulting in
+// gigabytes takes seconds; the memory is usable at once in every mode, only where that cost is paid differs.
+enum class Populate {
+    kSync,        // before the constructor returns (mlock): no later access ever takes a page fault
+    kBackground,  // by a thread of this buffer, overlapping whatever the caller does next (small: kSync)
+    kNone,        // on first touch (mlock2 MLOCK_ONFAULT: each page is locked as it faults in)
+};
+
 class PinnedMemory {
   public:
     // Throws UsageError for a bad alignment, std::bad_alloc (with errno in the message) if mmap fails.
-    // A failed mlock is not an error: locked() is false and lock_errno() says why.
-    PinnedMemory(size_t nbytes, size_t alignment, bool huge_pages, bool lock);
+    // A failed mlock is not an error: locked() is false and lock_errno() says why. Unlocked buffers are
+    // never populated ahead of use. Where MLOCK_ONFAULT is unsupported, kBackground and kNone become kSync.
+    PinnedMemory(size_t nbytes, size_t alignment, bool huge_pages, bool lock,
+                 Populate populate = Populate::kSync);
     ~PinnedMemory();
     PinnedMemory(const PinnedMemory&) = delete;
     PinnedMemory& operator=(const PinnedMemory&) = delete;
@@ -51,6 +64,10 @@ class PinnedMemory {
     bool huge_pages() const { return huge_pages_; }
     int lock_errno() const { return lock_errno_; }
     bool released() const { return data_ == nullptr; }
+    // True once every page is resident (always true for unlocked buffers: nothing is done for them).
+    bool populated();
+    // Blocks until the background population finished; returns its errno (0: all pages resident).
+    int wait_populated();
     void release();
 
   private:
@@ -59,8 +76,23 @@ class PinnedMemory {
     size_t mapped_ = 0;  // bytes mapped at data_ (nbytes rounded up to the page size)
     bool locked_ = false;
     bool huge_pages_ = false;
+    bool sync_populated_ = false;
     int lock_errno_ = 0;
     uint64_t region_id_ = 0;
+
+    // Shared with the populating thread, which never touches anything else of this object.
+    struct PopulateState {
+        std::atomic<bool> stop{false};
+        std::mutex mu;
+        std::condition_variable cv;
+        bool done = false;  // guarded by mu
+        int error = 0;      // guarded by mu
+        void finish(int err);
+    };
+    std::shared_ptr<PopulateState> populate_;
+    std::thread populate_thread_;
+    void start_populate();
+    void stop_populate();
 };
 
 }  // namespace zo

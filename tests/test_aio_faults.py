@@ -303,3 +303,180 @@ def test_forcing_a_backend_the_kernel_refuses(deny):
     assert "psync" in result["available"]
     assert result["auto"] == result["available"][0]
     assert result["fds_back"] and result["pinned_back"]
+
+
+# --- Running out of memory inside the core ----------------------------------------------------------------
+# `_aio._inject_alloc_failure(n, site)` makes the nth internal allocation at `site` fail (std::bad_alloc; at
+# "thread", std::system_error(EAGAIN) as std::thread throws). Inside a worker thread the failure must become
+# the request's AioError(ENOMEM), never std::terminate, and the handle must keep working afterwards.
+
+BLOCK = 64 << 10
+
+
+@pytest.fixture
+def inject():
+    yield _aio._inject_alloc_failure
+    _aio._inject_alloc_failure(0)  # disarm even when the test failed before the hook fired
+
+
+def assert_round_trip(h: AioHandle, path: str, offset: int, n: int, seed: int) -> None:
+    """The handle still moves data bit-exactly, sync and async, aligned and not."""
+    src = random_bytes(n, seed)
+    h.sync_pwrite(src, path, offset)
+    dst = np.zeros(n, np.uint8)
+    h.sync_pread(dst, path, offset)
+    np.testing.assert_array_equal(dst, src)
+    dst[:] = 0
+    h.async_pread(dst, path, offset)
+    assert h.wait() == 1
+    np.testing.assert_array_equal(dst, src)
+
+
+def assert_enomem(info) -> None:
+    e = info.value
+    assert isinstance(e, AioError)
+    assert e.errno == errno.ENOMEM, f"errno {e.errno}: {e}"
+    assert "Cannot allocate memory" in str(e)  # strerror(ENOMEM), then where it happened
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("asynchronous", [False, True])
+@pytest.mark.parametrize("nth", [1, 5])
+def test_alloc_failure_while_submitting_a_piece(io_dir, no_leaks, inject, backend, asynchronous, nth):
+    path = os.path.join(io_dir, "f.bin")
+    n = 16 * BLOCK
+    with AioHandle(BLOCK, 4, backend=backend, intra_op_parallelism=2) as h:
+        h.sync_pwrite(random_bytes(n, 1), path)
+        inject(nth, "submit")
+        buf = np.zeros(n, np.uint8)
+        with pytest.raises(AioError) as info:
+            if asynchronous:
+                h.async_pread(buf, path)
+                h.wait()
+            else:
+                h.sync_pread(buf, path)
+        assert _aio._alloc_failure_countdown() == 0, "the injected failure did not fire"
+        assert_enomem(info)
+        assert info.value.filename == path and info.value.op == "read"
+        assert h.pending() == 0
+        assert h.wait() == 0  # the failure was reported once
+        assert_round_trip(h, path, 0, n, 2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_alloc_failure_of_the_bounce_buffer(io_dir, no_leaks, inject, backend):
+    # An unaligned request needs the worker's bounce buffers, allocated on first use on the worker thread.
+    path = os.path.join(io_dir, "f.bin")
+    with AioHandle(BLOCK, 4, backend=backend) as h:
+        h.sync_pwrite(random_bytes(4 * BLOCK, 3), path)
+    with AioHandle(BLOCK, 4, backend=backend) as h:  # a fresh handle has no bounce buffers yet
+        inject(1, "bounce")
+        with pytest.raises(AioError) as info:
+            h.sync_pwrite(random_bytes(1000, 4), path, 123)
+        assert _aio._alloc_failure_countdown() == 0
+        assert_enomem(info)
+        assert info.value.op == "write"
+        assert_round_trip(h, path, 777, 3 * BLOCK + 5, 5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_alloc_failure_taking_a_block_lock(io_dir, no_leaks, inject, backend):
+    # A write with partial edge blocks locks them (process-wide bookkeeping) for its read-modify-write.
+    path = os.path.join(io_dir, "f.bin")
+    old = random_bytes(4 * BLOCK, 6)
+    with AioHandle(BLOCK, 4, backend=backend) as h:
+        h.sync_pwrite(old, path)
+        inject(1, "block_lock")
+        h.async_pwrite(random_bytes(5000, 7), path, 100)
+        with pytest.raises(AioError) as info:
+            h.wait()
+        assert _aio._alloc_failure_countdown() == 0
+        assert_enomem(info)
+        # Nothing was written and the lock was not left held: the same blocks can be written again.
+        np.testing.assert_array_equal(np.fromfile(path, np.uint8), old)
+        assert_round_trip(h, path, 100, 5000, 8)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_alloc_failure_in_the_calling_thread(io_dir, no_leaks, inject, backend):
+    path = os.path.join(io_dir, "f.bin")
+    with AioHandle(BLOCK, 4, backend=backend) as h:
+        inject(1, "request")
+        with pytest.raises(MemoryError):
+            h.async_pwrite(random_bytes(BLOCK, 9), path)
+        assert h.pending() == 0
+        assert h.wait() == 0
+        assert_round_trip(h, path, 0, 2 * BLOCK, 10)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_alloc_failure_setting_up_a_worker(no_leaks, inject, backend):
+    # The ring / AIO context is created on the worker thread; its failure is the constructor's MemoryError.
+    inject(2, "engine_setup")
+    with pytest.raises(MemoryError):
+        AioHandle(backend=backend, intra_op_parallelism=3)
+    assert _aio._alloc_failure_countdown() == 0
+    with AioHandle(backend=backend, intra_op_parallelism=3) as h:
+        assert h.backend == backend
+
+
+def test_thread_creation_failure(no_leaks, inject):
+    inject(3, "thread")
+    with pytest.raises(AioError) as info:
+        AioHandle(intra_op_parallelism=4)
+    e = info.value
+    assert e.errno == errno.EAGAIN and e.op == "setup"
+    assert "worker thread 3 of 4" in str(e)
+    assert _aio._alloc_failure_countdown() == 0
+
+
+def test_inject_hook_rejects_unknown_sites():
+    with pytest.raises(ValueError, match="nowhere"):
+        _aio._inject_alloc_failure(1, "nowhere")
+    assert _aio._alloc_failure_countdown() == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_alloc_failure_at_every_point_of_a_request(io_dir, backend):
+    # Fail the 1st, 2nd, ... allocation of an unaligned multi-worker write + read, wherever it falls. In a
+    # child process: a failure escaping a worker thread would std::terminate the interpreter.
+    result = run_child(
+        f"""
+        import errno, os
+        import numpy as np
+        from offload import _aio
+        from offload.aio import AioError, AioHandle
+        path = os.path.join({io_dir!r}, "sweep.bin")
+        src = np.random.default_rng(0).integers(0, 256, size=300_001, dtype=np.uint8)
+        outcomes = []
+        with AioHandle(65536, 4, backend={backend!r}, intra_op_parallelism=2) as h:
+            h.sync_pwrite(np.zeros(400_000, np.uint8), path)
+            for n in range(1, 40):
+                _aio._inject_alloc_failure(n, "any")
+                try:
+                    h.async_pwrite(src, path, 77)
+                    h.wait()
+                    dst = np.zeros_like(src)
+                    h.sync_pread(dst, path, 77)
+                    outcome = "ok"
+                except MemoryError:
+                    outcome = "MemoryError"
+                except AioError as e:
+                    outcome = "ENOMEM" if e.errno == errno.ENOMEM else f"errno {{e.errno}}"
+                fired = _aio._alloc_failure_countdown() == 0
+                _aio._inject_alloc_failure(0)
+                dst = np.zeros_like(src)
+                h.sync_pwrite(src, path, 77)
+                h.sync_pread(dst, path, 77)
+                outcomes.append([n, outcome, fired, bool((dst == src).all()), h.pending()])
+        result = {{"outcomes": outcomes}}
+        """
+    )
+    assert "exc" not in result, result
+    outcomes = result["outcomes"]
+    for n, outcome, fired, round_trip, pending in outcomes:
+        assert outcome in ("ok", "MemoryError", "ENOMEM"), (n, outcome)
+        assert (outcome == "ok") == (not fired), (n, outcome, fired)  # every injected failure is reported
+        assert round_trip and pending == 0, (n, outcome)
+    # The sweep reached past the last allocation: some runs failed, the last ones did not.
+    assert any(o[1] != "ok" for o in outcomes) and outcomes[-1][1] == "ok", outcomes

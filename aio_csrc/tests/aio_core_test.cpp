@@ -26,6 +26,7 @@
 
 #include "aio_error.h"
 #include "engine.h"
+#include "fault_inject.h"
 #include "handle.h"
 #include "pinned.h"
 
@@ -226,6 +227,83 @@ void errors(const std::string& backend) {
 
 // Many small async requests in flight at once, spread over threads and two handles. Records are not
 // block-aligned, so neighbours share partial blocks (read-modify-write) and padded tails: all must land.
+// Expects `fn` to throw an IoError with errno `err`.
+template <typename Fn>
+void expect_io_error(const char* what, int err, Fn&& fn) {
+    try {
+        fn();
+        CHECK(false, "%s: no error", what);
+    } catch (const zo::IoError& e) {
+        CHECK(e.err() == err, "%s: errno %d (%s), expected %d", what, e.err(), e.what(), err);
+    } catch (const std::exception& e) {
+        CHECK(false, "%s: threw %s instead of IoError", what, e.what());
+    }
+}
+
+// Injected allocation failures inside worker threads become the request's ENOMEM (no std::terminate), and
+// the handle round-trips data bit-exactly afterwards, without leaking fds, locks or memory.
+void alloc_faults(const std::string& backend) {
+    zo::HandleOptions o;
+    o.backend = backend;
+    o.block_size = 64 * 1024;
+    o.queue_depth = 4;
+    o.intra_op_parallelism = 2;
+    const std::string path = g_dir + "/oom_" + backend;
+    std::mt19937_64 rng(11);
+    const size_t n = 16 * o.block_size;
+    const std::vector<char> data = random_bytes(rng, n);
+    zo::PinnedMemory buf(n + 4096, 4096, false, false);
+    auto round_trip = [&](zo::Handle& h, const char* label) {
+        const std::vector<char> fresh = random_bytes(rng, n);
+        std::memcpy(buf.data() + 1, fresh.data(), n);  // unaligned: through the bounce buffers
+        try {
+            h.submit_path(true, buf.data() + 1, n, path, 3, false, nullptr);
+            std::memset(buf.data(), 0, buf.size());
+            h.submit_path(false, buf.data(), n, path, 3, true, nullptr);
+            CHECK(h.wait() == 1, "%s: wait count", label);
+        } catch (const std::exception& e) {
+            CHECK(false, "%s: round trip after the failure threw: %s", label, e.what());
+            return;
+        }
+        CHECK(std::memcmp(buf.data(), fresh.data(), n) == 0, "%s: round trip differs", label);
+    };
+    {
+        zo::Handle h(o);
+        std::memcpy(buf.data(), data.data(), n);
+        h.submit_path(true, buf.data(), n, path, 0, false, nullptr);
+        zo::inject_alloc_failure(3, "submit");
+        expect_io_error("submit (async)", ENOMEM, [&] {
+            h.submit_path(false, buf.data(), n, path, 0, true, nullptr);
+            h.wait();
+        });
+        CHECK(zo::alloc_failure_countdown() == 0, "submit failure did not fire");
+        CHECK(h.pending() == 0, "pending after failure");
+        round_trip(h, "after submit failure");
+    }
+    {
+        zo::Handle h(o);
+        zo::inject_alloc_failure(1, "bounce");
+        expect_io_error("bounce (sync)", ENOMEM,
+                        [&] { h.submit_path(true, buf.data() + 1, 5000, path, 7, false, nullptr); });
+        round_trip(h, "after bounce failure");
+        zo::inject_alloc_failure(1, "block_lock");
+        expect_io_error("block lock (sync)", ENOMEM,
+                        [&] { h.submit_path(true, buf.data() + 1, 5000, path, 7, false, nullptr); });
+        round_trip(h, "after block lock failure");
+    }
+    zo::inject_alloc_failure(2, "engine_setup");
+    try {
+        zo::Handle h(o);
+        CHECK(false, "engine setup failure: no exception");
+    } catch (const std::bad_alloc&) {
+    }
+    zo::inject_alloc_failure(2, "thread");
+    expect_io_error("thread creation", EAGAIN, [&] { zo::Handle h(o); });
+    zo::inject_alloc_failure(0, "any");
+    zo::Handle h(o);
+    round_trip(h, "after setup failures");
+}
+
 void many_async(const std::string& backend) {
     zo::HandleOptions o;
     o.backend = backend;
@@ -390,6 +468,7 @@ int main(int argc, char** argv) {
         round_trips(o, ("buffered " + backend).c_str(), 10);
         errors(backend);
         many_async(backend);
+        alloc_faults(backend);
         staging_reuse(backend);
     }
     if (access("/dev/shm", W_OK) == 0)
