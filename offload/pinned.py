@@ -7,6 +7,13 @@ adds what the C++ core must not know about:
 * registration with CUDA (`cudaHostRegister`) when torch has CUDA, undone before the memory is freed;
 * torch views (`pinned_tensor`) that keep the allocation alive for exactly as long as any view exists;
 * process-wide accounting (`pinned_bytes_in_use`) and a capped, thread-safe `PinnedPool`.
+
+When the pages fault in (`populate`): page-locking with mlock faults in every page before it returns, which
+for the gigabytes of staging buffers an engine takes costs seconds at initialisation. `pinned_tensor` and
+`PinnedPool` therefore lock with MLOCK_ONFAULT and let a thread of each buffer fault the pages in
+("background") while the caller goes on; `alloc_host_buffer` keeps the synchronous default ("sync"). The
+memory is usable at once either way, its bytes are charged to the budget at allocation, and a fresh buffer
+reads as zeros (anonymous memory), so callers need no `zero_()` pass.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import resource
 import sys
 import threading
 import warnings
-from typing import TYPE_CHECKING, Any, Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, Literal, Optional
 
 from offload import _aio
 
@@ -32,12 +39,18 @@ __all__ = [
     "MemlockLimitWarning",
     "PinnedMemoryBudgetError",
     "PinnedPool",
+    "Populate",
     "alloc_host_buffer",
     "pinned_bytes_in_use",
     "pinned_tensor",
 ]
 
 ALIGNMENT = 2 << 20  # one huge page: lets the kernel back the buffer with 2 MiB pages
+
+# "sync": pages faulted in before the allocation returns; "background": by a thread of the buffer;
+# "none": on first touch. Only locked buffers are populated ahead of use.
+Populate = Literal["sync", "background", "none"]
+_POPULATE_MODES = ("sync", "background", "none")
 
 
 class MemlockLimitWarning(UserWarning):
@@ -109,12 +122,20 @@ class HostBuffer:
     """
 
     def __init__(
-        self, nbytes: int, *, huge_pages: bool = True, lock: bool = True, cudart: Any = None
+        self,
+        nbytes: int,
+        *,
+        huge_pages: bool = True,
+        lock: bool = True,
+        cudart: Any = None,
+        populate: Populate = "sync",
     ) -> None:
         global _live_bytes
         if nbytes <= 0:
             raise ValueError(f"pinned buffer size must be positive, got {nbytes} bytes")
-        self._buf = _aio.alloc_pinned(nbytes, ALIGNMENT, huge_pages, lock)
+        if populate not in _POPULATE_MODES:
+            raise ValueError(f"populate must be one of {_POPULATE_MODES}, got {populate!r}")
+        self._buf = _aio.alloc_pinned(nbytes, ALIGNMENT, huge_pages, lock, populate)
         self.nbytes = nbytes
         self.ptr: int = self._buf.ptr
         self.locked: bool = self._buf.locked
@@ -145,6 +166,22 @@ class HostBuffer:
     def released(self) -> bool:
         return self._buf is None
 
+    @property
+    def populated(self) -> bool:
+        """Every page is resident (faulted in and, when locked, locked)."""
+        if self._buf is None:
+            raise ValueError("pinned buffer was already released")
+        return bool(self._buf.populated)
+
+    def wait_populated(self) -> None:
+        """Block until a background population finished; OSError with its errno if it failed (the buffer
+        still works: the remaining pages fault in on first touch)."""
+        if self._buf is None:
+            raise ValueError("pinned buffer was already released")
+        err = self._buf.wait_populated()
+        if err != 0:
+            raise OSError(err, f"populating {self.nbytes} pinned bytes at {self.ptr:#x}: {os.strerror(err)}")
+
     def release(self) -> None:
         global _live_bytes
         buf, self._buf = self._buf, None
@@ -173,9 +210,12 @@ class HostBuffer:
         )
 
 
-def alloc_host_buffer(nbytes: int, *, huge_pages: bool = True, lock: bool = True) -> HostBuffer:
-    """Allocate `nbytes` of pinned host memory (exact size, 2 MiB aligned), CUDA-registered if CUDA is up."""
-    return HostBuffer(nbytes, huge_pages=huge_pages, lock=lock, cudart=_cuda_runtime())
+def alloc_host_buffer(
+    nbytes: int, *, huge_pages: bool = True, lock: bool = True, populate: Populate = "sync"
+) -> HostBuffer:
+    """Allocate `nbytes` of pinned host memory (exact size, 2 MiB aligned, zero-filled), CUDA-registered if
+    CUDA is up. `populate`: when its pages fault in (see the module doc)."""
+    return HostBuffer(nbytes, huge_pages=huge_pages, lock=lock, cudart=_cuda_runtime(), populate=populate)
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -184,15 +224,16 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def pinned_tensor(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A 1-D CPU tensor of `numel` elements in pinned memory; the memory is freed with the last view."""
+def pinned_tensor(numel: int, dtype: torch.dtype, *, populate: Populate = "background") -> torch.Tensor:
+    """A 1-D CPU tensor of `numel` elements in pinned memory, all zeros; the memory is freed with the last
+    view. Its pages fault in on a background thread by default (see the module doc)."""
     import torch
 
     if numel < 0:
         raise ValueError(f"numel must be >= 0, got {numel}")
     if numel == 0:
         return torch.empty(0, dtype=dtype)
-    host = alloc_host_buffer(numel * _itemsize(dtype))
+    host = alloc_host_buffer(numel * _itemsize(dtype), populate=populate)
     with warnings.catch_warnings():
         # The ctypes array is writable; torch only warns for read-only buffers, but stay quiet regardless.
         warnings.simplefilter("ignore", UserWarning)
@@ -249,8 +290,9 @@ class PinnedPool:
         with self._lock:
             return self._peak
 
-    def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A pinned 1-D tensor of `numel` elements; PinnedMemoryBudgetError if it would exceed the cap."""
+    def allocate(self, numel: int, dtype: torch.dtype, *, populate: Populate = "background") -> torch.Tensor:
+        """A pinned 1-D tensor of `numel` zeros; PinnedMemoryBudgetError if it would exceed the cap.
+        `populate`: when its pages fault in (see the module doc); the bytes are charged now either way."""
         if numel <= 0:
             raise ValueError(f"numel must be positive, got {numel}")
         nbytes = numel * _itemsize(dtype)
@@ -261,7 +303,7 @@ class PinnedPool:
             self._in_use += nbytes
             self._peak = max(self._peak, self._in_use)
         try:
-            t = pinned_tensor(numel, dtype)
+            t = pinned_tensor(numel, dtype, populate=populate)
         except BaseException:
             with self._lock:
                 self._in_use -= nbytes

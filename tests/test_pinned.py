@@ -273,3 +273,102 @@ def test_pool_is_thread_safe_and_never_exceeds_cap():
     assert observed_max[0] <= cap and pool.peak_bytes <= cap
     assert pool.peak_bytes >= observed_max[0] > 0
     assert refused, "the workload is sized to hit the cap"
+
+
+# ------------------------------------------------------------------------------- when pages fault in
+def rss_bytes() -> int:
+    import os
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def has_cap_ipc_lock() -> bool:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("CapEff:"):
+                return bool(int(line.split()[1], 16) >> 14 & 1)  # CAP_IPC_LOCK ignores RLIMIT_MEMLOCK
+    return False
+
+
+@pytest.fixture
+def lockable(memlock_limit):
+    hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)[1]
+    if hard != resource.RLIM_INFINITY and hard < 256 << 20 and not has_cap_ipc_lock():
+        pytest.skip(f"RLIMIT_MEMLOCK hard limit {hard} bytes is below the 256 MiB these tests lock")
+    memlock_limit(hard)
+
+
+@pytest.mark.parametrize("mode", ["sync", "background", "none"])
+def test_populate_modes_lock_at_once_and_fault_in_when_asked(mode, lockable):
+    n = 64 << 20
+    locked0, rss0 = vm_locked_kib(), rss_bytes()
+    buf = pinned.alloc_host_buffer(n, populate=mode)
+    try:
+        assert buf.locked
+        assert vm_locked_kib() - locked0 >= n >> 10  # the whole range is locked now, in every mode
+        if mode == "background":
+            buf.wait_populated()
+        grown = rss_bytes() - rss0
+        if mode == "none":
+            assert not buf.populated and grown < n // 4  # nothing faulted in until touched
+        else:
+            assert buf.populated and grown >= n  # every page resident, measured by the kernel
+        arr = (torch.frombuffer(buf.as_ctypes(), dtype=torch.uint8)).view(torch.int64)
+        assert int(arr.abs().sum()) == 0  # a fresh buffer reads as zeros
+    finally:
+        buf.release()
+    assert vm_locked_kib() == locked0
+
+
+def test_background_population_never_changes_what_the_owner_wrote(lockable):
+    n = 128 << 20  # several population slices
+    buf = pinned.alloc_host_buffer(n, populate="background")
+    t = torch.frombuffer(buf.as_ctypes(), dtype=torch.int32)
+    expected = torch.arange(t.numel(), dtype=torch.int32)
+    t.copy_(expected)  # races the population thread on purpose
+    buf.wait_populated()
+    assert buf.populated
+    assert torch.equal(t, expected)
+    del t
+    gc.collect()
+    buf.release()
+
+
+def test_release_while_populating_stops_the_thread_and_frees_everything(lockable):
+    before, locked0 = pinned_bytes_in_use(), vm_locked_kib()
+    for _ in range(3):
+        buf = pinned.alloc_host_buffer(256 << 20, populate="background")
+        buf.release()  # joins the population thread before unmapping
+        assert buf.released
+    assert pinned_bytes_in_use() == before
+    assert vm_locked_kib() == locked0
+    with pytest.raises(ValueError, match="already released"):
+        buf.wait_populated()
+
+
+def test_pool_tensors_are_zero_and_charged_before_their_pages_fault_in(lockable):
+    pool = PinnedPool(1 << 30)
+    t = pool.allocate(8 << 20, torch.float32)  # background population by default
+    assert pool.bytes_in_use == 32 << 20
+    assert torch.count_nonzero(t) == 0
+    lazy = pool.allocate(1 << 20, torch.float64, populate="none")
+    assert pool.bytes_in_use == 40 << 20 and torch.count_nonzero(lazy) == 0
+    pool.free(t)
+    pool.free(lazy)
+    assert pool.bytes_in_use == 0
+
+
+def test_bad_populate_mode_is_refused_by_name():
+    with pytest.raises(ValueError, match="populate must be one of .*'eager'"):
+        HostBuffer(4096, populate="eager")  # type: ignore[arg-type]
+    from offload import _aio
+
+    with pytest.raises(Exception, match="populate must be 'sync', 'background' or 'none', got 'eager'"):
+        _aio.alloc_pinned(4096, populate="eager")
+
+
+def test_small_background_buffers_are_populated_before_returning(lockable):
+    buf = pinned.alloc_host_buffer(1 << 20, populate="background")  # one slice: no thread for it
+    assert buf.locked and buf.populated
+    buf.release()

@@ -18,8 +18,10 @@ One step, on one rank:
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
+import sys
 import threading
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
@@ -52,6 +54,43 @@ __all__ = ["PINNED_BUDGET_ENV", "ZeroEngine"]
 # Cap on pinned host memory the engine may take (bytes). Until the config has a key for it, the
 # environment sets it; default: half of physical memory.
 MIN_SLOT_NUMEL = 4096  # below this a staging slot is mostly per-request overhead
+
+
+_warmup_lock = threading.Lock()
+_warmup_thread: Optional[threading.Thread] = None
+
+
+def start_optimizer_import_warmup() -> None:
+    """Import torch._dynamo on a background thread, once per process.
+
+    Every torch.optim.Optimizer imports it on its first construction (torch._disable_dynamo decorators
+    import it lazily), which takes over a second. Started at the beginning of the engine's set-up, the import
+    overlaps the partitioning and buffer allocation, whose torch ops release the GIL;
+    `finish_optimizer_import_warmup` waits for it before the optimizer is built. (zero.Init does not start
+    it: the modules' memory would count against building the model.)
+    """
+    global _warmup_thread
+    if "torch._dynamo" in sys.modules:
+        return
+    with _warmup_lock:
+        if _warmup_thread is not None:
+            return
+
+        def run() -> None:
+            try:
+                importlib.import_module("torch._dynamo")
+            except Exception:  # the optimizer's own import raises it again, where the user sees it
+                pass
+
+        _warmup_thread = threading.Thread(target=run, name="zero-offload-import-warmup", daemon=True)
+        _warmup_thread.start()
+
+
+def finish_optimizer_import_warmup() -> None:
+    """Wait for `start_optimizer_import_warmup`'s import, if one was started."""
+    thread = _warmup_thread
+    if thread is not None:
+        thread.join()
 
 
 def init_distributed() -> Tuple[int, int, int]:
@@ -155,6 +194,7 @@ class ZeroEngine:
         world_size: int = 1,
         local_rank: int = 0,
     ) -> None:
+        start_optimizer_import_warmup()
         self.config = cfg
         self.rank, self.world_size = rank, world_size
         self.device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
@@ -255,6 +295,7 @@ class ZeroEngine:
         else:
             self.lo, self.hi = partition_range(self.flat.padded_numel, rank, world_size)
         self.part_numel = self.hi - self.lo
+        finish_optimizer_import_warmup()
         self.optimizer = ZeroOptimizer(params, rule, hyper)
         self.optimizer.engine = self
 
@@ -265,7 +306,8 @@ class ZeroEngine:
         elif self.offload_device == "none":
             self.grad_host = torch.zeros(self.part_numel, dtype=torch.float32, device=self.device)
         else:
-            self.grad_host = self._pinned(self.part_numel, "the fp32 gradient partition").zero_()
+            # fresh pinned memory reads as zeros: a zero_() pass would only fault every page in now
+            self.grad_host = self._pinned(self.part_numel, "the fp32 gradient partition")
         self._grads_aliased = grads_aliased
         sub_group = max(1, int(zcfg.sub_group_size))
         init: Union[torch.Tensor, Callable[[int, int, torch.Tensor], None]]
@@ -430,7 +472,7 @@ class ZeroEngine:
             else:
                 master = init.to(self.device)
             if pinned:
-                states = [self._pinned(part, "the optimizer states").zero_() for _ in range(n_states)]
+                states = [self._pinned(part, "the optimizer states") for _ in range(n_states)]  # zeros
             else:
                 states = [torch.zeros(part, dtype=torch.float32, device=self.device) for _ in range(n_states)]
             chunk_for_writer = min(sub_group, part)
@@ -748,6 +790,10 @@ class ZeroEngine:
         except OSError as e:
             self._state.abort()
             self._restore_params()
+            if getattr(e, "steps_lost", 0):  # the last step's deferred write-back failed: undo it too
+                self.optimizer.step_count -= e.steps_lost  # type: ignore[attr-defined]
+                self.zero_grad()  # computed on the lost step's weights
+                raise
             raise OSError(
                 e.errno,
                 f"optimizer step {step} failed while swapping optimizer state ({e.strerror}); "
@@ -785,6 +831,10 @@ class ZeroEngine:
         if err is not None:
             self._state.abort()
             self._restore_params()
+            if getattr(err, "steps_lost", 0):  # the last step's deferred write-back failed: undo it too
+                self.optimizer.step_count -= err.steps_lost  # type: ignore[attr-defined]
+                self.zero_grad()  # computed on the lost step's weights
+                raise err
             if isinstance(err, OSError):
                 raise OSError(
                     err.errno,

@@ -32,7 +32,7 @@ from torch import nn
 
 from offload.pinned import PinnedPool, default_pinned_budget
 from zero.comm import settle
-from zero.engine import ZeroEngine
+from zero.engine import ZeroEngine, finish_optimizer_import_warmup
 from zero.stage3.partitioner import Stage3Partitioner
 from zero.stage3.unit import Unit, is_partitioned
 
@@ -172,6 +172,7 @@ class Stage3Engine(ZeroEngine):
         )
         self.part_numel = total
         self.lo, self.hi = self.rank * total, (self.rank + 1) * total  # the rank's share, for checkpoints
+        finish_optimizer_import_warmup()
         self.optimizer = ZeroOptimizer(params, self.rule, hyper)
         self.optimizer.engine = self
 
@@ -180,7 +181,8 @@ class Stage3Engine(ZeroEngine):
         if self.offload_device == "none":
             self.grad_host = torch.zeros(total, dtype=grad_dtype, device=self.device)
         else:
-            self.grad_host = self._pinned(total, "the gradient partition", grad_dtype).zero_()
+            # fresh pinned memory reads as zeros: a zero_() pass would only fault every page in now
+            self.grad_host = self._pinned(total, "the gradient partition", grad_dtype)
         self._grads_aliased = True  # the callback writes grad_host directly: nothing to copy at the step
 
         # -- master + states on the optimizer tier (streamed from the partitions: never whole for NVMe)
@@ -246,13 +248,14 @@ class Stage3Engine(ZeroEngine):
                 for s in u.slices():
                     src = fp32_sources[id(s.param)].reshape(-1)[s.param_lo : s.param_hi]
                     vals[s.part_lo : s.part_hi].copy_(src)
-            else:
-                vals = self.partitioner.read_partition(u, torch.empty(u.part_numel, dtype=u.dtype)).float()
+            else:  # a view of a memory-tier partition (no copy); read into a new tensor from NVMe
+                vals = self.partitioner.read_partition(u).float()
             cache["unit"], cache["values"] = u.index, vals
             return vals
 
         def fill(start: int, n: int, out: torch.Tensor) -> None:
-            out.zero_()
+            # units lie back to back from 0 to part_numel: only the padding after the last one needs zeros
+            out[max(0, min(n, self.part_numel - start)) :].zero_()
             for u, a, z in self.units_in(start, n):
                 base = self.offsets[u.index] - start
                 out[base + a : base + z].copy_(values_of(u)[a:z])
