@@ -24,6 +24,7 @@ as long as everything gathered stays within stage3_max_live_parameters.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
 
@@ -171,13 +172,7 @@ class Stage3Partitioner:
         )
         if unit.persistent:
             self._persistent_numel += unit.numel
-        values: Optional[torch.Tensor] = None
-        if shapes is None:
-            values = torch.zeros(unit.part_numel, dtype=unit.dtype, device=unit.params[0].device)
-            for s in unit.slices():
-                values[s.part_lo : s.part_hi].copy_(s.param.detach().reshape(-1)[s.param_lo : s.param_hi])
-        self.store.place(unit, values)
-        del values
+        self.store.place(unit, None if shapes is not None else functools.partial(_fill_partition, unit))
         set_param_attributes(unit, self.released_tensor(unit.dtype))
         for p in unit.params:
             p.ds_persist = unit.persistent
@@ -601,3 +596,17 @@ class Stage3Partitioner:
                 seen.add(u.index)
                 out.append(u)
         return out
+
+
+def _fill_partition(unit: Unit, dst: torch.Tensor) -> None:
+    """Write this rank's share of the unit's parameters into `dst` (part_numel elements), zeros elsewhere.
+
+    Straight into the partition's final place: a temporary would cost one more pass over every weight."""
+    covered = 0
+    for s in sorted(unit.slices(), key=lambda s: s.part_lo):
+        if s.part_lo > covered:
+            dst[covered : s.part_lo].zero_()
+        dst[s.part_lo : s.part_hi].copy_(s.param.detach().reshape(-1)[s.param_lo : s.param_hi])
+        covered = max(covered, s.part_hi)
+    if covered < dst.numel():
+        dst[covered:].zero_()

@@ -168,8 +168,9 @@ class PartitionStore:
                 e.cap,
             ) from e
 
-    def place(self, unit: Unit, values: Optional[torch.Tensor]) -> None:
-        """Store `values` (this rank's partition, any device; None: zeros) as the unit's partition."""
+    def place(self, unit: Unit, fill: Optional[Callable[[torch.Tensor], None]]) -> None:
+        """Make the unit's partition: `fill(dst)` writes all part_numel elements of it into `dst` (None:
+        zeros). In memory, `dst` is the partition's own slot, so the values are written once."""
         self._names[unit.index] = unit.name
         in_memory = self.tier != "nvme" or self.in_cpu_numel + unit.part_numel <= self.max_in_cpu
         if in_memory:
@@ -179,16 +180,19 @@ class PartitionStore:
                 lambda: self.arena.take(unit.part_numel, unit.dtype), [unit], unit.part_numel
             )
             self._mem[unit.index] = (seg, off, view)
-            if values is None:
+            if fill is None:
                 view.zero_()
             else:
-                view.copy_(values.reshape(-1))
+                fill(view)
             return
         self._files[unit.index] = self._new_file(unit)
         if self._largest is None or unit.part_nbytes > self._largest.part_nbytes:
             self._largest = unit
-        if values is None:
-            values = torch.zeros(unit.part_numel, dtype=unit.dtype)
+        values = torch.empty(unit.part_numel, dtype=unit.dtype)
+        if fill is None:
+            values.zero_()
+        else:
+            fill(values)
         self.write(unit, values)
 
     def _new_file(self, unit: Unit) -> SwapFile:
