@@ -1003,16 +1003,19 @@ class ZeroEngine:
 
     def _close_optimizer_state(self) -> None:
         """Free the optimizer side (copy-back writer, states, swap space) and drop the references to it."""
-        if self._writer is not None:
-            self._writer.close()
-        if self._state is not None:
-            self._state.close()
-        if self._space is not None:
-            self._space.close()
-        self.grad_host = None  # type: ignore[assignment]
-        self._state = None
-        self._writer = None
-        self._torch_opt = None
+        try:
+            if self._writer is not None:
+                self._writer.close()
+            if self._state is not None:
+                self._state.close()  # may raise a write-back error nothing reported yet
+        finally:
+            # the swap directory goes even then: its files are scratch, never the only copy of a checkpoint
+            if self._space is not None:
+                self._space.close()
+            self.grad_host = None  # type: ignore[assignment]
+            self._state = None
+            self._writer = None
+            self._torch_opt = None
 
     def __enter__(self) -> ZeroEngine:
         return self

@@ -6,7 +6,10 @@ the partition and the engine's `fn` runs the fused CPU kernel of `offload.ops` o
 
 * `DeviceState` ("none"): tensors on the training device (plain host memory on a CPU-only machine);
 * `DeviceState` over pinned tensors from the PinnedPool ("cpu");
-* `offload.swap.OptimizerSwapper` ("nvme"): swap files, pipelined through pinned staging slots.
+* `offload.swap.OptimizerSwapper` ("nvme"): swap files, pipelined through pinned staging slots. Its step
+  returns with the last chunks' writes still in flight (they overlap the next forward); the next prefetch,
+  step, read_all, load or close settles them, and a write that failed then comes back from the next `step`
+  as a `DeferredWriteError` with the state back at the step before (see offload/swap/optimizer_swapper.py).
 """
 
 from __future__ import annotations
@@ -214,8 +217,13 @@ class DeviceState:
                 return False
         return True
 
+    writes_in_flight = False  # updates are in place in memory: nothing is ever left to write
+
     def prefetch(self) -> None:
         pass  # already in memory
+
+    def settle(self) -> None:
+        pass
 
     def commit(self) -> None:
         pass

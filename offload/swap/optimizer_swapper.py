@@ -13,6 +13,18 @@ everything queued on it, so one handle per slot lets us wait for exactly one slo
 waits for the read of i, runs the update on the slot, queues the write of i, and - before that - queues the
 read of chunk i+1 into the next slot once that slot's earlier write has finished. With three or more slots
 the read of i+1, the update of i and the write of i-1 all run at the same time.
+
+Deferred write-back (`defer_writes`, on by default with two copies). A step returns as soon as the last
+chunk is updated: the writes of the last `buffer_count` chunks are still in flight, and the engine's forward
+(which only needs the 16-bit parameters the update function already copied out) overlaps them. Everything
+that touches the files or the slots next - `prefetch`, `step`, `read_all`, `load`, `close` - first settles
+them (`settle()`). A step committed with writes in flight is live-pending: if one of them fails, the copy
+it wrote is not the state, so the swapper goes back to the previous copy (intact: a step never writes the
+live copy, and nothing writes the old one before the settle) and reports a `DeferredWriteError` naming the
+file. `step` always raises it (the engine then undoes its side of the lost step); `read_all` and `close`
+raise it unless it was already raised; `prefetch` keeps it for the next `step` (it runs inside backward,
+where the engine could not undo anything); `load` replaces the state and drops it. In-place steps
+(`copies=1`) always drain: a failed write there would have nothing to go back to.
 """
 
 from __future__ import annotations
@@ -25,7 +37,7 @@ import torch
 
 from offload.swap.space import SwapFile, SwapSpace, align_up
 
-__all__ = ["AioSettings", "ChunkFn", "OptimizerSwapper", "ReadyFn", "SwapStats"]
+__all__ = ["AioSettings", "ChunkFn", "DeferredWriteError", "OptimizerSwapper", "ReadyFn", "SwapStats"]
 
 FP32_BYTES = 4
 
@@ -79,12 +91,24 @@ class SwapStats:
     io_wait_s: float = 0.0  # time blocked waiting for a slot's I/O
     compute_s: float = 0.0  # time inside the update function
     gate_wait_s: float = 0.0  # time waiting for a chunk's inputs (gradients still being produced)
+    # part of io_wait_s: blocked on the writes the previous step left in flight (what forward did not hide)
+    write_back_wait_s: float = 0.0
     chunks: int = 0
     extra: dict = field(default_factory=dict)
 
     def reset(self) -> None:
         self.bytes_read = self.bytes_written = self.chunks = 0
-        self.io_wait_s = self.compute_s = self.gate_wait_s = 0.0
+        self.io_wait_s = self.compute_s = self.gate_wait_s = self.write_back_wait_s = 0.0
+
+
+class DeferredWriteError(OSError):
+    """A write a step left in flight failed after the step returned: that step's state is lost.
+
+    The swapper is back on the state before it (`steps_lost` steps earlier); errno and filename are those of
+    the failed write.
+    """
+
+    steps_lost = 1
 
 
 def slot_bytes(chunk_numel: int, n_states: int, alignment: int) -> int:
@@ -107,6 +131,7 @@ class OptimizerSwapper:
         aio: Optional[AioSettings] = None,
         name: str = "optimizer",
         copies: int = 2,
+        defer_writes: bool = True,
     ) -> None:
         if numel <= 0:
             raise ValueError(f"numel must be positive, got {numel}")
@@ -135,6 +160,14 @@ class OptimizerSwapper:
         self._live = 0
         self._pending = False
         self._closed = False
+        # Deferred write-back. `_in_flight`: a step's writes may still be queued on the slots' handles.
+        # `_fallback`: the copy to go back to if they fail after commit(). `_lost`: the error of such a
+        # failure not yet raised by step(); `_lost_raised`: read_all/close already raised it once.
+        self.defer_writes = bool(defer_writes)
+        self._in_flight = False
+        self._fallback: Optional[int] = None
+        self._lost: Optional[DeferredWriteError] = None
+        self._lost_raised = False
         self._prefetched = 0  # chunks at positions 0..n-1 of _prefetch_order queued into slots 0..n-1
         self._prefetch_order: List[int] = []
         # The order `step` (and `prefetch`) visit chunks in. The engine reverses it when it steps
@@ -231,12 +264,14 @@ class OptimizerSwapper:
         use_prefetch: bool = False,
         order: Optional[Sequence[int]] = None,
         ready: Optional[ReadyFn] = None,
+        defer: bool = False,
     ) -> bool:
         """Read chunks from `src` (or none), apply `fn`, write to `dst` (or none). Stops at a False.
 
         Chunks are visited in `order` (default: ascending); the chunk at position p always uses slot
         p % slots, so a prefetch made with the same order lines up. `ready(i)`, when given, is called
-        before chunk i's update and blocks until its inputs are final; False cancels the pass.
+        before chunk i's update and blocks until its inputs are final; False cancels the pass. `defer`:
+        return with the last writes in flight (a completed pass only; the caller settles them later).
         """
         order = list(range(len(self.chunks))) if order is None else list(order)
         n_chunks, n_slots = len(order), len(self._slots)
@@ -280,7 +315,10 @@ class OptimizerSwapper:
                     return False
                 if dst is not None:
                     self._write(i, slot, dst)
-            self._drain()
+            if defer and dst is not None:
+                self._in_flight = True
+            else:
+                self._drain()
         except BaseException:
             try:
                 self._drain()
@@ -289,15 +327,75 @@ class OptimizerSwapper:
             raise
         return True
 
+    # ------------------------------------------------------------------------------- deferred write-back
+    @property
+    def writes_in_flight(self) -> bool:
+        """True while a step's last writes may still be running (until the next `settle()`)."""
+        return self._in_flight
+
+    def settle(self) -> None:
+        """Wait for the writes a step left in flight. If one failed, go back to the previous copy.
+
+        Does not raise: the failure is kept as a `DeferredWriteError` for the caller's next step (see the
+        module docstring for who raises it when). Idempotent and cheap when nothing is in flight.
+        """
+        if not self._in_flight:
+            return
+        self._in_flight = False
+        t0 = time.perf_counter()
+        try:
+            self._drain()
+        except OSError as e:
+            self._lose_step(e)
+        finally:
+            self.stats.write_back_wait_s += time.perf_counter() - t0
+            if not self._pending:
+                self._fallback = None  # committed and durable (or aborted): nothing to go back to
+
+    def _lose_step(self, e: OSError) -> None:
+        if self._fallback is not None:
+            lost_copy, self._live, self._fallback = self._live, self._fallback, None
+        elif self._pending:
+            lost_copy, self._pending = self._spare, False  # not committed yet: commit() raises instead
+        else:
+            return  # an aborted step's writes: that copy was never going to be the state
+        path = getattr(e, "filename", None) or self._files[lost_copy].path
+        err = DeferredWriteError(
+            e.errno or 0,
+            f"writing back the optimizer state of the last step to {path} failed after the step returned "
+            f"({e.strerror or e}); that step is not durable: the optimizer state is back at the step "
+            "before it",
+            path,
+        )
+        err.__cause__ = e
+        self._lost, self._lost_raised = err, False
+
+    def _raise_lost(self, always: bool) -> None:
+        """Raise a kept deferred failure: `always` (a step) consumes it, otherwise only once."""
+        err = self._lost
+        if err is None:
+            return
+        if always:
+            self._lost = None
+            raise err
+        if not self._lost_raised:
+            self._lost_raised = True
+            raise err
+
     # ---------------------------------------------------------------------------------------------- public
     def prefetch(self) -> None:
         """Queue the reads of the first chunks (one per slot) now, e.g. while backward still runs.
 
         The next `step` starts with them in flight. Any other pass over the slots (read_all, load)
-        discards them, so a prefetch is never stale.
+        discards them, so a prefetch is never stale. The last step's deferred writes are settled first
+        (the slots are about to be refilled, and the live copy read); a failure of one of them is kept
+        for the next `step`, which raises it before touching anything.
         """
         self._check_open()
         if self._prefetched:
+            return
+        self.settle()
+        if self._lost is not None:
             return
         src = self._files[self._live]
         order = self.step_order
@@ -313,9 +411,13 @@ class OptimizerSwapper:
 
         Returns False (and stops early) when `fn` returns False, or `ready(i)` (called before chunk i's
         update, e.g. to wait until its gradients are final) returns False. The result becomes the state
-        only after `commit()`; `abort()` (or simply not committing) keeps the previous state.
+        only after `commit()`; `abort()` (or simply not committing) keeps the previous state. With deferred
+        write-back it returns with the last writes in flight. Raises `DeferredWriteError` (before running
+        any chunk) when the previous step's deferred writes failed: the state is then the one before it.
         """
         self._check_open()
+        self.settle()
+        self._raise_lost(always=True)
         self._pending = False
         ok = self._pipeline(
             self._files[self._live],
@@ -324,22 +426,40 @@ class OptimizerSwapper:
             use_prefetch=True,
             order=self.step_order,
             ready=ready,
+            defer=self.defer_writes and self.copies > 1,
         )
         self._pending = ok
         return ok
 
     def commit(self) -> None:
+        """Make the last step's copy the state (live-pending while its writes are in flight)."""
+        self._raise_lost(always=True)  # the step being committed lost its writes already
         if not self._pending:
             raise RuntimeError("OptimizerSwapper.commit() without a completed step")
-        self._live = self._spare
+        previous, self._live = self._live, self._spare
         self._pending = False
+        self._fallback = previous if self._in_flight else None
 
     def abort(self) -> None:
         self._pending = False
+        if self._in_flight:
+            # The aborted step's writes went to the spare copy, which is not the state: wait for them (the
+            # slots must be quiet before reuse) but their errors do not matter.
+            self._in_flight = False
+            try:
+                self._drain()
+            except OSError:
+                pass
 
     def read_all(self, fn: Callable[[int, int, torch.Tensor, List[torch.Tensor]], None]) -> None:
-        """Call `fn(start, n, master, states)` on every chunk of the live state (views valid in the call)."""
+        """Call `fn(start, n, master, states)` on every chunk of the live state (views valid in the call).
+
+        Raises a deferred write failure of the last step (once; the state read afterwards is the one
+        before that step).
+        """
         self._check_open()
+        self.settle()
+        self._raise_lost(always=False)
 
         def visit(start: int, n: int, master: torch.Tensor, states: List[torch.Tensor]) -> bool:
             fn(start, n, master, states)
@@ -348,8 +468,13 @@ class OptimizerSwapper:
         self._pipeline(self._files[self._live], None, visit)
 
     def load(self, fn: Callable[[int, int, torch.Tensor, List[torch.Tensor]], None]) -> None:
-        """Replace the whole state: `fn(start, n, master, states)` fills each chunk's views; atomic."""
+        """Replace the whole state: `fn(start, n, master, states)` fills each chunk's views; atomic.
+
+        Waits for any deferred writes; a failure among them no longer matters (the state is replaced).
+        """
         self._check_open()
+        self.settle()
+        self._lost = None
         self._pending = False
 
         def fill(start: int, n: int, master: torch.Tensor, states: List[torch.Tensor]) -> bool:
@@ -360,10 +485,18 @@ class OptimizerSwapper:
         self._live = self._spare
 
     def close(self) -> None:
-        """Release the staging slots and aio handles (the swap files belong to the SwapSpace)."""
+        """Release the staging slots and aio handles (the swap files belong to the SwapSpace).
+
+        Deferred writes are finished first; if one failed and nobody was told yet, the `DeferredWriteError`
+        is raised after everything is released.
+        """
         if self._closed:
             return
         self._closed = True
+        try:
+            self.settle()
+        except BaseException:  # noqa: BLE001 - a non-I/O failure of the wait: still free everything
+            pass
         for h in self._handles:
             try:
                 h.wait()
@@ -376,3 +509,4 @@ class OptimizerSwapper:
         for s in self._slots:
             self._pool.free(s)
         self._slots.clear()
+        self._raise_lost(always=False)
