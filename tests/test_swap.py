@@ -136,6 +136,44 @@ def test_step_updates_every_element_once(tmp_path, buffer_count, chunk):
     assert pool.bytes_in_use == 0
 
 
+@pytest.mark.parametrize("copies", [1, 2])
+def test_load_with_zero_states_writes_only_masters_into_fresh_files(tmp_path, copies):
+    numel, n_states = 10_007, 2
+    master_ref, states_ref = _reference(numel, n_states, seed=7)
+    pool = PinnedPool(64 << 20)
+    with SwapSpace(str(tmp_path)) as space:
+        sw = OptimizerSwapper(space, numel, n_states, pool, chunk_numel=3000, buffer_count=2, copies=copies)
+
+        def masters(start, n, master, states):
+            master.copy_(master_ref[start : start + n])
+            for t in states:
+                t.fill_(float("nan"))  # garbage in the slot must not reach the file
+
+        sw.load(masters, states_zero=True)
+        assert sw.stats.bytes_written == numel * 4  # the masters alone: the fresh files read as zeros
+        m, st = _snapshot(sw)
+        assert torch.equal(m, master_ref)
+        assert all(torch.equal(t, torch.zeros(numel)) for t in st)
+
+        def update(start, n, master, states):
+            master.add_(1.0)
+            for t, r in zip(states, states_ref):
+                t.copy_(r[start : start + n])
+            return True
+
+        for _ in range(2):  # both copies written now: a second zero-state load must zero them itself
+            assert sw.step(update)
+            sw.commit()
+        sw.stats.reset()
+        sw.load(masters, states_zero=True)
+        assert sw.stats.bytes_written >= numel * 3 * 4
+        m, st = _snapshot(sw)
+        assert torch.equal(m, master_ref)
+        assert all(torch.equal(t, torch.zeros(numel)) for t in st)
+        sw.close()
+    assert pool.bytes_in_use == 0
+
+
 def test_subgroup_larger_than_slots_is_split(tmp_path):
     # A pool that can hold only small slots: the swapper is told to use 2048-element pieces.
     pool = PinnedPool(4 * 3 * 2048 * 4)

@@ -450,11 +450,9 @@ class ZeroEngine:
                     init(start, n, master)
                 else:
                     master.copy_(init[start : start + n])
-                for s in states:
-                    s.zero_()
 
             try:
-                self._state.load(fill)
+                self._state.load(fill, states_zero=True)
             except BaseException:
                 self._state.close()
                 self._space.close()

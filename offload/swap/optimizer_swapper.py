@@ -157,6 +157,8 @@ class OptimizerSwapper:
         self._slots: List[torch.Tensor] = []
         self._handles: List[Any] = []
         self._files: List[SwapFile] = []
+        self._fresh: List[bool] = []  # per copy: nothing written yet, so it reads as zeros (fallocated)
+        self._master_only = False  # a load pass that writes only the masters (its states are known zeros)
         self._live = 0
         self._pending = False
         self._closed = False
@@ -180,6 +182,7 @@ class OptimizerSwapper:
                 self._handles.append(self._aio.handle())
             for copy in ("a", "b")[:copies]:
                 self._files.append(space.create(f"{name}.{copy}.swp", self.region_bytes * len(self.chunks)))
+                self._fresh.append(True)
         except BaseException:
             self.close()
             raise
@@ -228,7 +231,10 @@ class OptimizerSwapper:
         self.stats.bytes_read += nbytes
 
     def _write(self, i: int, slot: int, f: SwapFile) -> None:
-        nbytes = self._io_bytes(self.chunks[i][1])
+        n = self.chunks[i][1]
+        # [master | states] is one region; the master is its head, so writing it alone is one shorter write
+        nbytes = n * FP32_BYTES if self._master_only else self._io_bytes(n)
+        self._fresh[self._files.index(f)] = False
         self._handles[slot].async_pwrite(
             self._slots[slot][: nbytes // FP32_BYTES], f.path, i * self.region_bytes
         )
@@ -467,21 +473,34 @@ class OptimizerSwapper:
 
         self._pipeline(self._files[self._live], None, visit)
 
-    def load(self, fn: Callable[[int, int, torch.Tensor, List[torch.Tensor]], None]) -> None:
+    def load(
+        self, fn: Callable[[int, int, torch.Tensor, List[torch.Tensor]], None], *, states_zero: bool = False
+    ) -> None:
         """Replace the whole state: `fn(start, n, master, states)` fills each chunk's views; atomic.
 
+        `states_zero`: a new optimizer. `fn` fills only `master`; every state starts at zero. Into a copy
+        nothing has written yet (fallocated: it reads as zeros) only the masters are written, which saves
+        zeroing and writing two thirds of the bytes (Adam) when the engine starts.
         Waits for any deferred writes; a failure among them no longer matters (the state is replaced).
         """
         self._check_open()
         self.settle()
         self._lost = None
         self._pending = False
+        master_only = states_zero and self._fresh[self._spare]
 
         def fill(start: int, n: int, master: torch.Tensor, states: List[torch.Tensor]) -> bool:
             fn(start, n, master, states)
+            if states_zero and not master_only:
+                for t in states:
+                    t.zero_()
             return True
 
-        self._pipeline(None, self._files[self._spare], fill)
+        self._master_only = master_only
+        try:
+            self._pipeline(None, self._files[self._spare], fill)
+        finally:
+            self._master_only = False
         self._live = self._spare
 
     def close(self) -> None:
