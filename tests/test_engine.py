@@ -368,3 +368,37 @@ def test_close_keeps_model_usable(tmp_path):
         assert torch.equal(v, snapshot[k])
     x, y = get_batch(DATA, 2, TINY.seq_len, 0)
     assert math.isfinite(model(x, y).item())
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_start_up_does_not_import_torch_dynamo(tmp_path, stage):
+    # The first torch.optim.Optimizer of a process imports torch._dynamo (over a second of start-up) unless
+    # the engine's optimizer facade avoids it; a fresh interpreter shows whether anything imported it.
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        f"""
+        import sys
+        import zero
+        from zero.models import GPT, GPTConfig
+        model = GPT(GPTConfig(vocab_size=64, seq_len=8, n_layer=1, n_head=2, d_model=16))
+        cfg = {{
+            "train_micro_batch_size_per_gpu": 1,
+            "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-3}}}},
+            "zero_optimization": {{
+                "stage": {stage},
+                "offload_optimizer": {{"device": "nvme", "nvme_path": {str(tmp_path)!r}}},
+            }},
+        }}
+        engine, opt, *_ = zero.initialize(model=model, config=cfg)
+        assert opt.param_groups[0]["lr"] == 1e-3 and len(opt.param_groups) == 1
+        print("torch._dynamo" in sys.modules)
+        engine.close()
+        """
+    )
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "False"

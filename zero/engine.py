@@ -18,10 +18,8 @@ One step, on one rank:
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
-import sys
 import threading
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
@@ -54,43 +52,6 @@ __all__ = ["PINNED_BUDGET_ENV", "ZeroEngine"]
 # Cap on pinned host memory the engine may take (bytes). Until the config has a key for it, the
 # environment sets it; default: half of physical memory.
 MIN_SLOT_NUMEL = 4096  # below this a staging slot is mostly per-request overhead
-
-
-_warmup_lock = threading.Lock()
-_warmup_thread: Optional[threading.Thread] = None
-
-
-def start_optimizer_import_warmup() -> None:
-    """Import torch._dynamo on a background thread, once per process.
-
-    Every torch.optim.Optimizer imports it on its first construction (torch._disable_dynamo decorators
-    import it lazily), which takes over a second. Started at the beginning of the engine's set-up, the import
-    overlaps the partitioning and buffer allocation, whose torch ops release the GIL;
-    `finish_optimizer_import_warmup` waits for it before the optimizer is built. (zero.Init does not start
-    it: the modules' memory would count against building the model.)
-    """
-    global _warmup_thread
-    if "torch._dynamo" in sys.modules:
-        return
-    with _warmup_lock:
-        if _warmup_thread is not None:
-            return
-
-        def run() -> None:
-            try:
-                importlib.import_module("torch._dynamo")
-            except Exception:  # the optimizer's own import raises it again, where the user sees it
-                pass
-
-        _warmup_thread = threading.Thread(target=run, name="zero-offload-import-warmup", daemon=True)
-        _warmup_thread.start()
-
-
-def finish_optimizer_import_warmup() -> None:
-    """Wait for `start_optimizer_import_warmup`'s import, if one was started."""
-    thread = _warmup_thread
-    if thread is not None:
-        thread.join()
 
 
 def init_distributed() -> Tuple[int, int, int]:
@@ -194,7 +155,6 @@ class ZeroEngine:
         world_size: int = 1,
         local_rank: int = 0,
     ) -> None:
-        start_optimizer_import_warmup()
         self.config = cfg
         self.rank, self.world_size = rank, world_size
         self.device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
@@ -295,7 +255,6 @@ class ZeroEngine:
         else:
             self.lo, self.hi = partition_range(self.flat.padded_numel, rank, world_size)
         self.part_numel = self.hi - self.lo
-        finish_optimizer_import_warmup()
         self.optimizer = ZeroOptimizer(params, rule, hyper)
         self.optimizer.engine = self
 

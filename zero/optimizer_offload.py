@@ -242,6 +242,11 @@ class DeviceState:
         pass
 
 
+_OPTIMIZER_ADD_PARAM_GROUP = getattr(
+    torch.optim.Optimizer.add_param_group, "__wrapped__", torch.optim.Optimizer.add_param_group
+)
+
+
 class ZeroOptimizer(torch.optim.Optimizer):
     """The optimizer `zero.initialize` returns: torch's face (param_groups for schedulers), engine-driven.
 
@@ -254,6 +259,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.rule = rule
         self.step_count = 0  # optimizer updates applied (overflow-skipped steps excluded)
         self.engine: Any = None
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        # torch wraps add_param_group in torch._disable_dynamo, whose first call imports torch._dynamo: over
+        # a second of every engine's start-up, for a guard that matters only when torch.compile traces it.
+        _OPTIMIZER_ADD_PARAM_GROUP(self, param_group)
 
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         raise RuntimeError(

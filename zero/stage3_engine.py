@@ -32,7 +32,7 @@ from torch import nn
 
 from offload.pinned import PinnedPool, default_pinned_budget
 from zero.comm import settle
-from zero.engine import ZeroEngine, finish_optimizer_import_warmup
+from zero.engine import ZeroEngine
 from zero.stage3.partitioner import Stage3Partitioner
 from zero.stage3.unit import Unit, is_partitioned
 
@@ -172,7 +172,6 @@ class Stage3Engine(ZeroEngine):
         )
         self.part_numel = total
         self.lo, self.hi = self.rank * total, (self.rank + 1) * total  # the rank's share, for checkpoints
-        finish_optimizer_import_warmup()
         self.optimizer = ZeroOptimizer(params, self.rule, hyper)
         self.optimizer.engine = self
 
