@@ -152,6 +152,8 @@ def estimate(args: argparse.Namespace, params: int, largest: int) -> Dict[str, A
         "4",
         "--param-buffer-size",
         str(largest),
+        "--param-max-in-cpu",
+        "0",
         "--json",
     ]
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)

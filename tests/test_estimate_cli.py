@@ -308,3 +308,25 @@ def test_hf_config_is_counted_like_the_real_model(tmp_path):
     assert out["largest_layer_params"] == max(
         sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()
     )
+
+
+def test_param_max_in_cpu_flag_moves_parameters_between_host_and_nvme():
+    common = ["--params", "1B", "--largest-layer", "10M", "--stage", "3", "--offload-optimizer", "nvme"]
+    common += ["--offload-param", "nvme", "--precision", "bf16", "--json"]
+    rows = {}
+    for flag in (None, "0", "250M"):
+        proc = cli(*common, *(["--param-max-in-cpu", flag] if flag else []))
+        assert proc.returncode == 0, proc.stderr
+        rows[flag] = json.loads(proc.stdout)["rows"][0]
+    # default 1e9 elements: the whole bf16 partition in host memory; 0: all of it on NVMe; 250M: a quarter
+    for flag, on_nvme in ((None, 0), ("0", 10**9), ("250M", 750 * 10**6)):
+        parts = rows[flag]["breakdown"]
+        assert parts["cpu"]["params_16bit"] == (10**9 - on_nvme) * 2
+        assert parts["nvme"]["params_16bit"] == on_nvme * 2
+        assert rows[flag]["nvme_min_bytes"] == rows[None]["nvme_min_bytes"] + on_nvme * 2
+    # what leaves host memory is the partition, less the pinned read buffers NVMe parameters need
+    staging = rows["0"]["breakdown"]["cpu"]["swap_buffers"] - rows[None]["breakdown"]["cpu"]["swap_buffers"]
+    assert 0 < staging < 10**9
+    assert rows["0"]["per_cpu_bytes"] == rows[None]["per_cpu_bytes"] - 2 * 10**9 + staging
+    bad = cli(*common, "--param-max-in-cpu", "-1")
+    assert bad.returncode != 0 and "--param-max-in-cpu" in bad.stderr

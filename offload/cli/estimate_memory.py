@@ -52,6 +52,15 @@ class _OneLineParser(argparse.ArgumentParser):
 
 
 # argparse turns a type function's ValueError into a vague "invalid value"; ArgumentTypeError keeps our text.
+def _count_or_zero(what: str):
+    count = _count(what)
+
+    def parse(text: str) -> int:
+        return 0 if text.strip() in ("0", "0.0", "0e0") else count(text)
+
+    return parse
+
+
 def _count(what: str):
     def parse(text: str) -> int:
         try:
@@ -137,6 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     zero.add_argument(
         "--param-buffer-size", type=_count("--param-buffer-size"), help="offload_param.buffer_size"
+    )
+    zero.add_argument(
+        "--param-max-in-cpu",
+        type=_count_or_zero("--param-max-in-cpu"),
+        help="offload_param.max_in_cpu: parameter elements kept in host memory with offload_param nvme "
+        "(default 1e9; 0: every partition on NVMe)",
     )
     zero.add_argument(
         "--no-pin-memory", action="store_true", help="offloaded states in pageable host memory (not pinned)"
@@ -251,6 +266,7 @@ def _buffers(args: argparse.Namespace, config: Optional[ConfigChoices]) -> SwapB
         ("sub_group_size", "sub_group_size"),
         ("param_buffer_count", "param_buffer_count"),
         ("param_buffer_size", "param_buffer_size"),
+        ("param_max_in_cpu", "param_max_in_cpu"),
     ):
         if getattr(args, flag) is not None:
             values[name] = getattr(args, flag)
