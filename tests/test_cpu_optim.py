@@ -606,7 +606,7 @@ def test_param_copy_equals_cast_on_every_store_path(
 
 
 def test_stream_policy_switch(restore_stream_policy):
-    assert ops_runtime.stream_policy() == "copy"  # the default
+    assert ops_runtime.stream_policy() == "none"  # the default
     for policy in ops_runtime.STREAM_POLICIES:
         ops_runtime.set_stream_policy(policy)
         assert ops_runtime.stream_policy() == policy

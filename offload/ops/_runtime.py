@@ -46,14 +46,14 @@ STREAM_POLICIES = ("none", "copy", "all")
 
 
 def stream_policy() -> str:
-    """Which stores go out non-temporal: "copy" (the default), "none" or "all"."""
+    """Which stores go out non-temporal: "none" (the default), "copy" or "all"."""
     return _cpu_optim.stream_policy()
 
 
 def set_stream_policy(policy: str) -> str:
     """Choose the non-temporal store policy for later steps; returns the previous one.
 
-    "copy" (the default) streams the write-only 16-bit param copy; "none" streams nothing; "all" also
+    "none" (the default) streams nothing; "copy" streams the write-only 16-bit param copy; "all" also
     streams the param and the states, which is much slower on the machines measured (a streaming store to
     a line just read evicts it). The other two exist for benchmarks; results are bit-identical under all
     three. Raises ValueError for another name.
