@@ -174,7 +174,8 @@ for step in range(3):
     engine.backward(engine(x, y))
     engine.step()
 total = torch.cat([p.detach().reshape(-1) for p in engine.module.parameters()]).double().sum().item()
-print(f"rank {engine.rank} checksum {total!r}")
+# one write(2) of the whole line: the two ranks share the pipe, and print() may split text and newline
+os.write(1, f"rank {engine.rank} checksum {total!r}\\n".encode())
 engine.close()
 dist.destroy_process_group()
 """
@@ -199,4 +200,4 @@ def test_under_torchrun(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     sums = sorted(line.split()[-1] for line in proc.stdout.splitlines() if "checksum" in line)
-    assert len(sums) == 2 and sums[0] == sums[1]
+    assert len(sums) == 2 and sums[0] == sums[1], (proc.stdout[-2000:], proc.stderr[-2000:])
