@@ -11,6 +11,7 @@ import textwrap
 
 import pytest
 import torch
+from engine_child import ENGINE_CHILD_PRELUDE
 
 from offload.pinned import PinnedPool
 from offload.swap import OptimizerSwapper, SwapSpace, SwapSpaceError, check_nvme_path
@@ -231,41 +232,8 @@ def test_exception_in_update_drains_and_keeps_state(tmp_path):
         sw.close()
 
 
-_DISK_FULL_CHILD = textwrap.dedent(
+_DISK_FULL_CHILD = ENGINE_CHILD_PRELUDE + textwrap.dedent(
     """
-    import errno, json, resource, signal, sys, torch
-    import zero
-    from zero.models import GPT, GPTConfig, corpus_bytes, get_batch
-
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG from write(), not a fatal signal
-    nvme = sys.argv[1]
-    cfg = {
-        "train_micro_batch_size_per_gpu": 2,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-        "zero_optimization": {
-            "stage": 0, "sub_group_size": 8192,
-            "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "buffer_count": 3},
-        },
-    }
-    model_cfg = GPTConfig(vocab_size=256, seq_len=16, n_layer=2, n_head=2, d_model=32)
-    data = corpus_bytes()
-
-    def engine():
-        torch.manual_seed(0)
-        return zero.initialize(model=GPT(model_cfg), config=cfg)[0]
-
-    def fwd_bwd(e, step):
-        x, y = get_batch(data, 2, 16, step)
-        loss = e(x, y)
-        e.backward(loss)
-        return loss.item()
-
-    ref = engine()
-    want = []
-    for s in range(4):
-        want.append(fwd_bwd(ref, s))
-        ref.step()
-    ref.close()
 
     e = engine()
     got = []

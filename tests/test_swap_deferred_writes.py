@@ -17,6 +17,8 @@ import textwrap
 
 import pytest
 import torch
+from engine_child import ENGINE_CHILD_PRELUDE
+from test_overlap import _config  # the same small stage-2 NVMe config
 
 import zero
 from offload.pinned import PinnedPool
@@ -222,44 +224,8 @@ def test_failed_deferred_write_surfaces_typed_and_rolls_back(tmp_path, mode, buf
         assert res["step_raised_too"] is True
 
 
-_ENGINE_FAILURE_CHILD = textwrap.dedent(
+_ENGINE_FAILURE_CHILD = ENGINE_CHILD_PRELUDE + textwrap.dedent(
     """
-    import json, resource, signal, sys, torch
-    import zero
-    from offload.swap.optimizer_swapper import DeferredWriteError
-    from zero.models import GPT, GPTConfig, corpus_bytes, get_batch
-
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    nvme = sys.argv[1]
-    cfg = {
-        "train_micro_batch_size_per_gpu": 2,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-        "zero_optimization": {
-            "stage": 0, "sub_group_size": 8192,
-            "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "buffer_count": 3},
-        },
-    }
-    model_cfg = GPTConfig(vocab_size=256, seq_len=16, n_layer=2, n_head=2, d_model=32)
-    data = corpus_bytes()
-
-    def engine():
-        torch.manual_seed(0)
-        return zero.initialize(model=GPT(model_cfg), config=cfg)[0]
-
-    def fwd_bwd(e, step):
-        x, y = get_batch(data, 2, 16, step)
-        loss = e(x, y)
-        e.backward(loss)
-        return loss.item()
-
-    ref = engine()
-    want = []
-    for s in range(4):
-        want.append(fwd_bwd(ref, s))
-        ref.step()
-    ref_state = ref.optimizer.state_dict()
-    ref_params = [p.detach().clone() for p in ref.module.parameters()]
-    ref.close()
 
     e = engine()
     got = []
@@ -326,24 +292,6 @@ def test_engine_reports_lost_write_back_at_next_step_and_recovers(tmp_path):
     assert res["same"] is True  # no later step used the lost state: identical to an undisturbed run
     assert res["got"] == res["want"]
     assert os.listdir(tmp_path) == []
-
-
-def _config(nvme: str, pipeline: bool) -> dict:
-    return {
-        "train_micro_batch_size_per_gpu": 2,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
-        "zero_optimization": {
-            "stage": 2,
-            "sub_group_size": 8192,
-            "offload_optimizer": {
-                "device": "nvme",
-                "nvme_path": nvme,
-                "buffer_count": 3,
-                "pipeline_read": pipeline,
-                "pipeline_write": pipeline,
-            },
-        },
-    }
 
 
 def _train(nvme: str, pipeline: bool, defer: bool, steps: int, save_dir: str = ""):

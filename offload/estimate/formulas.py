@@ -535,11 +535,8 @@ def estimate(
     if setup.activations is not None:
         ledger.add("gpu", "activations", activation_bytes(setup.activations, cb))
 
-    per_node = setup.gpus_per_node  # host memory and NVMe are shared by the node's ranks
-    scaled = {
-        tier: {name: value * (1 if tier == "gpu" else per_node) for name, value in ledger.bytes[tier].items()}
-        for tier in _TIERS
-    }
+    per_node = setup.gpus_per_node
+    scaled = _scaled(setup, ledger)
     return MemoryEstimate(
         stage=stage,
         offload_optimizer=offload_optimizer,
