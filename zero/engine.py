@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import os
 import threading
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, NoReturn, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -738,45 +738,20 @@ class ZeroEngine:
             self._device_step(step, group, grad_scale)
             self.optimizer.step_count = step
             return False
-        stats = self._state.stats  # counts since the last step, including reads prefetched during backward
         h2d0 = self._writer.h2d_bytes
         update = self._chunk_update(self.grad_host, step, group, grad_scale, fused_check)
 
         try:
             ok = self._state.step(update)
         except OSError as e:
-            self._state.abort()
-            self._restore_params()
-            if getattr(e, "steps_lost", 0):  # the last step's deferred write-back failed: undo it too
-                self.optimizer.step_count -= e.steps_lost  # type: ignore[attr-defined]
-                self.zero_grad()  # computed on the lost step's weights
-                raise
-            raise OSError(
-                e.errno,
-                f"optimizer step {step} failed while swapping optimizer state ({e.strerror}); "
-                "the previous state is kept and training can continue from it",
-                getattr(e, "filename", None),
-            ) from e
+            self._raise_pass_failure(e, step)
         if fused_check and self.world_size > 1:
             flag = torch.tensor(
                 [1.0 if ok else 0.0], device=self.device if self.device.type == "cuda" else "cpu"
             )
             settle(dist.all_reduce(flag, op=dist.ReduceOp.MIN, async_op=True))
             ok = bool(flag.item() > 0)
-        if ok:
-            self._state.commit()
-            self.optimizer.step_count = step
-        else:
-            self._state.abort()
-            self._restore_params()
-        self._writer.finish()
-        rep.optimizer_compute_s += stats.compute_s
-        rep.io_wait_s += stats.io_wait_s
-        rep.nvme_read_bytes += stats.bytes_read
-        rep.nvme_write_bytes += stats.bytes_written
-        stats.reset()
-        rep.host_to_device_bytes += self._writer.h2d_bytes - h2d0
-        return not ok
+        return self._end_pass(ok, step, rep, h2d0)
 
     def _finish_early_pass(self, rep: StepReport) -> bool:
         """Wait for the pass started in backward, then commit it or keep the previous state."""
@@ -784,36 +759,44 @@ class ZeroEngine:
         assert result is not None
         ok, err, h2d0, fused_check = result
         step = self.optimizer.step_count + 1
-        stats, writer = self._state.stats, self._writer
         if err is not None:
-            self._state.abort()
-            self._restore_params()
-            if getattr(err, "steps_lost", 0):  # the last step's deferred write-back failed: undo it too
-                self.optimizer.step_count -= err.steps_lost  # type: ignore[attr-defined]
-                self.zero_grad()  # computed on the lost step's weights
-                raise err
-            if isinstance(err, OSError):
-                raise OSError(
-                    err.errno,
-                    f"optimizer step {step} failed while swapping optimizer state ({err.strerror}); "
-                    "the previous state is kept and training can continue from it",
-                    getattr(err, "filename", None),
-                ) from err
+            self._raise_pass_failure(err, step)
+        return self._end_pass(ok, step, rep, h2d0)
+
+    def _raise_pass_failure(self, err: BaseException, step: int) -> NoReturn:
+        """A pass over the swapped optimizer state failed: keep the last durable state, then raise."""
+        self._state.abort()
+        self._restore_params()
+        if getattr(err, "steps_lost", 0):  # the last step's deferred write-back failed: undo it too
+            self.optimizer.step_count -= err.steps_lost  # type: ignore[attr-defined]
+            self.zero_grad()  # computed on the lost step's weights
             raise err
+        if isinstance(err, OSError):
+            raise OSError(
+                err.errno,
+                f"optimizer step {step} failed while swapping optimizer state ({err.strerror}); "
+                "the previous state is kept and training can continue from it",
+                getattr(err, "filename", None),
+            ) from err
+        raise err
+
+    def _end_pass(self, ok: bool, step: int, rep: StepReport, h2d0: int) -> bool:
+        """Commit a finished pass (or drop it on overflow) and add its counts to the report; True: skipped."""
         if ok:
             self._state.commit()
             self.optimizer.step_count = step
         else:
             self._state.abort()
             self._restore_params()
-        writer.finish()
+        self._writer.finish()
+        stats = self._state.stats  # counts since the last step, including reads prefetched during backward
         rep.optimizer_compute_s += stats.compute_s
         rep.io_wait_s += stats.io_wait_s
-        rep.gradient_wait_s += stats.gate_wait_s
+        rep.gradient_wait_s += stats.gate_wait_s  # 0 unless the pass ran during backward
         rep.nvme_read_bytes += stats.bytes_read
         rep.nvme_write_bytes += stats.bytes_written
         stats.reset()
-        rep.host_to_device_bytes += writer.h2d_bytes - h2d0
+        rep.host_to_device_bytes += self._writer.h2d_bytes - h2d0
         return not ok
 
     def _device_step(self, step: int, group: Dict[str, Any], grad_scale: float) -> None:

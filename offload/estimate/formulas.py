@@ -535,8 +535,30 @@ def estimate(
     if setup.activations is not None:
         ledger.add("gpu", "activations", activation_bytes(setup.activations, cb))
 
+    return _estimate_from(
+        setup, ledger, stage, offload_optimizer, offload_param, nvme_read, nvme_write, notes
+    )
+
+
+def _estimate_from(
+    setup: TrainingSetup,
+    ledger: _Ledger,
+    stage: int,
+    offload_optimizer: str,
+    offload_param: str,
+    nvme_read: int,
+    nvme_write: int,
+    notes: List[str],
+    spare_copy: Optional[int] = None,
+) -> MemoryEstimate:
+    """The per-rank ledger as a MemoryEstimate: GPU per rank, host memory and NVMe per node (shared by the
+    node's ranks). `spare_copy`: NVMe bytes per rank a one-copy optimizer state would not need."""
     per_node = setup.gpus_per_node
-    scaled = _scaled(setup, ledger)
+    scaled = {
+        tier: {name: value * (1 if tier == "gpu" else per_node) for name, value in ledger.bytes[tier].items()}
+        for tier in _TIERS
+    }
+    nvme_min = None if spare_copy is None else sum(scaled["nvme"].values()) - spare_copy * per_node
     return MemoryEstimate(
         stage=stage,
         offload_optimizer=offload_optimizer,
@@ -548,15 +570,8 @@ def estimate(
         nvme_read_bytes_per_step=nvme_read * per_node,
         nvme_write_bytes_per_step=nvme_write * per_node,
         notes=tuple(notes),
+        nvme_min_bytes_value=nvme_min,
     )
-
-
-def _scaled(setup: TrainingSetup, ledger: _Ledger) -> Dict[str, Dict[str, int]]:
-    per_node = setup.gpus_per_node  # host memory and NVMe are shared by the node's ranks
-    return {
-        tier: {name: value * (1 if tier == "gpu" else per_node) for name, value in ledger.bytes[tier].items()}
-        for tier in _TIERS
-    }
 
 
 def _estimate_stage3(
@@ -574,22 +589,7 @@ def _estimate_stage3(
         )
     if setup.activations is not None:
         ledger.add("gpu", "activations", activation_bytes(setup.activations, setup.compute_bytes))
-    scaled = _scaled(setup, ledger)
-    per_node = setup.gpus_per_node
-    nvme_total = sum(scaled["nvme"].values())
-    return MemoryEstimate(
-        stage=3,
-        offload_optimizer=offload_optimizer,
-        offload_param=offload_param,
-        gpu=scaled["gpu"],
-        cpu_pinned=scaled["cpu_pinned"],
-        cpu_pageable=scaled["cpu_pageable"],
-        nvme=scaled["nvme"],
-        nvme_read_bytes_per_step=read * per_node,
-        nvme_write_bytes_per_step=write * per_node,
-        notes=tuple(notes),
-        nvme_min_bytes_value=nvme_total - spare_copy * per_node,
-    )
+    return _estimate_from(setup, ledger, 3, offload_optimizer, offload_param, read, write, notes, spare_copy)
 
 
 def estimate_all(
