@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 import torch
-from engine_child import ENGINE_CHILD_PRELUDE
+from swap_helpers import ENGINE_CHILD_PRELUDE, fill_from, reference_state, snapshot
 
 from offload.pinned import PinnedPool
 from offload.swap import OptimizerSwapper, SwapSpace, SwapSpaceError, check_nvme_path
@@ -79,43 +79,16 @@ def test_nvme_path_not_writable(tmp_path):
         ro.chmod(0o700)
 
 
-def _reference(numel, n_states, seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(numel, generator=g), [torch.randn(numel, generator=g) for _ in range(n_states)]
-
-
-def _fill_from(master_ref, states_ref):
-    def fill(start, n, master, states):
-        master.copy_(master_ref[start : start + n])
-        for s, r in zip(states, states_ref):
-            s.copy_(r[start : start + n])
-
-    return fill
-
-
-def _snapshot(sw):
-    master = torch.empty(sw.numel)
-    states = [torch.empty(sw.numel) for _ in range(sw.n_states)]
-
-    def take(start, n, m, st):
-        master[start : start + n] = m
-        for d, s in zip(states, st):
-            d[start : start + n] = s
-
-    sw.read_all(take)
-    return master, states
-
-
 @pytest.mark.parametrize("buffer_count", [1, 2, 3, 4])
 @pytest.mark.parametrize("chunk", [1000, 4096, 50_000])
 def test_step_updates_every_element_once(tmp_path, buffer_count, chunk):
     numel, n_states = 10_007, 2  # odd size: a short last chunk, sizes not multiples of the alignment
-    master_ref, states_ref = _reference(numel, n_states, seed=buffer_count)
+    master_ref, states_ref = reference_state(numel, n_states, seed=buffer_count)
     pool = PinnedPool(64 << 20)
     with SwapSpace(str(tmp_path)) as space:
         sw = OptimizerSwapper(space, numel, n_states, pool, chunk_numel=chunk, buffer_count=buffer_count)
         assert sw.chunk_numel == min(chunk, numel)
-        sw.load(_fill_from(master_ref, states_ref))
+        sw.load(fill_from(master_ref, states_ref))
         seen = torch.zeros(numel, dtype=torch.int32)
 
         def update(start, n, master, states):
@@ -128,7 +101,7 @@ def test_step_updates_every_element_once(tmp_path, buffer_count, chunk):
         assert sw.step(update)
         sw.commit()
         assert torch.equal(seen, torch.ones(numel, dtype=torch.int32))
-        m, st = _snapshot(sw)
+        m, st = snapshot(sw)
         assert torch.equal(m, master_ref + 1)
         assert torch.equal(st[0], states_ref[0] * 2)
         assert torch.equal(st[1], (master_ref + 1) * (states_ref[0] * 2))
@@ -140,7 +113,7 @@ def test_step_updates_every_element_once(tmp_path, buffer_count, chunk):
 @pytest.mark.parametrize("copies", [1, 2])
 def test_load_with_zero_states_writes_only_masters_into_fresh_files(tmp_path, copies):
     numel, n_states = 10_007, 2
-    master_ref, states_ref = _reference(numel, n_states, seed=7)
+    master_ref, states_ref = reference_state(numel, n_states, seed=7)
     pool = PinnedPool(64 << 20)
     with SwapSpace(str(tmp_path)) as space:
         sw = OptimizerSwapper(space, numel, n_states, pool, chunk_numel=3000, buffer_count=2, copies=copies)
@@ -152,7 +125,7 @@ def test_load_with_zero_states_writes_only_masters_into_fresh_files(tmp_path, co
 
         sw.load(masters, states_zero=True)
         assert sw.stats.bytes_written == numel * 4  # the masters alone: the fresh files read as zeros
-        m, st = _snapshot(sw)
+        m, st = snapshot(sw)
         assert torch.equal(m, master_ref)
         assert all(torch.equal(t, torch.zeros(numel)) for t in st)
 
@@ -168,7 +141,7 @@ def test_load_with_zero_states_writes_only_masters_into_fresh_files(tmp_path, co
         sw.stats.reset()
         sw.load(masters, states_zero=True)
         assert sw.stats.bytes_written >= numel * 3 * 4
-        m, st = _snapshot(sw)
+        m, st = snapshot(sw)
         assert torch.equal(m, master_ref)
         assert all(torch.equal(t, torch.zeros(numel)) for t in st)
         sw.close()
@@ -178,23 +151,23 @@ def test_load_with_zero_states_writes_only_masters_into_fresh_files(tmp_path, co
 def test_subgroup_larger_than_slots_is_split(tmp_path):
     # A pool that can hold only small slots: the swapper is told to use 2048-element pieces.
     pool = PinnedPool(4 * 3 * 2048 * 4)
-    master_ref, states_ref = _reference(9000, 2, seed=7)
+    master_ref, states_ref = reference_state(9000, 2, seed=7)
     with SwapSpace(str(tmp_path)) as space:
         sw = OptimizerSwapper(space, 9000, 2, pool, chunk_numel=2048, buffer_count=4)
         assert len(sw.chunks) == 5 and sw.pinned_bytes <= pool.cap_bytes
-        sw.load(_fill_from(master_ref, states_ref))
+        sw.load(fill_from(master_ref, states_ref))
         assert sw.step(lambda s, n, m, st: bool(m.mul_(3.0) is not None))
         sw.commit()
-        assert torch.equal(_snapshot(sw)[0], master_ref * 3)
+        assert torch.equal(snapshot(sw)[0], master_ref * 3)
         sw.close()
 
 
 def test_abort_and_false_keep_previous_state(tmp_path):
     pool = PinnedPool(16 << 20)
-    master_ref, states_ref = _reference(5000, 1, seed=3)
+    master_ref, states_ref = reference_state(5000, 1, seed=3)
     with SwapSpace(str(tmp_path)) as space:
         sw = OptimizerSwapper(space, 5000, 1, pool, chunk_numel=1024, buffer_count=3)
-        sw.load(_fill_from(master_ref, states_ref))
+        sw.load(fill_from(master_ref, states_ref))
         calls = []
 
         def bad_at_third(start, n, master, states):
@@ -206,20 +179,20 @@ def test_abort_and_false_keep_previous_state(tmp_path):
         assert len(calls) == 3  # stopped at the failing chunk
         with pytest.raises(RuntimeError, match="without a completed step"):
             sw.commit()
-        m, st = _snapshot(sw)
+        m, st = snapshot(sw)
         assert torch.equal(m, master_ref) and torch.equal(st[0], states_ref[0])
         assert sw.step(lambda s, n, m, st: bool(m.add_(1) is not None))
         sw.abort()
-        assert torch.equal(_snapshot(sw)[0], master_ref)
+        assert torch.equal(snapshot(sw)[0], master_ref)
         sw.close()
 
 
 def test_exception_in_update_drains_and_keeps_state(tmp_path):
     pool = PinnedPool(16 << 20)
-    master_ref, states_ref = _reference(6000, 2, seed=4)
+    master_ref, states_ref = reference_state(6000, 2, seed=4)
     with SwapSpace(str(tmp_path)) as space:
         sw = OptimizerSwapper(space, 6000, 2, pool, chunk_numel=1000, buffer_count=4)
-        sw.load(_fill_from(master_ref, states_ref))
+        sw.load(fill_from(master_ref, states_ref))
 
         def boom(start, n, master, states):
             if start >= 3000:
@@ -228,7 +201,7 @@ def test_exception_in_update_drains_and_keeps_state(tmp_path):
 
         with pytest.raises(KeyError):
             sw.step(boom)
-        assert torch.equal(_snapshot(sw)[0], master_ref)
+        assert torch.equal(snapshot(sw)[0], master_ref)
         sw.close()
 
 
@@ -296,10 +269,10 @@ def test_disk_full_during_step_keeps_previous_state(tmp_path):
 @pytest.mark.parametrize("buffer_count", [1, 3])
 def test_prefetch_feeds_the_next_step_and_never_goes_stale(tmp_path, buffer_count):
     pool = PinnedPool(16 << 20)
-    master_ref, states_ref = _reference(7000, 2, seed=5)
+    master_ref, states_ref = reference_state(7000, 2, seed=5)
     with SwapSpace(str(tmp_path)) as space:
         sw = OptimizerSwapper(space, 7000, 2, pool, chunk_numel=1000, buffer_count=buffer_count)
-        sw.load(_fill_from(master_ref, states_ref))
+        sw.load(fill_from(master_ref, states_ref))
         sw.prefetch()
         sw.prefetch()  # idempotent
         read_before = sw.stats.bytes_read
@@ -308,9 +281,9 @@ def test_prefetch_feeds_the_next_step_and_never_goes_stale(tmp_path, buffer_coun
         assert sw.stats.bytes_read - read_before == sum(sw._io_bytes(n) for _, n in sw.chunks[buffer_count:])
         # A prefetch followed by another pass over the slots must not feed stale data to the step.
         sw.prefetch()
-        assert torch.equal(_snapshot(sw)[0], master_ref + 1)
-        sw.load(_fill_from(master_ref * 2, states_ref))
+        assert torch.equal(snapshot(sw)[0], master_ref + 1)
+        sw.load(fill_from(master_ref * 2, states_ref))
         assert sw.step(lambda s, n, m, st: bool(m.add_(1) is not None))
         sw.commit()
-        assert torch.equal(_snapshot(sw)[0], master_ref * 2 + 1)
+        assert torch.equal(snapshot(sw)[0], master_ref * 2 + 1)
         sw.close()

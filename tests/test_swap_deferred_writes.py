@@ -17,7 +17,7 @@ import textwrap
 
 import pytest
 import torch
-from engine_child import ENGINE_CHILD_PRELUDE
+from swap_helpers import ENGINE_CHILD_PRELUDE, fill_from, reference_state, snapshot
 from test_overlap import _config  # the same small stage-2 NVMe config
 
 import zero
@@ -27,33 +27,6 @@ from zero.models import GPT, GPTConfig, corpus_bytes, get_batch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = GPTConfig(vocab_size=256, seq_len=16, n_layer=2, n_head=2, d_model=32)
-
-
-def _reference(numel: int, n_states: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(numel, generator=g), [torch.randn(numel, generator=g) for _ in range(n_states)]
-
-
-def _fill_from(master_ref, states_ref):
-    def fill(start, n, master, states):
-        master.copy_(master_ref[start : start + n])
-        for s, r in zip(states, states_ref):
-            s.copy_(r[start : start + n])
-
-    return fill
-
-
-def _snapshot(sw):
-    master = torch.empty(sw.numel)
-    states = [torch.empty(sw.numel) for _ in range(sw.n_states)]
-
-    def take(start, n, m, st):
-        master[start : start + n] = m
-        for d, s in zip(states, st):
-            d[start : start + n] = s
-
-    sw.read_all(take)
-    return master, states
 
 
 def _adam_like(start, n, master, states):
@@ -67,7 +40,7 @@ def _adam_like(start, n, master, states):
 @pytest.mark.parametrize("buffer_count,chunk,reverse", [(1, 1000, False), (2, 1500, True), (4, 1000, False)])
 def test_deferred_steps_match_drained_steps_bit_exact(tmp_path, buffer_count, chunk, reverse):
     numel = 7_003
-    master_ref, states_ref = _reference(numel, 2, seed=buffer_count)
+    master_ref, states_ref = reference_state(numel, 2, seed=buffer_count)
     pool = PinnedPool(64 << 20)
     results = {}
     with SwapSpace(str(tmp_path)) as space:
@@ -84,14 +57,14 @@ def test_deferred_steps_match_drained_steps_bit_exact(tmp_path, buffer_count, ch
             )
             if reverse:
                 sw.step_order = sw.step_order[::-1]  # as the engine does when stepping during backward
-            sw.load(_fill_from(master_ref, states_ref))
+            sw.load(fill_from(master_ref, states_ref))
             for k in range(7):
                 if k % 2:
                     sw.prefetch()  # reads of the next step queued while the last writes may still run
                 assert sw.step(_adam_like)
                 assert sw.writes_in_flight == defer
                 sw.commit()
-            results[defer] = _snapshot(sw)
+            results[defer] = snapshot(sw)
             assert not sw.writes_in_flight
             sw.close()
     (m_d, st_d), (m_s, st_s) = results[True], results[False]
@@ -104,7 +77,7 @@ def test_in_place_state_never_defers(tmp_path):
     pool = PinnedPool(16 << 20)
     with SwapSpace(str(tmp_path)) as space:
         sw = OptimizerSwapper(space, 3000, 1, pool, chunk_numel=1000, buffer_count=2, copies=1)
-        sw.load(_fill_from(*_reference(3000, 1, seed=1)))
+        sw.load(fill_from(*reference_state(3000, 1, seed=1)))
         assert sw.step(lambda s, n, m, st: True)
         assert not sw.writes_in_flight  # a failed in-place write would have no previous copy to go back to
         sw.commit()
@@ -113,16 +86,16 @@ def test_in_place_state_never_defers(tmp_path):
 
 def test_abort_with_writes_in_flight_keeps_previous_state(tmp_path):
     pool = PinnedPool(16 << 20)
-    master_ref, states_ref = _reference(5000, 2, seed=2)
+    master_ref, states_ref = reference_state(5000, 2, seed=2)
     with SwapSpace(str(tmp_path)) as space:
         sw = OptimizerSwapper(space, 5000, 2, pool, chunk_numel=1000, buffer_count=3)
-        sw.load(_fill_from(master_ref, states_ref))
+        sw.load(fill_from(master_ref, states_ref))
         assert sw.step(_adam_like) and sw.writes_in_flight
         sw.abort()  # e.g. another rank found an overflow
         assert not sw.writes_in_flight
         with pytest.raises(RuntimeError, match="without a completed step"):
             sw.commit()
-        assert torch.equal(_snapshot(sw)[0], master_ref)
+        assert torch.equal(snapshot(sw)[0], master_ref)
         sw.close()
 
 
