@@ -9,8 +9,12 @@ instead of a fatal SIGXFSZ."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import textwrap
-from typing import Callable, List, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 
@@ -84,3 +88,13 @@ def snapshot(sw) -> Tuple[torch.Tensor, List[torch.Tensor]]:
 
     sw.read_all(take)
     return master, states
+
+
+def run_child(script: str, nvme_dir: str) -> Dict[str, Any]:
+    """Run a child script with the swap directory as argv[1]; the JSON object its last line prints."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(
+        [sys.executable, "-c", script, nvme_dir], cwd=repo, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 import torch
-from swap_helpers import ENGINE_CHILD_PRELUDE, fill_from, reference_state, snapshot
+from swap_helpers import ENGINE_CHILD_PRELUDE, fill_from, reference_state, run_child, snapshot
 
 from offload.pinned import PinnedPool
 from offload.swap import OptimizerSwapper, SwapSpace, SwapSpaceError, check_nvme_path
@@ -247,17 +247,7 @@ _DISK_FULL_CHILD = ENGINE_CHILD_PRELUDE + textwrap.dedent(
 
 
 def test_disk_full_during_step_keeps_previous_state(tmp_path):
-    import json
-
-    proc = subprocess.run(
-        [sys.executable, "-c", _DISK_FULL_CHILD, str(tmp_path)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    res = run_child(_DISK_FULL_CHILD, str(tmp_path))
     assert res["errno"] in (errno.EFBIG, errno.ENOSPC), res["message"]
     assert res["filename"] and res["filename"].startswith(res["swap_dir"] + os.sep), res
     assert "previous state is kept" in res["message"]

@@ -9,15 +9,12 @@ state goes back to the intact previous copy so that no later step builds on the 
 from __future__ import annotations
 
 import errno
-import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
-from swap_helpers import ENGINE_CHILD_PRELUDE, fill_from, reference_state, snapshot
+from swap_helpers import ENGINE_CHILD_PRELUDE, fill_from, reference_state, run_child, snapshot
 from test_overlap import _config  # the same small stage-2 NVMe config
 
 import zero
@@ -247,15 +244,7 @@ _ENGINE_FAILURE_CHILD = ENGINE_CHILD_PRELUDE + textwrap.dedent(
 
 
 def test_engine_reports_lost_write_back_at_next_step_and_recovers(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-c", _ENGINE_FAILURE_CHILD, str(tmp_path)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    res = run_child(_ENGINE_FAILURE_CHILD, str(tmp_path))
     assert res["in_flight"] is True  # the failing write really was deferred past the step
     assert res["type"] == "DeferredWriteError", res
     assert res["errno"] in (errno.EFBIG, errno.ENOSPC), res["message"]
