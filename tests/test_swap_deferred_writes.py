@@ -358,3 +358,28 @@ def test_lost_write_back_with_steps_during_backward_is_undone(tmp_path):
     assert got == ref["losses"]
     assert torch.equal(params, ref["params"]) and state["step"] == 4
     assert torch.equal(state["master"], ref["state"]["master"])
+
+
+def test_engine_close_reports_lost_write_back_and_still_removes_swap_files(tmp_path):
+    torch.manual_seed(0)
+    e = zero.initialize(model=GPT(MODEL), config=_config(str(tmp_path), False))[0]
+    x, y = get_batch(corpus_bytes(), 2, MODEL.seq_len, 0)
+    e.backward(e(x, y))
+    e.step()
+    sw = e._state
+    assert sw.writes_in_flight
+    handle = sw._handles[(len(sw.step_order) - 1) % sw.buffer_count]
+    real_wait = handle.wait
+
+    def failing_wait():
+        real_wait()
+        del handle.wait  # once
+        raise OSError(errno.EIO, "injected write failure", sw._files[sw._live].path)
+
+    handle.wait = failing_wait
+    swap_dir = e.swap_dir
+    with pytest.raises(OSError) as info:
+        e.close()  # nothing else has settled the writes: close is where the loss is reported
+    assert type(info.value).__name__ == "DeferredWriteError" and info.value.errno == errno.EIO
+    assert not os.path.exists(swap_dir)  # scratch files go even so
+    assert os.listdir(tmp_path) == []
