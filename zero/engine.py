@@ -36,6 +36,7 @@ from offload.pinned import (
 )
 from offload.swap.optimizer_swapper import AioSettings, OptimizerSwapper, slot_bytes
 from offload.swap.space import SwapSpace, check_nvme_path
+from zero.accelerator import compute_device, dist_backend
 from zero.comm import settle
 from zero.optimizer_offload import (
     DeviceState,
@@ -61,7 +62,7 @@ def init_distributed() -> Tuple[int, int, int]:
         return dist.get_rank(), dist.get_world_size(), local_rank
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = dist_backend()
         if backend == "nccl":
             torch.cuda.set_device(local_rank)
         dist.init_process_group(backend=backend)
@@ -157,7 +158,7 @@ class ZeroEngine:
     ) -> None:
         self.config = cfg
         self.rank, self.world_size = rank, world_size
-        self.device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+        self.device = compute_device(local_rank)
         zcfg = cfg.zero_optimization
         self.stage = int(zcfg.stage)
         if self.stage > 3:

@@ -36,6 +36,7 @@ from offload.config import load_config
 from offload.config.zero import OffloadParamConfig
 from offload.pinned import PinnedPool, default_pinned_budget
 from offload.swap.optimizer_swapper import AioSettings
+from zero.accelerator import compute_device
 from zero.stage3.comm import all_gather_flat, dist_info, reduce_scatter_flat
 from zero.stage3.store import PartitionStore, UnitSize
 from zero.stage3.unit import PartitionStatus, Unit, is_partitioned, set_param_attributes
@@ -76,7 +77,7 @@ class Stage3Partitioner:
         self.group = group
         self.rank, self.world_size = dist_info(group)
         if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+            device = compute_device()
         self.device = torch.device(device)
         self.persistence_threshold = int(z.stage3_param_persistence_threshold)
         self.prefetch_bucket_numel = int(z.stage3_prefetch_bucket_size)
