@@ -168,10 +168,11 @@ class HostBuffer:
 
     @property
     def populated(self) -> bool:
-        """Every page is resident (faulted in and, when locked, locked)."""
+        """Every page is resident (faulted in and, when locked, locked). Always true once registered with
+        CUDA: cudaHostRegister faults in and pins the whole range before it returns."""
         if self._buf is None:
             raise ValueError("pinned buffer was already released")
-        return bool(self._buf.populated)
+        return self.cuda_registered or bool(self._buf.populated)
 
     def wait_populated(self) -> None:
         """Block until a background population finished; OSError with its errno if it failed (the buffer

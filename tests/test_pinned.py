@@ -310,9 +310,9 @@ def test_populate_modes_lock_at_once_and_fault_in_when_asked(mode, lockable):
         if mode == "background":
             buf.wait_populated()
         grown = rss_bytes() - rss0
-        if mode == "none":
+        if mode == "none" and not buf.cuda_registered:
             assert not buf.populated and grown < n // 4  # nothing faulted in until touched
-        else:
+        else:  # cudaHostRegister (on a CUDA host) faults in every page whatever the mode
             assert buf.populated and grown >= n  # every page resident, measured by the kernel
         arr = (torch.frombuffer(buf.as_ctypes(), dtype=torch.uint8)).view(torch.int64)
         assert int(arr.abs().sum()) == 0  # a fresh buffer reads as zeros
