@@ -155,7 +155,7 @@ def test_grad_readiness_waits_for_every_parameter_of_a_chunk():
     params = [torch.nn.Parameter(torch.zeros(n)) for n in (3000, 500, 4000, 600)]
     flat = FlatParams(params)
     chunks = [(s, min(2048, flat.padded_numel - s)) for s in range(0, flat.padded_numel, 2048)]
-    gate = GradReadiness(flat, 0, chunks)
+    gate = GradReadiness.for_flat(flat, 0, chunks)
     # parameter 0 covers [0, 3000): chunks 0 and 1; parameter 1 [3000, 3500): chunk 1; ...
     assert gate.chunks_of[0] == [0, 1] and gate.chunks_of[1] == [1]
     assert gate.counts[1] == 3  # parameters 0, 1 and 2 overlap [2048, 4096)

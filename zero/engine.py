@@ -322,7 +322,16 @@ class ZeroEngine:
         ):
             return
         state.step_order = list(reversed(range(len(state.chunks))))  # backward makes the last grads first
-        self._early_gate = GradReadiness(self.flat, self.lo, state.chunks)
+        self._early_gate = self._make_grad_gate(state.chunks)
+
+    def _make_grad_gate(self, chunks: List[Tuple[int, int]]) -> GradReadiness:
+        """Readiness of the optimizer's chunks; sources are the flat buffer's parameters (`_grad_hook`)."""
+        return GradReadiness.for_flat(self.flat, self.lo, chunks)
+
+    def _early_grads(self) -> torch.Tensor:
+        """The partition's gradients as the pass during backward reads them (filled while it runs)."""
+        # The kernel reads 16-bit gradients itself: the gradient buffer is used in place, never copied.
+        return self.flat.grad_buffer[self.lo : self.hi]
 
     # --------------------------------------------------------------------------------------------- set-up
     @staticmethod
@@ -525,6 +534,9 @@ class ZeroEngine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        # A forward between backward and step() sees the committed weights: the pass that began stepping
+        # during backward is dropped (step() then runs the optimizer after all).
+        self._discard_early_pass()
         with self._clock.phase("forward_s"):
             return self.module(*args, **kwargs)
 
@@ -565,6 +577,7 @@ class ZeroEngine:
         return float(self.loss_scaler.loss_scale) if self.loss_scaler is not None else 1.0
 
     def zero_grad(self) -> None:
+        self._discard_early_pass()  # it read gradients that are being cleared
         self.flat.zero_grads()
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
@@ -682,8 +695,7 @@ class ZeroEngine:
         grad_scale = self.loss_scale * self.world_size
         step = self.optimizer.step_count + 1
         group = self.optimizer.param_groups[0]
-        # The kernel reads 16-bit gradients itself: the gradient buffer is used in place, never copied.
-        grad = self.flat.grad_buffer[self.lo : self.hi]
+        grad = self._early_grads()
         h2d0 = self._writer.h2d_bytes
         update = self._chunk_update(grad, step, group, grad_scale, fused_check)
 

@@ -199,23 +199,23 @@ class GradReducer:
 class GradReadiness:
     """Tells when every gradient inside a chunk of the partition is final, during backward.
 
-    The optimizer can step a sub-group as soon as backward has produced all gradients overlapping it
-    (post-accumulate-grad hooks call `param_ready`). A worker thread blocks in `wait(chunk)`; the engine
-    calls `all_ready()` when backward returns (parameters without a gradient this time never fire) and
-    `cancel()` when it raised.
+    The optimizer can step a sub-group as soon as backward has produced all gradients overlapping it. Each
+    gradient source (a parameter at stages 0-2, a unit's partition at stage 3) covers one segment of the
+    partition; the engine calls `param_ready(source)` when that source's gradient is final. A worker thread
+    blocks in `wait(chunk)`; the engine calls `all_ready()` when backward returns (sources without a gradient
+    this time never report) and `cancel()` when it raised.
     """
 
-    def __init__(self, flat: FlatParams, lo: int, chunks: Sequence[Tuple[int, int]]) -> None:
+    def __init__(self, segments: Sequence[Tuple[int, int]], chunks: Sequence[Tuple[int, int]]) -> None:
+        """segments[i]: (start, numel) of source i; chunks: (start, numel); both in partition coordinates."""
         import threading
 
         self._cond = threading.Condition()
-        starts = [lo + s for s, _ in chunks]
         self.chunks_of: List[List[int]] = []
         self.counts = [0] * len(chunks)
-        for off, n in zip(flat.offsets, flat.numels):
+        for off, n in segments:
             hit = []
-            for c, (_start, cn) in enumerate(chunks):
-                a = starts[c]
+            for c, (a, cn) in enumerate(chunks):
                 if off < a + cn and a < off + n:
                     hit.append(c)
                     self.counts[c] += 1
@@ -223,6 +223,11 @@ class GradReadiness:
         self._remaining = list(self.counts)
         self._all = True
         self._cancelled = False
+
+    @classmethod
+    def for_flat(cls, flat: FlatParams, lo: int, chunks: Sequence[Tuple[int, int]]) -> GradReadiness:
+        """Stages 0-2: one source per parameter of the flat buffer; the partition starts at element `lo`."""
+        return cls([(off - lo, n) for off, n in zip(flat.offsets, flat.numels)], chunks)
 
     def begin(self) -> None:
         with self._cond:

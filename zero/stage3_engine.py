@@ -33,6 +33,7 @@ from torch import nn
 from offload.pinned import PinnedPool, default_pinned_budget
 from zero.comm import settle
 from zero.engine import ZeroEngine
+from zero.partition import GradReadiness
 from zero.stage3.partitioner import Stage3Partitioner
 from zero.stage3.unit import Unit, is_partitioned
 
@@ -50,10 +51,11 @@ def _disk_free(path: str) -> int:
 class _PartitionWriter:
     """Moves updated weights of an optimizer chunk into the units' parameter partitions.
 
-    Chunks arrive in order of the virtual partition, so units complete in order: a memory-tier unit is
-    written in place as its pieces arrive; an NVMe unit is assembled in a host buffer and written to its swap
-    file once its last piece arrived (one buffer of the largest unit at most). Gathered copies (persistent
-    units) are refreshed by `write_partition`.
+    A memory-tier unit is written in place as its pieces arrive; an NVMe unit is assembled in a host buffer
+    and written to its swap file once all its elements arrived, whatever the order of the chunks (forward
+    order after backward, reverse order when sub-groups are stepped during backward): a unit spans at most
+    the chunks in flight, so few buffers are ever held. Gathered copies (persistent units) are refreshed by
+    `write_partition`.
     """
 
     def __init__(self, engine: Stage3Engine, chunk_numel: int) -> None:
@@ -63,6 +65,7 @@ class _PartitionWriter:
         self.staging = torch.empty(chunk_numel, dtype=engine.dtype) if self.half else None
         self.h2d_bytes = 0  # bytes of updated weights written to the parameter tier
         self._assembly: Dict[int, torch.Tensor] = {}
+        self._missing: Dict[int, int] = {}  # unit index -> elements not yet assembled
 
     def param_copy(self, start: int, n: int) -> Optional[torch.Tensor]:
         """Where the kernel writes this chunk's 16-bit weights (None for fp32: the master is the weight)."""
@@ -84,28 +87,35 @@ class _PartitionWriter:
                 if lo < hi:
                     buf[lo:hi].copy_(src[base + lo : base + hi])
             self.h2d_bytes += (z - a) * unit.element_size
-            if z == unit.part_numel:
-                if mem is None:
-                    self.part.write_partition(unit, self._assembly.pop(unit.index))
-                elif unit.full is not None:
-                    self.part.write_partition(unit, mem)  # refresh the gathered copy of a persistent unit
+            missing = self._missing.get(unit.index, unit.part_numel) - (z - a)
+            if missing > 0:
+                self._missing[unit.index] = missing
+                continue
+            self._missing.pop(unit.index, None)
+            if mem is None:
+                self.part.write_partition(unit, self._assembly.pop(unit.index))
+            elif unit.full is not None:
+                self.part.write_partition(unit, mem)  # refresh the gathered copy of a persistent unit
 
     def _buffer(self, unit: Unit) -> torch.Tensor:
         buf = self._assembly.get(unit.index)
         if buf is None:
             if self.engine.is_mixed(unit):  # frozen slices keep their stored values
-                buf = self.part.read_partition(unit, torch.empty(unit.part_numel, dtype=unit.dtype))
+                # not through the staging slots: this may run on the optimizer thread during backward
+                buf = torch.empty(unit.part_numel, dtype=unit.dtype)
+                self.part.store.read_private(unit, buf)
             else:
                 buf = torch.empty(unit.part_numel, dtype=unit.dtype)
             self._assembly[unit.index] = buf
         return buf
 
     def finish(self) -> None:
-        if self._assembly:  # a pass stopped early (overflow, error): the engine restores from the master
-            self._assembly.clear()
+        # a pass stopped early (overflow, error): the engine restores from the master
+        self._assembly.clear()
+        self._missing.clear()
 
     def close(self) -> None:
-        self._assembly.clear()
+        self.finish()
         self.staging = None
 
 
@@ -123,10 +133,6 @@ class Stage3Engine(ZeroEngine):
         zcfg = self.config.zero_optimization
         self.flat = None  # type: ignore[assignment]  # no flat buffers at stage 3
         self._hooks = []
-        # sub-group steps overlapping backward (offload_optimizer.pipeline_*) are a stage 0-2 feature
-        self._early_gate = None
-        self._early_thread = None
-        self._early_result = None
         configured = self.config.zero_offload.pinned_budget_bytes
         self.pool = PinnedPool(default_pinned_budget(configured))
         self._check_dtypes(model)
@@ -167,6 +173,7 @@ class Stage3Engine(ZeroEngine):
         if not self.units:
             raise ValueError("stage 3: the model has no trainable parameters to optimize")
         self._starts = [self.offsets[u.index] for u in self.units]
+        self._unit_pos = {u.index: i for i, u in enumerate(self.units)}
         self.trainable_numel = sum(
             s.param_hi - s.param_lo for u in self.units for s in u.slices() if id(s.param) in wanted
         )
@@ -191,6 +198,8 @@ class Stage3Engine(ZeroEngine):
             copies = self._swap_copies(off, total)
         self._init_state(self._master_filler(fp32_sources), False, sub_group, off, swap_copies=copies)
         fp32_sources.clear()
+        self._setup_overlap(off)
+        part.on_grad_final = self._unit_grad_final
         self.reducer = None
         st = part.store.stats  # building and initialising are not part of the first step's report
         st.bytes_read = st.bytes_written = st.reads = st.prefetches = st.prefetch_hits = 0
@@ -294,7 +303,23 @@ class Stage3Engine(ZeroEngine):
         dst.add_(grad_partition.reshape(-1).to(dst.device, dst.dtype))
         self._clock.current.device_to_host_bytes += grad_partition.numel() * grad_partition.element_size()
 
+    def _make_grad_gate(self, chunks: List[Tuple[int, int]]) -> GradReadiness:
+        """Sources are units: a unit's gradient partition is final once the partitioner reduced it."""
+        return GradReadiness([(self.offsets[u.index], u.part_numel) for u in self.units], chunks)
+
+    def _early_grads(self) -> torch.Tensor:
+        return self.grad_host
+
+    def _unit_grad_final(self, unit: Unit) -> None:
+        """Called by the partitioner once a unit's gradient is in grad_host and its gathered weights are
+        released: backward will not read them again, so the optimizer may step and rewrite them now."""
+        if self._early_thread is not None:
+            pos = self._unit_pos.get(unit.index)
+            if pos is not None:
+                self._early_gate.param_ready(pos)  # type: ignore[union-attr]
+
     def zero_grad(self) -> None:
+        self._discard_early_pass()  # it read gradients that are being cleared
         if self.grad_host is not None:
             self.grad_host.zero_()
 
@@ -305,6 +330,7 @@ class Stage3Engine(ZeroEngine):
     def _write_from_master(self) -> None:
         """Set every trainable partition to the (committed) master, cast to the model dtype."""
         writer = self._writer
+        writer.finish()  # units half-assembled by a pass that stopped are rewritten whole from here
 
         def put(start: int, n: int, master: torch.Tensor, states: List[torch.Tensor]) -> None:
             writer.scatter(start, n, master.to(self.dtype))

@@ -100,6 +100,9 @@ class Stage3Partitioner:
         )
         self.units: List[Unit] = []
         self.grad_callback: GradCallback = grad_callback or self._accumulate_grad
+        # Called once a unit's gradient went to grad_callback and its gathered weights were released: from
+        # then on this backward neither reads nor writes the unit, so an optimizer may update it.
+        self.on_grad_final: Optional[Callable[[Unit], None]] = None
         self.grad_partitions: Dict[int, torch.Tensor] = {}
         self.live_full_bytes = 0
         self.peak_full_bytes = 0
@@ -446,6 +449,8 @@ class Stage3Partitioner:
         self.grad_callback(unit, part)
         unit.bwd_hold = False
         self._maybe_free(unit, keep_for_reuse=True)
+        if self.on_grad_final is not None:
+            self.on_grad_final(unit)
 
     def end_backward(self) -> None:
         """End of a backward: reduce what no hook reduced (unused parameters: zeros), free held units."""

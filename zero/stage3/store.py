@@ -11,6 +11,7 @@ waits for the others. With `max_in_cpu`, the first partitions (up to that many e
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -124,6 +125,9 @@ class PartitionStore:
         self._slots: List[_Slot] = []
         self._slot_bytes = 0
         self._inflight: Dict[int, _Slot] = {}
+        # The optimizer may write partitions from its own thread during backward (pipelined steps) while
+        # the main thread prefetches others: the slot bookkeeping is shared, the writer's I/O is not.
+        self._slots_lock = threading.RLock()
         self._stream: Any = None
         self._write_handle: Any = None
         on_device = tier == "none"
@@ -271,7 +275,8 @@ class PartitionStore:
         return s
 
     def _drop_inflight(self, index: int) -> None:
-        s = self._inflight.pop(index, None)
+        with self._slots_lock:
+            s = self._inflight.pop(index, None)
         if s is not None:
             s.handle.wait()
             s.unit = None
@@ -303,13 +308,14 @@ class PartitionStore:
         self.ensure_slots()
         if unit.part_nbytes > self._slot_bytes:
             return False
-        s = self._free_slot(evict=False)
-        if s is None:
-            return False
+        with self._slots_lock:
+            s = self._free_slot(evict=False)
+            if s is None:
+                return False
+            s.unit = unit.index  # taken: no other thread's _free_slot returns it now
+            self._inflight[unit.index] = s
         self._wait_copy(s)
         s.handle.async_pread(s.buf[: unit.part_nbytes], path, 0)
-        s.unit = unit.index
-        self._inflight[unit.index] = s
         self.stats.prefetches += 1
         return True
 
@@ -333,14 +339,16 @@ class PartitionStore:
         nbytes = unit.part_nbytes
         self.stats.reads += 1
         self.stats.bytes_read += nbytes
-        s = self._inflight.pop(unit.index, None)
+        with self._slots_lock:
+            s = self._inflight.pop(unit.index, None)
         if s is not None:
             s.handle.wait()  # raises AioError naming the file if the read failed
             self.stats.prefetch_hits += 1
             self._copy_out(s, dst_bytes, nbytes)
             s.unit = None
             return
-        s = self._free_slot(evict=True)
+        with self._slots_lock:
+            s = self._free_slot(evict=True)
         assert s is not None
         chunk = self._slot_bytes // unit.element_size * unit.element_size
         for off in range(0, nbytes, chunk):
@@ -369,10 +377,23 @@ class PartitionStore:
         self._aio_write(host, path)  # failures raise AioError naming the file, offset and errno
         self.stats.bytes_written += unit.part_nbytes
 
-    def _aio_write(self, host: torch.Tensor, path: str) -> int:
+    def read_private(self, unit: Unit, dst: torch.Tensor) -> None:
+        """`read` into a host tensor through the writer's own handle, never a staging slot: for the thread
+        that writes partitions (the optimizer), while the main thread's gathers use the slots."""
+        path = self.swap_file(unit)
+        if path is None:
+            self.read(unit, dst)  # memory tier: a plain copy, no slot
+            return
+        self._own_handle().sync_pread(dst.view(torch.uint8), path, 0)
+        self.stats.bytes_read += unit.part_nbytes
+
+    def _own_handle(self) -> Any:
         if self._write_handle is None:
             self._write_handle = self._aio.handle()  # its own handle: a write never waits on a prefetch
-        return int(self._write_handle.sync_pwrite(host, path, 0))
+        return self._write_handle
+
+    def _aio_write(self, host: torch.Tensor, path: str) -> int:
+        return int(self._own_handle().sync_pwrite(host, path, 0))
 
     # ---------------------------------------------------------------------------------------------- close
     def close(self) -> None:

@@ -1,0 +1,169 @@
+"""Stage 3: optimizer sub-groups stepped during backward (offload_optimizer.pipeline_read / pipeline_write).
+
+A unit's gradient partition is final once the partitioner has reduced it; the optimizer thread then steps
+every sub-group whose units are all final and writes their new weights into the parameter tier (memory or
+the unit's swap file) while backward goes on with the layers below. The update of an element does not
+depend on the order in which sub-groups run, so every trajectory here must be bit-identical to the engine
+stepping after backward.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_engine import DATA, TINY, make_model
+from test_stage3_engine import s3_config
+
+import zero
+from zero.models import get_batch
+
+
+def config(param: str, tmp, pipeline: bool, **extra):
+    cfg = s3_config(param, "nvme", tmp, **extra)
+    off = cfg["zero_optimization"]["offload_optimizer"]
+    off.update(pipeline_read=pipeline, pipeline_write=pipeline, buffer_count=3)
+    return cfg
+
+
+def run(cfg, steps: int, freeze: bool = False, gas: int = 1):
+    model = make_model()
+    if freeze:  # a mixed unit: the optimizer rewrites the weight, the frozen bias keeps its stored value
+        model.blocks[0].qkv.bias.requires_grad_(False)
+    cfg = dict(cfg, gradient_accumulation_steps=gas)
+    engine = zero.initialize(model=model, config=cfg)[0]
+    losses = []
+    for s in range(steps * gas):
+        x, y = get_batch(DATA, 4, TINY.seq_len, s)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    out = {
+        "losses": losses,
+        "params": zero.consolidated_state_dict(engine),
+        "state": engine.optimizer.state_dict(),
+        "early": engine._early_gate is not None,
+        "skipped": engine.skipped_steps,
+        "param_io": dict(engine.last_param_io),
+    }
+    engine.close()
+    return out
+
+
+def assert_same(a, b):
+    assert a["losses"] == b["losses"]
+    assert a["params"].keys() == b["params"].keys()
+    for k in a["params"]:
+        assert torch.equal(a["params"][k], b["params"][k]), k
+    assert torch.equal(a["state"]["master"], b["state"]["master"])
+    for x, y in zip(a["state"]["states"], b["state"]["states"]):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("param", ["none", "cpu", "nvme"])
+def test_overlapped_steps_match_steps_after_backward(tmp_path, param):
+    plain = run(config(param, tmp_path, False), steps=3)
+    overlapped = run(config(param, tmp_path, True), steps=3)
+    assert not plain["early"] and overlapped["early"]
+    assert overlapped["state"]["step"] == 3
+    assert_same(plain, overlapped)
+    if param == "nvme":  # every partition written back once per step, from the optimizer thread
+        assert overlapped["param_io"]["param_nvme_write_bytes"] == plain["param_io"]["param_nvme_write_bytes"]
+
+
+def test_bf16_and_a_partly_frozen_unit_on_nvme(tmp_path):
+    cfg_plain = config("nvme", tmp_path, False, bf16={"enabled": True})
+    cfg_over = config("nvme", tmp_path, True, bf16={"enabled": True})
+    plain = run(cfg_plain, steps=3, freeze=True)
+    overlapped = run(cfg_over, steps=3, freeze=True)
+    assert overlapped["early"]
+    assert_same(plain, overlapped)
+    first = make_model().blocks[0].qkv.bias.detach().to(torch.bfloat16)
+    assert torch.equal(overlapped["params"]["blocks.0.qkv.bias"], first)  # frozen: never rewritten
+
+
+def test_with_gradient_accumulation(tmp_path):
+    kw = {"train_micro_batch_size_per_gpu": 2}
+    plain = run(config("nvme", tmp_path, False, **kw), steps=2, gas=2)
+    overlapped = run(config("nvme", tmp_path, True, **kw), steps=2, gas=2)
+    assert_same(plain, overlapped)
+
+
+def test_fp16_overflow_in_the_overlapped_pass_is_undone(tmp_path):
+    fp16 = {"enabled": True, "initial_scale_power": 20, "loss_scale_window": 2}
+    plain = run(config("nvme", tmp_path, False, fp16=fp16), steps=8)
+    overlapped = run(config("nvme", tmp_path, True, fp16=fp16), steps=8)
+    assert 0 < overlapped["skipped"] < 8
+    assert_same(plain, overlapped)
+
+
+def test_sub_groups_are_released_while_backward_runs(tmp_path):
+    """The gate opens chunks as units finish, not only when backward returns."""
+    engine = zero.initialize(model=make_model(), config=config("nvme", tmp_path, True))[0]
+    gate = engine._early_gate
+    n_chunks = len(engine._state.chunks)
+    assert n_chunks >= 4
+    open_at_end = []
+    all_ready = gate.all_ready
+
+    def record_then_release() -> None:
+        open_at_end.append(sum(1 for r in gate._remaining if r <= 0))
+        all_ready()
+
+    gate.all_ready = record_then_release
+    x, y = get_batch(DATA, 4, TINY.seq_len, 0)
+    engine.backward(engine(x, y))
+    engine.step()
+    # every unit reported before backward returned (each gets a gradient): every chunk was open already
+    assert open_at_end == [n_chunks]
+    assert engine.optimizer.step_count == 1
+    engine.close()
+
+
+def test_forward_between_backward_and_step_sees_the_committed_weights(tmp_path):
+    engine = zero.initialize(model=make_model(), config=config("nvme", tmp_path, True))[0]
+    before = zero.consolidated_state_dict(engine)
+    x, y = get_batch(DATA, 4, TINY.seq_len, 0)
+    engine.backward(engine(x, y))
+    with torch.no_grad():
+        engine(x, y)  # drops the pass begun in backward and restores the weights
+    assert engine._early_thread is None
+    now = zero.consolidated_state_dict(engine)
+    assert all(torch.equal(before[k], now[k]) for k in before)
+    engine.step()  # then steps after backward, from the same gradients
+    assert engine.optimizer.step_count == 1
+    reference = run(config("nvme", tmp_path, False), steps=1)
+    after = zero.consolidated_state_dict(engine)
+    assert all(torch.equal(after[k], reference["params"][k]) for k in after)
+    engine.close()
+
+
+def test_failed_backward_cancels_the_pass(tmp_path):
+    engine = zero.initialize(model=make_model(), config=config("nvme", tmp_path, True))[0]
+    before = zero.consolidated_state_dict(engine)
+    x, y = get_batch(DATA, 4, TINY.seq_len, 0)
+    reduced = []
+    engine.partitioner.on_grad_final = lambda u, final=engine._unit_grad_final: (reduced.append(u), final(u))
+
+    def fail(grad):
+        assert reduced  # the head's units are in: their sub-groups may have been stepped already
+        raise RuntimeError("backward failed")
+
+    def arm(module, inputs, out) -> None:  # raises when backward reaches the first block's output
+        out.register_hook(fail)
+
+    hook = engine.module.blocks[0].register_forward_hook(arm)
+    loss = engine(x, y)
+    hook.remove()
+    with pytest.raises(RuntimeError, match="backward failed"):
+        engine.backward(loss)
+    assert engine._early_thread is None
+    now = zero.consolidated_state_dict(engine)
+    assert all(torch.equal(before[k], now[k]) for k in before)
+    assert engine.optimizer.step_count == 0
+    engine.zero_grad()
+    losses = [engine(x, y)]  # and training goes on from the committed state
+    engine.backward(losses[0])
+    engine.step()
+    assert engine.optimizer.step_count == 1
+    engine.close()
