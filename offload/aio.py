@@ -430,23 +430,21 @@ class AioHandle:
         target = _check_target(path_or_fd)
         offset = _check_offset(file_offset)
         region = self._region(for_read, buffer)
-        # Registered before the call: the request may complete (and wait() run in another thread) at once.
-        with self._lock:
-            self._inflight.append(region)
-            if for_read and region.device is not None:
-                self._reads_to_finish.append(region)
         try:
             # An empty request only has its checks (open, end of file) to do: run them now, and count the
             # request in the next wait() ourselves, as DeepSpeed would count it.
             self._call(for_read, region, target, offset, region.nbytes > 0)
         except BaseException:
-            # Nothing was queued (open/EOF checks raise before queuing): forget the region again.
-            with self._lock:
-                # A wait() in another thread may have taken the lists meanwhile; then it drops the region.
-                self._inflight = [r for r in self._inflight if r is not region]
-                self._reads_to_finish = [r for r in self._reads_to_finish if r is not region]
-            region.release()
+            region.release()  # nothing was queued (open/EOF checks raise before queuing)
             raise
+        # Registered only once the core counts the request: a wait() in another thread that takes the lists
+        # then also waits for this request. Registered earlier, that wait could return before the request
+        # was even queued and free its buffer under it. The other order is safe: a wait() that reaps the
+        # request before it is registered leaves the region here, and the next wait() finishes it.
+        with self._lock:
+            self._inflight.append(region)
+            if for_read and region.device is not None:
+                self._reads_to_finish.append(region)
 
     # -- pinned tensors (DeepSpeed names) -------------------------------------------------------------------
 
