@@ -19,6 +19,7 @@ from offload.estimate import (
     activation_bytes,
     estimate,
 )
+from offload.estimate.formulas import swap_chunk
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROW_KEYS = {
@@ -131,9 +132,12 @@ def test_config_supplies_stage_offload_buffers_precision_and_batch(tmp_path):
     ).to_dict()
     assert out["rows"][0] == expected
     row = out["rows"][0]
-    # 4 ranks x (2 pinned optimizer slots x 1e6 x 12 B + one pageable write-back chunk of 1e6 x 2 B):
-    # stage 3 writes updated weights back through one chunk, not through pinned copy-back slots
-    assert row["breakdown"]["cpu"]["swap_buffers"] == 4 * (2 * 10**6 * 12 + 10**6 * 2)
+    # 4 ranks x (2 pinned optimizer slots x chunk x 12 B + one pageable write-back chunk x 2 B), where a
+    # chunk is a third of sub_group_size (DeepSpeed's 2 x 1e6 x 4 B of staging): stage 3 writes updated
+    # weights back through one chunk, not through pinned copy-back slots
+    chunk = swap_chunk(10**6, 10**9 // 4, 8)
+    assert chunk == 332_800
+    assert row["breakdown"]["cpu"]["swap_buffers"] == 4 * (2 * chunk * 12 + chunk * 2)
     # stage 3 keeps gradient partitions in the compute dtype, pinned where the CPU optimizer reads them
     assert row["breakdown"]["cpu_pinned"]["grads_16bit"] == 10**9 * 2
     assert row["breakdown"]["cpu"]["grads_fp32"] == 0

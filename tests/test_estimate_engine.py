@@ -25,6 +25,7 @@ from offload.estimate import (  # noqa: E402
     count_parameters,
     estimate,
 )
+from offload.estimate.formulas import swap_chunk  # noqa: E402
 
 PADDING_ALLOWANCE = 64 * 1024  # 4 KiB alignment of a few slots and a few dozen regions
 
@@ -66,7 +67,8 @@ def test_pinned_and_nvme_bytes_match_the_engine(tmp_path, offload, sub_group):
     est = estimate(setup, 1, offload)
     # On CUDA the updated 16-bit weights go back through pinned copy-back slots; a CPU-only engine
     # writes them in place, so those slots are not allocated here.
-    copy_back = ENGINE_PLACEMENT.param_copy_back_slots * min(sub_group, count.params) * 2
+    chunk = swap_chunk(sub_group, count.params, 8) if offload == "nvme" else min(sub_group, count.params)
+    copy_back = ENGINE_PLACEMENT.param_copy_back_slots * chunk * 2
     expected_pinned = est.per_cpu_pinned_bytes - copy_back
     assert 0 <= pinned - expected_pinned <= PADDING_ALLOWANCE, (pinned, expected_pinned)
     assert 0 <= nvme - est.nvme_bytes <= PADDING_ALLOWANCE, (nvme, est.nvme_bytes)
@@ -150,7 +152,7 @@ def test_stage3_pinned_and_nvme_bytes_match_the_engine(tmp_path, param, optim, m
     finally:
         engine.close()
     est = estimate(_stage3_setup(count, sub_group), 3, optim, param, nvme_free_bytes=free)
-    # the engine pads each swap file (2 units), swap region (14 sub-groups) and pinned block to 4 KiB
+    # the engine pads each swap file (2 units), swap region (43 chunks) and pinned block to 4 KiB
     assert 0 <= pinned - est.per_cpu_pinned_bytes <= PADDING_ALLOWANCE, (pinned, est.per_cpu_pinned_bytes)
     assert 0 <= nvme - est.nvme_bytes <= PADDING_ALLOWANCE, (nvme, est.nvme_bytes)
     if optim == "nvme" and param == "nvme":
@@ -158,8 +160,10 @@ def test_stage3_pinned_and_nvme_bytes_match_the_engine(tmp_path, param, optim, m
     if "nvme" in (param, optim):
         assert nvme > 0
     if optim == "nvme" and param != "nvme":
-        # two copies of master + states: 2 x 262912 x 12 B, plus the padding
-        assert est.nvme_bytes == 2 * 14 * 20_000 * 12 and est.nvme_min_bytes == est.nvme_bytes // 2
+        # two copies of master + states: 2 x 262912 x 12 B, padded to whole chunks of 6144 (20000 / 3)
+        chunk = swap_chunk(20_000, 262_912, 8)
+        assert chunk == 6144
+        assert est.nvme_bytes == 2 * 43 * chunk * 12 and est.nvme_min_bytes == est.nvme_bytes // 2
 
 
 _RSS_PROBE = r"""

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from offload.estimate.formulas import MIN_SLOT_NUMEL, swap_chunk
 from offload.pinned import (
     PINNED_BUDGET_ENV,
     PinnedMemoryBudgetError,
@@ -52,7 +53,6 @@ __all__ = ["PINNED_BUDGET_ENV", "ZeroEngine"]
 
 # Cap on pinned host memory the engine may take (bytes). Until the config has a key for it, the
 # environment sets it; default: half of physical memory.
-MIN_SLOT_NUMEL = 4096  # below this a staging slot is mostly per-request overhead
 
 
 def init_distributed() -> Tuple[int, int, int]:
@@ -454,11 +454,18 @@ class ZeroEngine:
         )
 
     def _slot_numel(self, sub_group: int, buffer_count: int, n_states: int, alignment: int) -> int:
-        """Elements per staging slot: one sub-group if the budget allows, else a piece of one (split)."""
+        """Elements per staging slot (the swapper's chunk): DeepSpeed's staging memory for the same config
+        if the budget allows, else less (a smaller piece of a sub-group).
+
+        DeepSpeed's `buffer_count` counts fp32 buffers of one sub-group each (`sub_group_size` elements), and
+        a sub-group in flight takes 1 + n_states of them. Our slots each hold master and states of one chunk
+        so that `buffer_count` chunks can be in flight at once (read ahead, update, write behind): chunks of
+        sub_group / (1 + n_states) elements keep the pinned total at DeepSpeed's buffer_count x sub_group x 4
+        bytes while every slot still pipelines."""
         free = self.pool.cap_bytes - self.pool.bytes_in_use
         if self.device.type == "cuda":
             free -= 2 * min(sub_group, self.part_numel) * torch.empty((), dtype=self.dtype).element_size()
-        want = min(sub_group, self.part_numel)
+        want = swap_chunk(sub_group, self.part_numel, n_states * 4)  # the estimator's formula
         if buffer_count * slot_bytes(want, n_states, alignment) <= free:
             return want
         per_slot = free // buffer_count
@@ -470,8 +477,8 @@ class ZeroEngine:
                 f"pinned memory budget too small for NVMe staging: {self.pool.cap_bytes} bytes "
                 f"(zero_offload.pinned_budget_bytes / {PINNED_BUDGET_ENV}) with "
                 f"{self.pool.bytes_in_use} bytes already used for gradients; "
-                f"offload_optimizer.buffer_count={buffer_count} slots of one sub-group "
-                f"(sub_group_size={sub_group}, {want} elements, {1 + n_states} fp32 tensors) need "
+                f"offload_optimizer.buffer_count={buffer_count} slots of {want} elements "
+                f"(sub_group_size={sub_group}, {1 + n_states} fp32 tensors each) need "
                 f"{buffer_count * slot_bytes(want, n_states, alignment)} bytes, and at least {need} bytes in "
                 "total are needed to split sub-groups into smaller pieces"
             )

@@ -91,8 +91,9 @@ class EnginePlacement:
 ENGINE_PLACEMENT = EnginePlacement(
     partitioned_from_stage={"optimizer": 1, "grads": 2, "params": 3},
     # With NVMe, master + states live in swap files and stream through pinned staging buffers of
-    # buffer_count x min(sub_group_size, partition) elements x (4 + state bytes); the fp32 gradient
-    # partition stays in host memory (accumulated during backward, read by the step).
+    # buffer_count x swap_chunk() elements x (4 + state bytes), DeepSpeed's buffer_count x sub_group x 4
+    # bytes; the fp32 gradient partition stays in host memory (accumulated during backward, read by the
+    # step).
     optimizer_homes={
         "none": {"master_params_fp32": "gpu", "optimizer_states": "gpu", "grads_fp32": "gpu"},
         "cpu": {"master_params_fp32": "cpu", "optimizer_states": "cpu", "grads_fp32": "cpu"},
@@ -114,6 +115,9 @@ ENGINE_PLACEMENT = EnginePlacement(
     stage3_nvme_copies_headroom=1.05,
     stage3_writer_chunks=1,
 )
+
+# Below this many elements a staging slot is mostly per-request overhead (zero/engine.py's floor too).
+MIN_SLOT_NUMEL = 4096
 
 # DeepSpeed's defaults for the swap-buffer settings (our config schema is DeepSpeed-compatible).
 DEFAULT_OPTIMIZER_BUFFER_COUNT = 4
@@ -335,6 +339,15 @@ def _host_tier(pinned: bool) -> str:
     return "cpu_pinned" if pinned else "cpu_pageable"
 
 
+def swap_chunk(sub_group: int, part: int, state_bytes: int) -> int:
+    """Elements per optimizer staging slot, sized as the engine sizes them (zero/engine.py `_slot_numel`):
+    DeepSpeed's buffer_count x sub_group x 4 bytes of staging, split into buffer_count slots that each hold
+    master + states of one chunk of sub_group / (1 + states) elements."""
+    sub = min(sub_group, part)
+    arrays = 1 + state_bytes // FP32_BYTES
+    return min(sub, max(MIN_SLOT_NUMEL, sub // arrays // 1024 * 1024))
+
+
 def _stage3(
     setup: TrainingSetup,
     offload_optimizer: str,
@@ -378,6 +391,8 @@ def _stage3(
 
     # Optimizer: fp32 master (its own copy at stage 3) and states.
     chunk = min(bufs.sub_group_size, part)
+    if offload_optimizer == "nvme":
+        chunk = swap_chunk(bufs.sub_group_size, part, state_bytes)
     n_chunks = math.ceil(part / chunk)
     spare_copies = 0
     if offload_optimizer == "nvme":
@@ -486,6 +501,8 @@ def estimate(
     sub_group = bufs.sub_group_size
     if plan.cap_swap_buffers_to_partition:
         sub_group = min(sub_group, opt_part)
+    if offload_optimizer == "nvme":  # the swapper's chunk: what files are padded to and slots hold
+        sub_group = swap_chunk(bufs.sub_group_size, opt_part, state_bytes)
     n_sub_groups = math.ceil(opt_part / sub_group)
     if offload_optimizer == "nvme":
         # Swap files hold whole sub-group regions (the last one padded), in optimizer_nvme_copies copies.
