@@ -1,6 +1,7 @@
 """End-to-end training step of a GPT decoder: plain torch vs this engine vs DeepSpeed, same model and data.
 
     .venv/bin/python -m benchmarks.bench_e2e [--size 350m] [--dtype fp32] [--repeats 2] [--no-deepspeed]
+    python3 -m benchmarks.bench_e2e --device cuda [--size 350m] [--steps 4 --warmup 1]   # on a GPU host
 
 Every configuration runs in its own process (so peak RSS does not mix), 2 warm-up steps then `--steps`
 timed ones, on the same seed and token batches. Each offload configuration runs ours, then DeepSpeed's
@@ -12,6 +13,14 @@ backward / optimizer split (wall time around engine(x) / backward / step) and th
 wait (ours: the engine's report), peak RSS (initialisation and steady state), bytes read and written on
 disk per step (/proc/self/io), init time, and the largest relative loss difference from plain torch over
 all steps. Output: benchmarks/out/e2e.json and e2e.md (plot with benchmarks.plot_e2e).
+
+`--device cpu` (the default) computes everything on the CPU: every child gets ZO_ACCELERATOR=cpu and
+DS_ACCELERATOR=cpu. `--device cuda` computes on the GPU: plain torch moves the model there (fused AdamW
+then steps on the GPU; bf16 autocasts on "cuda"), ours gets ZO_ACCELERATOR=cuda and keeps the optimizer
+(and in stage 3 the parameters) on the CPU / NVMe as each configuration says. DeepSpeed is not run in
+this mode. The GPU is synchronised at every phase boundary so the forward / backward / optimizer split
+holds, and the table gains a "peak GPU GiB" column (torch.cuda.max_memory_allocated over the process).
+Output names get a `_cuda` suffix (e2e_cuda.json) so GPU results never overwrite CPU ones.
 """
 
 from __future__ import annotations
@@ -113,21 +122,35 @@ def _worker(spec: Dict[str, Any]) -> Dict[str, Any]:
     """Run one configuration of ours or plain torch in this process (spec["engine"])."""
     import torch
 
-    from benchmarks.deepspeed_runner import batch, make_model, measure, peak_rss_bytes, rss_bytes
+    from benchmarks.deepspeed_runner import (
+        batch,
+        device_sync,
+        make_model,
+        measure,
+        peak_rss_bytes,
+        rss_bytes,
+    )
 
+    device = spec.get("device", "cpu")
+    sync = device_sync(spec)
+    if device == "cuda":
+        torch.cuda.init()  # CUDA's context is set-up cost of the process, not of the model's initialisation
     rss0 = rss_bytes()
     t0 = time.perf_counter()
     model = make_model(spec)
     if spec["engine"] == "torch":
         bf16 = spec["dtype"] == "bf16"
+        model.to(device)
+        # fused: one kernel over all parameters, on the CPU or the GPU alike
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+        sync()
         init_s = time.perf_counter() - t0
         init_peak = peak_rss_bytes()
 
         def forward(i: int) -> torch.Tensor:
-            x, y = batch(spec, i)
+            x, y = batch(spec, i, torch.device(device))
             # bf16 baseline: autocast over fp32 weights (the mixed-precision recipe the engines implement)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16):
                 return model(x, y)
 
         def backward(loss: torch.Tensor) -> None:
@@ -142,11 +165,14 @@ def _worker(spec: Dict[str, Any]) -> Dict[str, Any]:
         import zero
 
         engine, *_ = zero.initialize(model=model, config=spec["config"])
+        if engine.device.type != device:  # the accelerator comes from the environment _run sets
+            raise RuntimeError(f"the engine computes on {engine.device}, this run asked for {device}")
+        sync()
         init_s = time.perf_counter() - t0
         init_peak = peak_rss_bytes()
 
         def forward(i: int) -> torch.Tensor:
-            x, y = batch(spec, i)
+            x, y = batch(spec, i, engine.device)  # the caller's job, as with DeepSpeed
             return engine(x, y)
 
         def extra() -> Dict[str, float]:
@@ -183,7 +209,9 @@ def _run(spec: Dict[str, Any], ds_python: str, log: Any) -> Optional[Dict[str, A
             cmd = [ds_python, RUNNER, spec_path, out_path]
         else:
             cmd = [sys.executable, "-m", "benchmarks.bench_e2e", "--worker", spec_path, out_path]
-        env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONWARNINGS="ignore")
+        # ZO_ACCELERATOR picks our engine's device (and wins over DS_ACCELERATOR, which is DeepSpeed's)
+        device = spec.get("device", "cpu")
+        env = dict(os.environ, ZO_ACCELERATOR=device, DS_ACCELERATOR=device, PYTHONWARNINGS="ignore")
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
         wall = time.perf_counter() - t0
@@ -196,9 +224,10 @@ def _run(spec: Dict[str, Any], ds_python: str, log: Any) -> Optional[Dict[str, A
             out = json.load(f)
         out["process_wall_s"] = wall
         med = statistics.median(r["step_s"] for r in out["rows"])
+        gpu = f", peak GPU {out['peak_gpu_bytes'] / 2**30:.2f} GiB" if "peak_gpu_bytes" in out else ""
         print(
             f"[e2e] {label}: median step {med:.2f} s, init {out['init_s']:.1f} s, "
-            f"peak RSS {out['peak_rss_bytes'] / 2**30:.2f} GiB",
+            f"peak RSS {out['peak_rss_bytes'] / 2**30:.2f} GiB{gpu}",
             file=log,
             flush=True,
         )
@@ -234,6 +263,9 @@ def _summary(runs: List[Dict[str, Any]], torch_losses: Optional[List[float]]) ->
         "init_s": statistics.median(run["init_s"] for run in runs),
         "losses": runs[0]["losses"],
     }
+    gpu_peaks = [run["peak_gpu_bytes"] for run in runs if "peak_gpu_bytes" in run]
+    if gpu_peaks:
+        out["peak_gpu_bytes"] = max(gpu_peaks)
     if torch_losses is not None:
         diffs = [abs(a - b) / abs(b) for run in runs for a, b in zip(run["losses"], torch_losses) if b != 0]
         out["loss_rel_diff_vs_torch"] = max(diffs) if diffs else None
@@ -246,7 +278,8 @@ def _stage3_available() -> bool:
         return "stage3" in f.read()
 
 
-def _table(results: Dict[str, Dict[str, Any]]) -> str:
+def _table(results: Dict[str, Dict[str, Any]], gpu: bool = False) -> str:
+    """The markdown table; `gpu` (the cuda mode): a peak GPU memory column, and no DeepSpeed ratio."""
     base = results.get("torch", {}).get("torch")
     rows = []
     for name, by_engine in results.items():
@@ -262,17 +295,21 @@ def _table(results: Dict[str, Dict[str, Any]]) -> str:
             def sec(v: Optional[float]) -> str:
                 return "" if v is None else f"{v:.2f}"
 
+            def gib(v: Optional[float]) -> str:
+                return "" if v is None else f"{v / 2**30:.2f}"
+
             rows.append(
                 [
                     name,
                     eng,
                     f"{s['step_s']:.2f} ({s['step_min_s']:.2f}-{s['step_max_s']:.2f})",
                     "" if base is None else f"{s['step_s'] / base['step_s']:.2f}",
-                    "" if ds is None else f"{s['step_s'] / ds['step_s']:.2f}",
+                    *([] if gpu else ["" if ds is None else f"{s['step_s'] / ds['step_s']:.2f}"]),
                     sec(s["forward_s"]),
                     sec(s["backward_s"]),
                     sec(s["optimizer_s"]),
                     sec(s["io_wait_s"]),
+                    *([gib(s.get("peak_gpu_bytes"))] if gpu else []),
                     f"{s['peak_rss_bytes'] / 2**30:.2f}",
                     "" if base is None else f"{s['peak_rss_bytes'] / base['peak_rss_bytes']:.2f}",
                     f"{gb(s['disk_read_bytes_per_step'])} / {gb(s['disk_write_bytes_per_step'])}",
@@ -285,11 +322,12 @@ def _table(results: Dict[str, Dict[str, Any]]) -> str:
         "engine",
         "step s median (min-max)",
         "x torch",
-        "x DeepSpeed",
+        *([] if gpu else ["x DeepSpeed"]),
         "fwd s",
         "bwd s",
         "opt s",
         "io-wait s",
+        *(["peak GPU GiB"] if gpu else []),
         "peak RSS GiB",
         "RSS x torch",
         "disk GB r / w per step",
@@ -314,9 +352,14 @@ def _write(
     for name in ("zero2-opt-nvme", "zero2-opt-nvme-no-overlap"):
         if "ours" in results.get(name, {}):
             results[name]["ours"]["ds_reference"] = "zero3-opt-nvme-param-cpu"
-    table = _table(results)
+    table = _table(results, gpu=args.device == "cuda")
+    if args.device == "cuda":
+        note = "GPU run: plain torch and ours compute on the GPU, DeepSpeed is not run"
+    else:
+        note = "2 CPU cores shared with other jobs: times are noisy; DeepSpeed runs in /work/dsvenv"
     payload = {
         "benchmark": args.out_name,
+        "device": args.device,
         "machine": machine_info(),
         "model": size,
         "size": args.size,
@@ -330,7 +373,7 @@ def _write(
         "stage3_in_tree": stage3,
         "results": results,
         "raw": raw,
-        "note": "2 CPU cores shared with other jobs: times are noisy; DeepSpeed runs in /work/dsvenv",
+        "note": note,
     }
     os.makedirs(OUT_DIR, exist_ok=True)
     json_path = os.path.join(OUT_DIR, f"{args.out_name}.json")
@@ -353,6 +396,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             json.dump(out, f)
         return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where torch and ours compute; cuda: no DeepSpeed, output names get a _cuda suffix",
+    )
     ap.add_argument("--size", choices=sorted(SIZES), default="125m")
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--steps", type=int, default=6, help="timed steps per run (after --warmup)")
@@ -372,7 +421,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     )
     ap.add_argument("--ds-python", default=DS_PYTHON)
     ap.add_argument("--nvme-dir", default=None, help="where swap files go (default: a directory under /tmp)")
-    ap.add_argument("--out-name", default="e2e")
+    ap.add_argument("--out-name", default="e2e", help="output file stem (with --device cuda: + _cuda)")
     ap.add_argument(
         "--reuse",
         default=None,
@@ -380,6 +429,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     )
     ap.add_argument("--skip-torch", action="store_true", help="do not run plain torch (with --reuse)")
     args = ap.parse_args(argv)
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            ap.error(f"--device cuda: torch {torch.__version__} sees no usable CUDA device")
+        if not args.out_name.endswith("_cuda"):
+            args.out_name += "_cuda"
 
     nvme_root = args.nvme_dir or tempfile.mkdtemp(prefix="zo-e2e-", dir="/tmp")
     os.makedirs(nvme_root, exist_ok=True)
@@ -392,8 +448,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         "seed": 0,
         "micro_batch": args.micro_batch,
         "nvme_dir": nvme_root,
+        "device": args.device,
     }
     use_ds = not args.no_deepspeed and os.path.exists(args.ds_python)
+    if args.device == "cuda" and not args.no_deepspeed:
+        print("[e2e] --device cuda: DeepSpeed is not run (plain torch and ours only)", flush=True)
+        use_ds = False
     stage3 = _stage3_available()
     names = [c for c in args.configs.split(",") if c]
     unknown = [c for c in names if c not in CONFIGS]
@@ -401,14 +461,20 @@ def main(argv: Optional[List[str]] = None) -> int:
         ap.error(f"unknown configuration(s) {unknown}; choose from {list(CONFIGS)}")
     log = sys.stdout
     print(
-        f"[e2e] size {args.size} {size}, {args.dtype}, nvme dir {nvme_root}, stage 3 in tree: {stage3}",
+        f"[e2e] size {args.size} {size}, {args.dtype}, device {args.device}, nvme dir {nvme_root}, "
+        f"stage 3 in tree: {stage3}",
         flush=True,
     )
 
     raw: Dict[str, Dict[str, List[Dict[str, Any]]]] = {"torch": {"torch": []}}
     if args.reuse:
         with open(args.reuse) as f:
-            raw.update(json.load(f)["raw"])
+            previous = json.load(f)
+        if previous.get("device", "cpu") != args.device:
+            ap.error(
+                f"--reuse {args.reuse}: its runs are on {previous.get('device', 'cpu')}, not {args.device}"
+            )
+        raw.update(previous["raw"])
     for name in names:
         raw.setdefault(name, {})
     for _ in range(args.repeats):

@@ -8,7 +8,8 @@ deepspeed. bench_e2e imports `measure`, `make_model`, `batch` and friends from h
 so both sides are timed by the same code.
 
 SPEC keys: size (GPTConfig fields), dtype ("fp32" | "bf16"), steps, warmup, seed, micro_batch, lr,
-weight_decay, ds_config (DeepSpeed only), nvme_dir.
+weight_decay, ds_config (DeepSpeed only), nvme_dir, device ("cpu" | "cuda"; absent: "cpu"). On "cuda",
+`measure` synchronises the GPU at every phase boundary and records its peak memory.
 """
 
 from __future__ import annotations
@@ -46,14 +47,22 @@ def make_model(spec: Dict[str, Any]) -> torch.nn.Module:
     return mod.GPT(mod.GPTConfig(**spec["size"]))
 
 
-def batch(spec: Dict[str, Any], step: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Token batch number `step`: a pure function of (seed, step), identical in every process."""
+def batch(
+    spec: Dict[str, Any], step: int, device: Optional[torch.device] = None
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Token batch number `step`: a pure function of (seed, step), identical in every process.
+
+    Drawn on the CPU (the same tokens whatever the device), then moved to `device` when given.
+    """
     size = spec["size"]
     g = torch.Generator().manual_seed(int(spec.get("seed", 0)) * 1_000_003 + step)
     tokens = torch.randint(
         0, size["vocab_size"], (int(spec["micro_batch"]), size["seq_len"] + 1), generator=g
     )
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    if device is not None:
+        x, y = x.to(device), y.to(device)
+    return x, y
 
 
 def rss_bytes() -> int:
@@ -96,6 +105,14 @@ def storage_io() -> Tuple[int, int]:
     return read, written
 
 
+def device_sync(spec: Dict[str, Any]) -> Callable[[], None]:
+    """Waits for the device's queued work: GPU kernels run asynchronously, so a phase's wall time means
+    something only once the GPU has finished it. A no-op on the CPU, so both modes share one timing path."""
+    if spec.get("device", "cpu") == "cuda":
+        return torch.cuda.synchronize
+    return lambda: None
+
+
 StepFns = Tuple[Callable[[int], torch.Tensor], Callable[[torch.Tensor], None], Callable[[], None]]
 
 
@@ -106,20 +123,30 @@ def measure(
     step: Callable[[], None],
     extra: Optional[Callable[[], Dict[str, float]]] = None,
 ) -> Dict[str, Any]:
-    """`warmup` + `steps` training steps, each timed phase by phase; the per-step rows and losses."""
+    """`warmup` + `steps` training steps, each timed phase by phase; the per-step rows and losses.
+
+    With spec["device"] == "cuda" the GPU is synchronised before each step and after each phase, and the
+    result also holds peak_gpu_bytes / peak_gpu_reserved_bytes (torch's allocator, over the whole process:
+    initialisation included).
+    """
+    sync = device_sync(spec)
     rows: List[Dict[str, float]] = []
     losses: List[float] = []
     total = int(spec["warmup"]) + int(spec["steps"])
     for i in range(total):
         if i == int(spec["warmup"]):
             reset_peak_rss()  # the steady-state peak, apart from the one of initialisation
+        sync()  # nothing queued from before (initialisation's copies) is billed to this step
         r0, w0 = storage_io()
         t0 = time.perf_counter()
         loss = forward(i)
+        sync()
         t1 = time.perf_counter()
         backward(loss)
+        sync()
         t2 = time.perf_counter()
         step()
+        sync()
         t3 = time.perf_counter()
         r1, w1 = storage_io()
         losses.append(float(loss.detach().float().item()))
@@ -134,7 +161,15 @@ def measure(
         if extra is not None:
             row.update(extra())
         rows.append(row)
-    return {"rows": rows[int(spec["warmup"]) :], "losses": losses, "steady_peak_rss_bytes": peak_rss_bytes()}
+    out: Dict[str, Any] = {
+        "rows": rows[int(spec["warmup"]) :],
+        "losses": losses,
+        "steady_peak_rss_bytes": peak_rss_bytes(),
+    }
+    if spec.get("device", "cpu") == "cuda":
+        out["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
+        out["peak_gpu_reserved_bytes"] = torch.cuda.max_memory_reserved()
+    return out
 
 
 def run_deepspeed(spec: Dict[str, Any]) -> Dict[str, Any]:
