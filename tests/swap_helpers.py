@@ -98,3 +98,17 @@ def run_child(script: str, nvme_dir: str) -> Dict[str, Any]:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def train_steps(engine: Any, data: torch.Tensor, batch: int, seq_len: int, micro_steps: int) -> List[float]:
+    """Forward, backward and step() on batches 0 .. micro_steps - 1 of `data`; the losses."""
+    from zero.models import get_batch
+
+    losses = []
+    for s in range(micro_steps):
+        x, y = get_batch(data, batch, seq_len, s)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses

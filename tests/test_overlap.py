@@ -12,6 +12,7 @@ import threading
 
 import pytest
 import torch
+from swap_helpers import train_steps
 
 import zero
 from offload.pinned import PinnedPool
@@ -52,14 +53,7 @@ def _config(nvme: str, pipeline: bool, dtype: str = "fp32", **extra: object) -> 
 def _train(cfg: dict, steps: int, gas: int = 1):
     torch.manual_seed(0)
     engine = zero.initialize(model=GPT(MODEL), config=dict(cfg, gradient_accumulation_steps=gas))[0]
-    data = corpus_bytes()
-    losses = []
-    for s in range(steps * gas):
-        x, y = get_batch(data, 2, MODEL.seq_len, s)
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+    losses = train_steps(engine, corpus_bytes(), 2, MODEL.seq_len, steps * gas)
     params = torch.cat([p.detach().float().reshape(-1) for p in engine.module.parameters()])
     state = engine.optimizer.state_dict()
     out = {

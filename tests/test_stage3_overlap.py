@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from swap_helpers import train_steps
 from test_engine import DATA, TINY, make_model
 from test_stage3_engine import s3_config
 
@@ -31,13 +32,7 @@ def run(cfg, steps: int, freeze: bool = False, gas: int = 1):
         model.blocks[0].qkv.bias.requires_grad_(False)
     cfg = dict(cfg, gradient_accumulation_steps=gas)
     engine = zero.initialize(model=model, config=cfg)[0]
-    losses = []
-    for s in range(steps * gas):
-        x, y = get_batch(DATA, 4, TINY.seq_len, s)
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+    losses = train_steps(engine, DATA, 4, TINY.seq_len, steps * gas)
     out = {
         "losses": losses,
         "params": zero.consolidated_state_dict(engine),
