@@ -10,7 +10,9 @@ gathered per module during forward and backward) into the same optimizer machine
   engine's OptimizerSwapper streaming sub-groups from NVMe) and are stepped by the same fused kernels.
 * Gradients. The partitioner reduce-scatters each unit's gradient as soon as it is complete and calls
   `_on_grad_partition(unit, part)`: the engine adds it into `grad_host` (fp32 for fp32 models, the model's
-  16-bit dtype otherwise, as stages 0-2 accumulate) at the unit's offset. No full gradient survives backward.
+  16-bit dtype otherwise, as stages 0-2 accumulate) at the unit's offset. On one rank computing on the
+  CPU there is nothing to reduce: the partitioner sums each parameter's gradient straight into the unit's
+  slice of `grad_host` (`grad_accumulator`), one pass per gradient. No full gradient survives backward.
 * Write-back. The kernel writes the new 16-bit weights of a sub-group into a staging buffer; the
   `_PartitionWriter` scatters them to the units' partitions (straight into host/device memory, or
   assembled per unit and written to its swap file through `write_partition` once the unit is complete).
@@ -200,6 +202,7 @@ class Stage3Engine(ZeroEngine):
         fp32_sources.clear()
         self._setup_overlap(off)
         part.on_grad_final = self._unit_grad_final
+        part.grad_accumulator = self._grad_target
         self.reducer = None
         st = part.store.stats  # building and initialising are not part of the first step's report
         st.bytes_read = st.bytes_written = st.reads = st.prefetches = st.prefetch_hits = 0
@@ -317,6 +320,15 @@ class Stage3Engine(ZeroEngine):
             pos = self._unit_pos.get(unit.index)
             if pos is not None:
                 self._early_gate.param_ready(pos)  # type: ignore[union-attr]
+
+    def _grad_target(self, unit: Unit) -> Optional[torch.Tensor]:
+        """Where the partitioner may sum `unit`'s parameter gradients directly: its slice of grad_host, on
+        one rank when the gradients are already on grad_host's device and in its dtype (CPU compute)."""
+        off = self.offsets.get(unit.index)
+        host = self.grad_host
+        if off is None or self.world_size != 1 or host.device != self.device or host.dtype != unit.dtype:
+            return None
+        return host[off : off + unit.part_numel]
 
     def zero_grad(self) -> None:
         self._discard_early_pass()  # it read gradients that are being cleared

@@ -103,6 +103,10 @@ class Stage3Partitioner:
         # Called once a unit's gradient went to grad_callback and its gathered weights were released: from
         # then on this backward neither reads nor writes the unit, so an optimizer may update it.
         self.on_grad_final: Optional[Callable[[Unit], None]] = None
+        # The engine's gradient partition of a unit, when each parameter's gradient may be summed straight
+        # into it (one rank, same device and dtype): no flat gradient buffer, no callback for that unit.
+        self.grad_accumulator: Optional[Callable[[Unit], Optional[torch.Tensor]]] = None
+        self._summed: set = set()  # units whose gradients went to grad_accumulator this backward
         self.grad_partitions: Dict[int, torch.Tensor] = {}
         self.live_full_bytes = 0
         self.peak_full_bytes = 0
@@ -422,7 +426,12 @@ class Stage3Partitioner:
         grad = p.grad
         if grad is None:
             return
-        if unit.grad_flat is None and unit.padded_numel == unit.numel and len(unit.params) == 1:
+        target = self.grad_accumulator(unit) if self.grad_accumulator is not None else None
+        if target is not None:
+            a, z = unit.param_range(p.ds_index)
+            target[a:z].add_(grad.reshape(-1))  # one pass: the gradient lands in its final place
+            self._summed.add(unit.index)
+        elif unit.grad_flat is None and unit.padded_numel == unit.numel and len(unit.params) == 1:
             unit.grad_flat = grad.reshape(-1)  # the gradient already is the unit's flat gradient: no copy
         else:
             if unit.grad_flat is None:
@@ -435,18 +444,21 @@ class Stage3Partitioner:
             self._reduce(unit)
 
     def _reduce(self, unit: Unit) -> None:
-        flat = unit.grad_flat
-        if flat is None:  # no gradient reached this unit (unused in this step): its gradient is zero
-            flat = torch.zeros(unit.padded_numel, dtype=unit.dtype, device=self.device)
-        if self.world_size == 1:
-            part = flat
+        if unit.index in self._summed:  # already summed into the engine's partition by _on_grad
+            self._summed.discard(unit.index)
         else:
-            part = torch.empty(unit.part_numel, dtype=flat.dtype, device=flat.device)
-            reduce_scatter_flat(part, flat, self.group)
+            flat = unit.grad_flat
+            if flat is None:  # no gradient reached this unit (unused in this step): its gradient is zero
+                flat = torch.zeros(unit.padded_numel, dtype=unit.dtype, device=self.device)
+            if self.world_size == 1:
+                part = flat
+            else:
+                part = torch.empty(unit.part_numel, dtype=flat.dtype, device=flat.device)
+                reduce_scatter_flat(part, flat, self.group)
+            self.grad_callback(unit, part)
         unit.grad_flat = None
         unit.grads_seen = 0
         self._reduced.add(unit.index)
-        self.grad_callback(unit, part)
         unit.bwd_hold = False
         self._maybe_free(unit, keep_for_reuse=True)
         if self.on_grad_final is not None:
@@ -470,6 +482,7 @@ class Stage3Partitioner:
             u.bwd_hold = False
             self._maybe_free(u)
         self._reduced.clear()
+        self._summed.clear()
         self.in_backward = False
 
     def _accumulate_grad(self, unit: Unit, grad_partition: torch.Tensor) -> None:
