@@ -276,11 +276,19 @@ def test_pool_is_thread_safe_and_never_exceeds_cap():
 
 
 # ------------------------------------------------------------------------------- when pages fault in
-def rss_bytes() -> int:
-    import os
-
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def resident_bytes(ptr: int) -> int:
+    """Resident bytes of the mapping holding address `ptr` (/proc/self/smaps): the buffer's own pages,
+    unlike the process RSS, which other threads' frees and allocations move at the same time."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= ptr < hi
+            elif inside and head == "Rss:":
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no mapping holds {ptr:#x}")
 
 
 def has_cap_ipc_lock() -> bool:
@@ -302,14 +310,14 @@ def lockable(memlock_limit):
 @pytest.mark.parametrize("mode", ["sync", "background", "none"])
 def test_populate_modes_lock_at_once_and_fault_in_when_asked(mode, lockable):
     n = 64 << 20
-    locked0, rss0 = vm_locked_kib(), rss_bytes()
+    locked0 = vm_locked_kib()
     buf = pinned.alloc_host_buffer(n, populate=mode)
     try:
         assert buf.locked
         assert vm_locked_kib() - locked0 >= n >> 10  # the whole range is locked now, in every mode
         if mode == "background":
             buf.wait_populated()
-        grown = rss_bytes() - rss0
+        grown = resident_bytes(buf.ptr)
         if mode == "none" and not buf.cuda_registered:
             assert not buf.populated and grown < n // 4  # nothing faulted in until touched
         else:  # cudaHostRegister (on a CUDA host) faults in every page whatever the mode
