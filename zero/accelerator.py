@@ -20,7 +20,8 @@ _KNOWN = ("cpu", "cuda")
 
 
 def accelerator_name() -> str:
-    """ "cuda" or "cpu": the first of ENV_VARS that is set, else "cuda" exactly when torch has a GPU."""
+    """Which accelerator to compute on, "cuda" or "cpu": the first of ENV_VARS that is set, else "cuda"
+    exactly when torch has a GPU."""
     for var in ENV_VARS:
         value = os.environ.get(var, "").strip().lower()
         if not value:
