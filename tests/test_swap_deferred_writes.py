@@ -305,6 +305,19 @@ def test_checkpoint_right_after_step_sees_written_state(tmp_path):
     assert all(torch.equal(x, y) for x, y in zip(got["states"], b["state"]["states"]))
 
 
+def _fail_last_write_once(sw) -> None:
+    """The next wait on the slot of the step's last write reports EIO once (after the write finished)."""
+    handle = sw._handles[(len(sw.step_order) - 1) % sw.buffer_count]
+    real_wait = handle.wait
+
+    def failing_wait():
+        real_wait()
+        del handle.wait  # once
+        raise OSError(errno.EIO, "injected write failure", sw._files[sw._live].path)
+
+    handle.wait = failing_wait
+
+
 def test_lost_write_back_with_steps_during_backward_is_undone(tmp_path):
     """The overlapped pass (pipeline_read/write) meets the kept failure on its worker thread: same recovery.
 
@@ -332,15 +345,7 @@ def test_lost_write_back_with_steps_during_backward_is_undone(tmp_path):
     e.step()
     sw = e._state
     assert sw.writes_in_flight
-    handle = sw._handles[(len(sw.step_order) - 1) % sw.buffer_count]
-    real_wait = handle.wait
-
-    def failing_wait():
-        real_wait()
-        del handle.wait  # once
-        raise OSError(errno.EIO, "injected write failure", sw._files[sw._live].path)
-
-    handle.wait = failing_wait
+    _fail_last_write_once(sw)
     fwd_bwd(e, 3)  # on the lost step's weights
     with pytest.raises(OSError) as info:
         e.step()
@@ -368,15 +373,7 @@ def test_engine_close_reports_lost_write_back_and_still_removes_swap_files(tmp_p
     e.step()
     sw = e._state
     assert sw.writes_in_flight
-    handle = sw._handles[(len(sw.step_order) - 1) % sw.buffer_count]
-    real_wait = handle.wait
-
-    def failing_wait():
-        real_wait()
-        del handle.wait  # once
-        raise OSError(errno.EIO, "injected write failure", sw._files[sw._live].path)
-
-    handle.wait = failing_wait
+    _fail_last_write_once(sw)
     swap_dir = e.swap_dir
     with pytest.raises(OSError) as info:
         e.close()  # nothing else has settled the writes: close is where the loss is reported
