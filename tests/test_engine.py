@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import zero
+from offload.estimate.formulas import swap_chunk
 from offload.swap import SwapSpaceError
 from zero.models import GPT, GPTConfig, corpus_bytes, get_batch
 
@@ -308,9 +309,20 @@ def test_small_budget_splits_subgroups(tmp_path, monkeypatch, reference):
     cfg["zero_optimization"]["sub_group_size"] = 10**9
     engine, *_ = zero.initialize(model=make_model(), config=cfg)
     assert engine._state.chunk_numel < engine.part_numel
+    # smaller than the slots the same config gets without a budget: the split really happened
+    assert engine._state.chunk_numel < swap_chunk(10**9, engine.part_numel, 8)
     losses = train(engine, 5)
     assert_close_trajectory(losses, ref_losses[:5])
     engine.close()
+
+
+def test_budget_too_small_for_any_staging_is_a_clear_error(tmp_path, monkeypatch):
+    # 4 slots of the smallest piece (4096 elements x 3 fp32 tensors) need 196608 bytes
+    monkeypatch.setenv("ZERO_OFFLOAD_PINNED_BUDGET", str(150_000))
+    with pytest.raises(ValueError, match=r"budget too small for NVMe staging: 150000 bytes") as e:
+        zero.initialize(model=make_model(), config=base_config("nvme", tmp_path))
+    assert "offload_optimizer.buffer_count=4 slots" in str(e.value)
+    assert os.listdir(tmp_path) == []  # nothing left behind
 
 
 def test_zero_grad_none_by_user_is_tolerated():
