@@ -106,7 +106,7 @@ def train_steps(engine: Any, data: torch.Tensor, batch: int, seq_len: int, micro
 
     losses = []
     for s in range(micro_steps):
-        x, y = get_batch(data, batch, seq_len, s)
+        x, y = (t.to(engine.device) for t in get_batch(data, batch, seq_len, s))
         loss = engine(x, y)
         engine.backward(loss)
         engine.step()

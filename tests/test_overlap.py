@@ -115,7 +115,7 @@ def test_state_dict_between_backward_and_step_sees_committed_state(tmp_path):
     torch.manual_seed(0)
     engine = zero.initialize(model=GPT(MODEL), config=_config(str(tmp_path), True))[0]
     data = corpus_bytes()
-    x, y = get_batch(data, 2, MODEL.seq_len, 0)
+    x, y = (t.to(engine.device) for t in get_batch(data, 2, MODEL.seq_len, 0))
     before = [p.detach().clone() for p in engine.module.parameters()]
     committed = engine.optimizer.state_dict()
     engine.backward(engine(x, y))
@@ -132,7 +132,7 @@ def test_failed_backward_cancels_the_pass(tmp_path):
     torch.manual_seed(0)
     engine = zero.initialize(model=GPT(MODEL), config=_config(str(tmp_path), True))[0]
     data = corpus_bytes()
-    x, y = get_batch(data, 2, MODEL.seq_len, 0)
+    x, y = (t.to(engine.device) for t in get_batch(data, 2, MODEL.seq_len, 0))
     before = [p.detach().clone() for p in engine.module.parameters()]
     loss = engine(x, y)
     hook = loss.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("backward failed")))

@@ -106,7 +106,7 @@ def test_sub_groups_are_released_while_backward_runs(tmp_path):
         all_ready()
 
     gate.all_ready = record_then_release
-    x, y = get_batch(DATA, 4, TINY.seq_len, 0)
+    x, y = (t.to(engine.device) for t in get_batch(DATA, 4, TINY.seq_len, 0))
     engine.backward(engine(x, y))
     engine.step()
     # every unit reported before backward returned (each gets a gradient): every chunk was open already
@@ -118,7 +118,7 @@ def test_sub_groups_are_released_while_backward_runs(tmp_path):
 def test_forward_between_backward_and_step_sees_the_committed_weights(tmp_path):
     engine = zero.initialize(model=make_model(), config=config("nvme", tmp_path, True))[0]
     before = zero.consolidated_state_dict(engine)
-    x, y = get_batch(DATA, 4, TINY.seq_len, 0)
+    x, y = (t.to(engine.device) for t in get_batch(DATA, 4, TINY.seq_len, 0))
     engine.backward(engine(x, y))
     with torch.no_grad():
         engine(x, y)  # drops the pass begun in backward and restores the weights
@@ -136,7 +136,7 @@ def test_forward_between_backward_and_step_sees_the_committed_weights(tmp_path):
 def test_failed_backward_cancels_the_pass(tmp_path):
     engine = zero.initialize(model=make_model(), config=config("nvme", tmp_path, True))[0]
     before = zero.consolidated_state_dict(engine)
-    x, y = get_batch(DATA, 4, TINY.seq_len, 0)
+    x, y = (t.to(engine.device) for t in get_batch(DATA, 4, TINY.seq_len, 0))
     reduced = []
     engine.partitioner.on_grad_final = lambda u, final=engine._unit_grad_final: (reduced.append(u), final(u))
 

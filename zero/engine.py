@@ -39,6 +39,7 @@ from offload.swap.optimizer_swapper import AioSettings, OptimizerSwapper, slot_b
 from offload.swap.space import SwapSpace, check_nvme_path
 from zero.accelerator import compute_device, dist_backend
 from zero.comm import settle
+from zero.grad_fetch import DeviceGradFetch
 from zero.optimizer_offload import (
     DeviceState,
     UpdateRule,
@@ -310,6 +311,7 @@ class ZeroEngine:
         self._early_gate: Optional[GradReadiness] = None
         self._early_thread: Optional[threading.Thread] = None
         self._early_result: Optional[Tuple[bool, Optional[BaseException], int, bool]] = None
+        self._grad_fetch: Optional[DeviceGradFetch] = None
         state = self._state
         if not (
             off is not None
@@ -318,20 +320,42 @@ class ZeroEngine:
             and state.copies > 1
             and self.world_size == 1
             and self.gradient_clipping <= 0
-            and self.device.type == "cpu"
         ):
             return
         state.step_order = list(reversed(range(len(state.chunks))))  # backward makes the last grads first
         self._early_gate = self._make_grad_gate(state.chunks)
 
     def _make_grad_gate(self, chunks: List[Tuple[int, int]]) -> GradReadiness:
-        """Readiness of the optimizer's chunks; sources are the flat buffer's parameters (`_grad_hook`)."""
+        """Readiness of the optimizer's chunks; sources are the flat buffer's parameters (`_grad_hook`).
+
+        On a GPU each chunk's gradients are copied to the pinned host partition as the chunk completes."""
+        if self.device.type == "cuda":
+            src = self.flat.grad_buffer[self.lo : self.hi]
+            self._grad_fetch = DeviceGradFetch(src, self.grad_host, chunks, self.device)
+            on_ready = self._grad_fetch.chunk_ready
+            return GradReadiness.for_flat(self.flat, self.lo, chunks, on_ready)
         return GradReadiness.for_flat(self.flat, self.lo, chunks)
 
     def _early_grads(self) -> torch.Tensor:
         """The partition's gradients as the pass during backward reads them (filled while it runs)."""
+        if self._grad_fetch is not None:
+            return self.grad_host  # each chunk copied from the GPU by the ready gate (`_early_ready`)
         # The kernel reads 16-bit gradients itself: the gradient buffer is used in place, never copied.
         return self.flat.grad_buffer[self.lo : self.hi]
+
+    def _early_ready(self, gate: GradReadiness) -> Callable[[int], bool]:
+        """The optimizer thread's wait for chunk c: its gradients final, and on the host."""
+        fetch = self._grad_fetch
+        if fetch is None:
+            return gate.wait
+
+        def ready(c: int) -> bool:
+            if not gate.wait(c):
+                return False
+            fetch.fetch(c)
+            return True
+
+        return ready
 
     # --------------------------------------------------------------------------------------------- set-up
     @staticmethod
@@ -610,6 +634,8 @@ class ZeroEngine:
                 self._discard_early_pass()
             raise
         if early:
+            if self._grad_fetch is not None:
+                self._grad_fetch.backward_done()  # before the gate opens chunks no hook completed
             self._early_gate.all_ready()  # type: ignore[union-attr]
         if self.reducer is not None and boundary:
             with self._clock.phase("comm_s"):
@@ -706,13 +732,17 @@ class ZeroEngine:
         h2d0 = self._writer.h2d_bytes
         update = self._chunk_update(grad, step, group, grad_scale, fused_check)
 
+        ready = self._early_ready(gate)
+
         def run() -> None:
             try:
-                ok = self._state.step(update, ready=gate.wait)
+                ok = self._state.step(update, ready=ready)
                 self._early_result = (ok, None, h2d0, fused_check)
             except BaseException as e:  # noqa: BLE001 - handed to step() on the main thread
                 self._early_result = (False, e, h2d0, fused_check)
 
+        if self._grad_fetch is not None:
+            self._grad_fetch.begin()
         gate.begin()
         self._early_result = None
         self._early_thread = threading.Thread(target=run, name="zero-optimizer-overlap", daemon=True)
@@ -779,6 +809,8 @@ class ZeroEngine:
         assert result is not None
         ok, err, h2d0, fused_check = result
         step = self.optimizer.step_count + 1
+        if self._grad_fetch is not None:
+            rep.device_to_host_bytes += self._grad_fetch.take_bytes()
         if err is not None:
             self._raise_pass_failure(err, step)
         return self._end_pass(ok, step, rep, h2d0)
@@ -834,6 +866,7 @@ class ZeroEngine:
 
     def _restore_params(self) -> None:
         """After an aborted NVMe pass: put the committed master back into the parameter buffer."""
+        self._writer.finish()  # on a GPU: after the copies the aborted pass still had in flight
         target = self.flat.param_buffer
 
         def put(start: int, n: int, master: torch.Tensor, states: List[torch.Tensor]) -> None:

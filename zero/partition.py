@@ -203,13 +203,20 @@ class GradReadiness:
     gradient source (a parameter at stages 0-2, a unit's partition at stage 3) covers one segment of the
     partition; the engine calls `param_ready(source)` when that source's gradient is final. A worker thread
     blocks in `wait(chunk)`; the engine calls `all_ready()` when backward returns (sources without a gradient
-    this time never report) and `cancel()` when it raised.
+    this time never report) and `cancel()` when it raised. `on_ready(chunk)`, when given, runs on the thread
+    whose `param_ready` completed the chunk, before any waiter wakes (on a GPU: where backward's stream is).
     """
 
-    def __init__(self, segments: Sequence[Tuple[int, int]], chunks: Sequence[Tuple[int, int]]) -> None:
+    def __init__(
+        self,
+        segments: Sequence[Tuple[int, int]],
+        chunks: Sequence[Tuple[int, int]],
+        on_ready: Optional[Callable[[int], None]] = None,
+    ) -> None:
         """segments[i]: (start, numel) of source i; chunks: (start, numel); both in partition coordinates."""
         import threading
 
+        self.on_ready = on_ready
         self._cond = threading.Condition()
         self.chunks_of: List[List[int]] = []
         self.counts = [0] * len(chunks)
@@ -225,9 +232,15 @@ class GradReadiness:
         self._cancelled = False
 
     @classmethod
-    def for_flat(cls, flat: FlatParams, lo: int, chunks: Sequence[Tuple[int, int]]) -> GradReadiness:
+    def for_flat(
+        cls,
+        flat: FlatParams,
+        lo: int,
+        chunks: Sequence[Tuple[int, int]],
+        on_ready: Optional[Callable[[int], None]] = None,
+    ) -> GradReadiness:
         """Stages 0-2: one source per parameter of the flat buffer; the partition starts at element `lo`."""
-        return cls([(off - lo, n) for off, n in zip(flat.offsets, flat.numels)], chunks)
+        return cls([(off - lo, n) for off, n in zip(flat.offsets, flat.numels)], chunks, on_ready)
 
     def begin(self) -> None:
         with self._cond:
@@ -239,7 +252,10 @@ class GradReadiness:
             woke = False
             for c in self.chunks_of[index]:
                 self._remaining[c] -= 1
-                woke = woke or self._remaining[c] == 0
+                if self._remaining[c] == 0:
+                    woke = True
+                    if self.on_ready is not None:
+                        self.on_ready(c)
             if woke:
                 self._cond.notify_all()
 

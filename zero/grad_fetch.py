@@ -1,0 +1,67 @@
+"""Gradients of one chunk brought from the GPU to the host partition once backward has produced them.
+
+Stages 0-2 on CUDA with the optimizer stepped during backward (offload_optimizer.pipeline_read /
+pipeline_write): the optimizer thread must not read a chunk's gradients before the kernels that produce
+them ran. The hook that completes a chunk runs on autograd's device thread, where the current stream is the
+one backward computes on; `chunk_ready` records an event there. The optimizer thread then copies the chunk
+on a stream of its own, ordered after that event, and waits for the copy only (not for all of backward).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+__all__ = ["DeviceGradFetch"]
+
+
+class DeviceGradFetch:
+    """Copies chunk c of `src` (device gradients) into `dst` (pinned host) after backward produced it.
+
+    `chunks`: (start, numel) in the coordinates both `src` and `dst` share. `begin()` before each backward;
+    `chunk_ready(c)` from the gradient hooks (GradReadiness.on_ready); `backward_done()` when backward
+    returned, before the gate opens the chunks no hook completed (parameters without a gradient);
+    `fetch(c)` on the optimizer thread once the gate let chunk c through.
+    """
+
+    def __init__(
+        self, src: torch.Tensor, dst: torch.Tensor, chunks: Sequence[Tuple[int, int]], device: torch.device
+    ) -> None:
+        self.src, self.dst, self.chunks, self.device = src, dst, list(chunks), device
+        self._stream = torch.cuda.Stream(device=device)
+        self._events = [torch.cuda.Event() for _ in self.chunks]
+        self._end = torch.cuda.Event()
+        self._recorded: List[bool] = [False] * len(self.chunks)
+        self._ended = False
+        self.bytes = 0  # copied by this pass
+
+    def begin(self) -> None:
+        self._recorded = [False] * len(self.chunks)
+        self._ended = False
+        self.bytes = 0  # a pass that was dropped moved nothing the step keeps
+
+    def chunk_ready(self, c: int) -> None:
+        self._events[c].record(torch.cuda.current_stream(self.device))
+        self._recorded[c] = True
+
+    def backward_done(self) -> None:
+        self._end.record(torch.cuda.current_stream(self.device))
+        self._ended = True
+
+    def fetch(self, c: int) -> None:
+        event: Optional[torch.cuda.Event] = self._events[c] if self._recorded[c] else None
+        if event is None:
+            if not self._ended:
+                raise RuntimeError(f"gradient chunk {c} fetched before backward produced it")
+            event = self._end
+        start, n = self.chunks[c]
+        self._stream.wait_event(event)
+        with torch.cuda.stream(self._stream):
+            self.dst[start : start + n].copy_(self.src[start : start + n], non_blocking=True)
+        self._stream.synchronize()
+        self.bytes += n * self.src.element_size()
+
+    def take_bytes(self) -> int:
+        out, self.bytes = self.bytes, 0
+        return out
