@@ -60,10 +60,16 @@ CONFIGS: Dict[str, Dict[str, Any]] = {
     "zero2-opt-nvme-no-overlap": {"stage": 2, "optimizer": "nvme", "param": None, "pipeline": False},
     "zero3-opt-nvme-param-cpu": {"stage": 3, "optimizer": "nvme", "param": "cpu"},
     "zero3-opt-nvme-param-nvme": {"stage": 3, "optimizer": "nvme", "param": "nvme"},
+    "zero3-opt-nvme-param-nvme-no-overlap": {
+        "stage": 3,
+        "optimizer": "nvme",
+        "param": "nvme",
+        "pipeline": False,
+    },
     # max_in_cpu 0: every parameter partition lives on disk (the default keeps 1e9 elements in host memory)
     "zero3-opt-nvme-param-nvme-all": {"stage": 3, "optimizer": "nvme", "param": "nvme", "max_in_cpu": 0},
 }
-DEFAULT_CONFIGS = [c for c in CONFIGS if c != "zero2-opt-nvme-no-overlap"]
+DEFAULT_CONFIGS = [c for c in CONFIGS if not c.endswith("-no-overlap")]
 
 
 def zero_section(
@@ -487,7 +493,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             engines = []
             if not args.no_ours and (cfg["stage"] < 3 or stage3):
                 engines.append("ours")
-            if use_ds and not (cfg["stage"] < 3 and cfg["optimizer"] == "nvme"):
+            # DeepSpeed has no ZeRO-2 with the optimizer on NVMe; its no-overlap run is its default run
+            if use_ds and not (cfg["stage"] < 3 and cfg["optimizer"] == "nvme") and "pipeline" not in cfg:
                 engines.append("deepspeed")
             for eng in engines:
                 conf = engine_config(
