@@ -11,8 +11,9 @@ timed ones, on the same seed and token batches. Each offload configuration runs 
 Per configuration: median / min / max step time over all timed steps of all rounds, the forward /
 backward / optimizer split (wall time around engine(x) / backward / step) and the optimizer phase's I/O
 wait (ours: the engine's report), peak RSS (initialisation and steady state), bytes read and written on
-disk per step (/proc/self/io), init time, and the largest relative loss difference from plain torch over
-all steps. Output: benchmarks/out/e2e.json and e2e.md (plot with benchmarks.plot_e2e).
+disk per step (/proc/self/io), init time (split into the model's construction, which DeepSpeed does under
+deepspeed.zero.Init at stage 3, and the engine's own set-up), and the largest relative loss difference from
+plain torch over all steps. Output: benchmarks/out/e2e.json and e2e.md (plot with benchmarks.plot_e2e).
 
 `--device cpu` (the default) computes everything on the CPU: every child gets ZO_ACCELERATOR=cpu and
 DS_ACCELERATOR=cpu. `--device cuda` computes on the GPU: plain torch moves the model there (fused AdamW
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -144,6 +146,7 @@ def _worker(spec: Dict[str, Any]) -> Dict[str, Any]:
     rss0 = rss_bytes()
     t0 = time.perf_counter()
     model = make_model(spec)
+    build_s = time.perf_counter() - t0
     if spec["engine"] == "torch":
         bf16 = spec["dtype"] == "bf16"
         model.to(device)
@@ -195,7 +198,7 @@ def _worker(spec: Dict[str, Any]) -> Dict[str, Any]:
         out = measure(spec, forward, engine.backward, engine.step, extra)
         out["pinned_bytes"] = engine.pinned_bytes
         engine.close()
-    out.update(init_s=init_s, init_peak_rss_bytes=init_peak, rss_before_init_bytes=rss0)
+    out.update(init_s=init_s, build_s=build_s, init_peak_rss_bytes=init_peak, rss_before_init_bytes=rss0)
     out["peak_rss_bytes"] = max(init_peak, out["steady_peak_rss_bytes"])
     return out
 
@@ -267,6 +270,8 @@ def _summary(runs: List[Dict[str, Any]], torch_losses: Optional[List[float]]) ->
         "init_peak_rss_bytes": max(run["init_peak_rss_bytes"] for run in runs),
         "steady_peak_rss_bytes": max(run["steady_peak_rss_bytes"] for run in runs),
         "init_s": statistics.median(run["init_s"] for run in runs),
+        # the model's construction inside init_s (DeepSpeed, stage 3: under deepspeed.zero.Init)
+        "build_s": statistics.median(run.get("build_s", math.nan) for run in runs),
         "losses": runs[0]["losses"],
     }
     gpu_peaks = [run["peak_gpu_bytes"] for run in runs if "peak_gpu_bytes" in run]
@@ -319,7 +324,7 @@ def _table(results: Dict[str, Dict[str, Any]], gpu: bool = False) -> str:
                     f"{s['peak_rss_bytes'] / 2**30:.2f}",
                     "" if base is None else f"{s['peak_rss_bytes'] / base['peak_rss_bytes']:.2f}",
                     f"{gb(s['disk_read_bytes_per_step'])} / {gb(s['disk_write_bytes_per_step'])}",
-                    f"{s['init_s']:.1f}",
+                    f"{s['init_s']:.1f} ({s['build_s']:.1f} + {s['init_s'] - s['build_s']:.1f})",
                     "" if s.get("loss_rel_diff_vs_torch") is None else f"{s['loss_rel_diff_vs_torch']:.1e}",
                 ]
             )
@@ -337,7 +342,7 @@ def _table(results: Dict[str, Dict[str, Any]], gpu: bool = False) -> str:
         "peak RSS GiB",
         "RSS x torch",
         "disk GB r / w per step",
-        "init s",
+        "init s (model build + engine)",
         "loss rel diff",
     ]
     return markdown_table(headers, rows)

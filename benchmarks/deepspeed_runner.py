@@ -197,6 +197,7 @@ def run_deepspeed(spec: Dict[str, Any]) -> Dict[str, Any]:
             model = make_model(spec)
     else:
         model = make_model(spec)
+    build_s = time.perf_counter() - t0
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     init_s = time.perf_counter() - t0
     init_peak = peak_rss_bytes()
@@ -206,7 +207,7 @@ def run_deepspeed(spec: Dict[str, Any]) -> Dict[str, Any]:
         return engine(x, y)
 
     out = measure(spec, forward, engine.backward, engine.step)
-    out.update(init_s=init_s, init_peak_rss_bytes=init_peak, rss_before_init_bytes=rss0)
+    out.update(init_s=init_s, build_s=build_s, init_peak_rss_bytes=init_peak, rss_before_init_bytes=rss0)
     return out
 
 
