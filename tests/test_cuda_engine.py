@@ -18,23 +18,16 @@ from test_stage3_engine import s3_config
 import zero
 from zero.models import get_batch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.usefixtures("on_cuda"),  # tests/conftest.py: engines compute on the GPU, TF32 off
+]
 
 TIERS = ["none", "cpu", "nvme"]
 # The GPU's fp32 matmuls and AdamW round differently from the CPU kernel: a few ulps per step, far below
 # what one wrong, skipped or mis-scaled step moves (~1e-3; tests/test_engine.py shows that margin).
 LOSS_ATOL = 2e-5
 PARAM_ATOL = 2e-5
-
-
-@pytest.fixture(autouse=True)
-def on_cuda(monkeypatch):
-    monkeypatch.setenv("ZO_ACCELERATOR", "cuda")
-    # TF32 would make both sides' matmuls far less exact than the tolerance; the test wants fp32 math.
-    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
 def batch(step: int, device: torch.device, size: int = 4):

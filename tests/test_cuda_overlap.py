@@ -19,7 +19,10 @@ from test_overlap import MODEL, _config, _train
 import zero
 from zero.models import GPT, corpus_bytes, get_batch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.usefixtures("on_cuda"),  # tests/conftest.py: engines compute on the GPU, TF32 off
+]
 
 # Re-run here on the GPU: pytest collects test functions from this module's namespace.
 test_stage2_matches_stepping_after_backward = stage2.test_overlapped_steps_match_steps_after_backward
@@ -38,16 +41,6 @@ test_stage3_forward_between_backward_and_step = (
     stage3.test_forward_between_backward_and_step_sees_the_committed_weights
 )
 test_stage3_failed_backward_cancels_the_pass = stage3.test_failed_backward_cancels_the_pass
-
-
-@pytest.fixture(autouse=True)
-def on_cuda(monkeypatch):
-    monkeypatch.setenv("ZO_ACCELERATOR", "cuda")
-    # Both runs of a comparison use the same kernels; TF32 off keeps them the fp32 math the CPU tests see.
-    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
