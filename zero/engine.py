@@ -39,7 +39,7 @@ from offload.swap.optimizer_swapper import AioSettings, OptimizerSwapper, slot_b
 from offload.swap.space import SwapSpace, check_nvme_path
 from zero.accelerator import compute_device, dist_backend
 from zero.comm import settle
-from zero.grad_fetch import DeviceGradFetch
+from zero.grad_fetch import D2H_PIECE_NUMEL, DeviceGradFetch
 from zero.optimizer_offload import (
     DeviceState,
     UpdateRule,
@@ -772,9 +772,7 @@ class ZeroEngine:
         if getattr(self, "_early_thread", None) is not None:
             return self._finish_early_pass(rep)
         if not self._grads_aliased:
-            self.grad_host.copy_(self.flat.grad_buffer[self.lo : self.hi], non_blocking=True)
-            if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()
+            self._gradients_to_host()
             rep.device_to_host_bytes += self.part_numel * self.flat.grad_buffer.element_size()
         nvme = isinstance(self._state, OptimizerSwapper)
         # The fused check needs an atomic step (two NVMe copies) to discard a half-done pass.
@@ -802,6 +800,21 @@ class ZeroEngine:
             settle(dist.all_reduce(flag, op=dist.ReduceOp.MIN, async_op=True))
             ok = bool(flag.item() > 0)
         return self._end_pass(ok, step, rep, h2d0)
+
+    def _gradients_to_host(self) -> None:
+        """The partition's gradients into grad_host, after backward.
+
+        From 16-bit GPU gradients to the fp32 host partition in pieces (`D2H_PIECE_NUMEL`): a non-blocking
+        copy that changes dtype converts on the GPU first, into a temporary as large as what it copies
+        (4 GB of GPU memory for a 1B-parameter partition in one piece)."""
+        src, dst = self.flat.grad_buffer[self.lo : self.hi], self.grad_host
+        piece = src.numel()
+        if src.is_cuda and src.dtype != dst.dtype:
+            piece = D2H_PIECE_NUMEL
+        for start in range(0, src.numel(), piece):
+            dst[start : start + piece].copy_(src[start : start + piece], non_blocking=True)
+        if src.is_cuda:
+            torch.cuda.current_stream(self.device).synchronize()
 
     def _finish_early_pass(self, rep: StepReport) -> bool:
         """Wait for the pass started in backward, then commit it or keep the previous state."""

@@ -13,7 +13,12 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["DeviceGradFetch"]
+__all__ = ["D2H_PIECE_NUMEL", "DeviceGradFetch"]
+
+# A non-blocking device-to-host copy that changes dtype (16-bit gradients into the fp32 host partition)
+# converts on the GPU first, into a temporary of the destination's size: copies go in pieces of at most this
+# many elements, so that temporary stays at 64 MiB whatever the model's size.
+D2H_PIECE_NUMEL = 1 << 24
 
 
 class DeviceGradFetch:
@@ -58,7 +63,9 @@ class DeviceGradFetch:
         start, n = self.chunks[c]
         self._stream.wait_event(event)
         with torch.cuda.stream(self._stream):
-            self.dst[start : start + n].copy_(self.src[start : start + n], non_blocking=True)
+            for a in range(start, start + n, D2H_PIECE_NUMEL):
+                z = min(a + D2H_PIECE_NUMEL, start + n)
+                self.dst[a:z].copy_(self.src[a:z], non_blocking=True)
         self._stream.synchronize()
         self.bytes += n * self.src.element_size()
 

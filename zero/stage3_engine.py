@@ -10,9 +10,10 @@ gathered per module during forward and backward) into the same optimizer machine
   engine's OptimizerSwapper streaming sub-groups from NVMe) and are stepped by the same fused kernels.
 * Gradients. The partitioner reduce-scatters each unit's gradient as soon as it is complete and calls
   `_on_grad_partition(unit, part)`: the engine adds it into `grad_host` (fp32 for fp32 models, the model's
-  16-bit dtype otherwise, as stages 0-2 accumulate) at the unit's offset. On one rank computing on the
-  CPU there is nothing to reduce: the partitioner sums each parameter's gradient straight into the unit's
-  slice of `grad_host` (`grad_accumulator`), one pass per gradient. No full gradient survives backward.
+  16-bit dtype otherwise, as stages 0-2 accumulate) at the unit's offset. On one rank there is nothing
+  to reduce: the partitioner sums each parameter's gradient straight into the unit's slice of
+  `grad_host` (`grad_accumulator`), one pass per gradient (from a GPU: one copy to the host each, so no
+  flat unit gradient is built in device memory). No full gradient survives backward.
 * Write-back. The kernel writes the new 16-bit weights of a sub-group into a staging buffer; the
   `_PartitionWriter` scatters them to the units' partitions (straight into host/device memory, or
   assembled per unit and written to its swap file through `write_partition` once the unit is complete).
@@ -323,10 +324,11 @@ class Stage3Engine(ZeroEngine):
 
     def _grad_target(self, unit: Unit) -> Optional[torch.Tensor]:
         """Where the partitioner may sum `unit`'s parameter gradients directly: its slice of grad_host, on
-        one rank when the gradients are already on grad_host's device and in its dtype (CPU compute)."""
+        one rank when grad_host has the gradients' dtype. On a GPU each parameter's gradient then goes to
+        the host on its own, instead of through a flat copy of the unit's gradient in device memory."""
         off = self.offsets.get(unit.index)
         host = self.grad_host
-        if off is None or self.world_size != 1 or host.device != self.device or host.dtype != unit.dtype:
+        if off is None or self.world_size != 1 or host.dtype != unit.dtype:
             return None
         return host[off : off + unit.part_numel]
 
@@ -369,6 +371,8 @@ class Stage3Engine(ZeroEngine):
 
     def _finish_report(self) -> Any:
         rep = super()._finish_report()
+        rep.device_to_host_bytes += self.partitioner.device_to_host_bytes  # gradients summed per parameter
+        self.partitioner.device_to_host_bytes = 0
         st = self.partitioner.store.stats
         self.last_param_io = {
             "param_nvme_read_bytes": st.bytes_read,

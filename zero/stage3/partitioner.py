@@ -104,8 +104,11 @@ class Stage3Partitioner:
         # then on this backward neither reads nor writes the unit, so an optimizer may update it.
         self.on_grad_final: Optional[Callable[[Unit], None]] = None
         # The engine's gradient partition of a unit, when each parameter's gradient may be summed straight
-        # into it (one rank, same device and dtype): no flat gradient buffer, no callback for that unit.
+        # into it (one rank, same dtype): no flat gradient buffer, no callback for that unit. On a GPU each
+        # parameter's gradient is copied to the host partition on its own (counted in device_to_host_bytes),
+        # so a unit's gradient never exists twice in device memory.
         self.grad_accumulator: Optional[Callable[[Unit], Optional[torch.Tensor]]] = None
+        self.device_to_host_bytes = 0
         self._summed: set = set()  # units whose gradients went to grad_accumulator this backward
         self.grad_partitions: Dict[int, torch.Tensor] = {}
         self.live_full_bytes = 0
@@ -429,6 +432,9 @@ class Stage3Partitioner:
         target = self.grad_accumulator(unit) if self.grad_accumulator is not None else None
         if target is not None:
             a, z = unit.param_range(p.ds_index)
+            if grad.device != target.device:  # GPU gradient, host partition: blocking, the add reads it now
+                grad = grad.to(target.device)
+                self.device_to_host_bytes += grad.numel() * grad.element_size()
             target[a:z].add_(grad.reshape(-1))  # one pass: the gradient lands in its final place
             self._summed.add(unit.index)
         elif unit.grad_flat is None and unit.padded_numel == unit.numel and len(unit.params) == 1:
