@@ -55,11 +55,13 @@ class EnginePlacement:
     offload_param_stages: Tuple[int, ...]
     # Stage 3 working set on the GPU: gathered full layers (the current one plus prefetched ones).
     stage3_live_layers: int
-    # Stages 2-3: un-reduced gradients of this many layers wait on the GPU for the reduce-scatter.
+    # Stage 3 (and stage 2 without the full buffer): this many layers' gradients wait on the GPU, for the
+    # copy to the host partition or the reduce-scatter.
     grad_bucket_layers: int
-    # True: one flat 16-bit gradient buffer for the whole model stays on the GPU at every stage (what the
-    # engine's first version does: autograd writes every gradient into its place in one buffer), so stage 2
-    # saves no gradient memory. False: ZeRO's stage-2 accounting (the rank's partition plus a bucket).
+    # True: one flat 16-bit gradient buffer for the whole model stays on the GPU at stages 0-2 (the engine's
+    # FlatParams: autograd accumulates every gradient in its place there), so stage 2 saves no gradient
+    # memory on the GPU; measured on a GPU by tests/test_cuda_estimate.py. False: ZeRO's stage-2
+    # accounting (the rank's partition plus a bucket).
     full_grad_buffer_on_gpu: bool
     # Host copies of offloaded state are pinned unless the config says pin_memory: false.
     pin_memory_default: bool
@@ -105,7 +107,7 @@ ENGINE_PLACEMENT = EnginePlacement(
     offload_param_stages=(3,),
     stage3_live_layers=2,
     grad_bucket_layers=1,
-    full_grad_buffer_on_gpu=False,
+    full_grad_buffer_on_gpu=True,
     pin_memory_default=True,
     cap_swap_buffers_to_partition=True,
     optimizer_nvme_copies=2,
@@ -380,7 +382,8 @@ def _stage3(
     else:
         home = plan.param_homes[offload_param]
         ledger.add(_host_tier(bufs.param_pin_memory) if home == "cpu" else home, param_component, part * cb)
-    ledger.add("gpu", param_component, plan.stage3_live_layers * setup.largest_layer_params * cb)
+    if not (offload_param == "none" and n == 1):  # one rank, partitions on the GPU: they are the layers
+        ledger.add("gpu", param_component, plan.stage3_live_layers * setup.largest_layer_params * cb)
 
     # Gradients: one unit's full gradient on the GPU until its reduce-scatter, then the rank's partition
     # accumulated in the compute dtype where the optimizer reads it (pinned host memory when offloaded).
