@@ -39,7 +39,7 @@ from offload.swap.optimizer_swapper import AioSettings, OptimizerSwapper, slot_b
 from offload.swap.space import SwapSpace, check_nvme_path
 from zero.accelerator import compute_device, dist_backend
 from zero.comm import settle
-from zero.grad_fetch import D2H_PIECE_NUMEL, DeviceGradFetch
+from zero.grad_fetch import DeviceGradFetch, copy_to_host
 from zero.optimizer_offload import (
     DeviceState,
     UpdateRule,
@@ -807,12 +807,8 @@ class ZeroEngine:
         From 16-bit GPU gradients to the fp32 host partition in pieces (`D2H_PIECE_NUMEL`): a non-blocking
         copy that changes dtype converts on the GPU first, into a temporary as large as what it copies
         (4 GB of GPU memory for a 1B-parameter partition in one piece)."""
-        src, dst = self.flat.grad_buffer[self.lo : self.hi], self.grad_host
-        piece = src.numel()
-        if src.is_cuda and src.dtype != dst.dtype:
-            piece = D2H_PIECE_NUMEL
-        for start in range(0, src.numel(), piece):
-            dst[start : start + piece].copy_(src[start : start + piece], non_blocking=True)
+        src = self.flat.grad_buffer[self.lo : self.hi]
+        copy_to_host(self.grad_host, src, 0, src.numel())
         if src.is_cuda:
             torch.cuda.current_stream(self.device).synchronize()
 

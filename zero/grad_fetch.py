@@ -13,12 +13,21 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["D2H_PIECE_NUMEL", "DeviceGradFetch"]
+__all__ = ["D2H_PIECE_NUMEL", "DeviceGradFetch", "copy_to_host"]
 
 # A non-blocking device-to-host copy that changes dtype (16-bit gradients into the fp32 host partition)
 # converts on the GPU first, into a temporary of the destination's size: copies go in pieces of at most this
 # many elements, so that temporary stays at 64 MiB whatever the model's size.
 D2H_PIECE_NUMEL = 1 << 24
+
+
+def copy_to_host(dst: torch.Tensor, src: torch.Tensor, start: int, n: int) -> None:
+    """Queue `dst[start:start+n] = src[start:start+n]` (non-blocking) on the current stream; from a GPU with
+    a dtype change, in pieces of D2H_PIECE_NUMEL elements. The caller waits for the stream."""
+    piece = D2H_PIECE_NUMEL if src.is_cuda and src.dtype != dst.dtype else max(1, n)
+    for a in range(start, start + n, piece):
+        z = min(a + piece, start + n)
+        dst[a:z].copy_(src[a:z], non_blocking=True)
 
 
 class DeviceGradFetch:
@@ -63,9 +72,7 @@ class DeviceGradFetch:
         start, n = self.chunks[c]
         self._stream.wait_event(event)
         with torch.cuda.stream(self._stream):
-            for a in range(start, start + n, D2H_PIECE_NUMEL):
-                z = min(a + D2H_PIECE_NUMEL, start + n)
-                self.dst[a:z].copy_(self.src[a:z], non_blocking=True)
+            copy_to_host(self.dst, self.src, start, n)
         self._stream.synchronize()
         self.bytes += n * self.src.element_size()
 
