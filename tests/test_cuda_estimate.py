@@ -1,9 +1,9 @@
 """The estimator's GPU and pinned bytes against what the engine holds on a real GPU.
 
 tests/test_estimate_engine.py checks pinned host and swap-file bytes on the CPU, where the "GPU" tier is
-host memory and the CUDA-only copy-back slots do not exist. Here the engine runs on CUDA: after one step
+host memory and the CUDA-only copy-back slots do not exist. Here the engine runs on CUDA: after two steps
 (activations freed) `torch.cuda.memory_allocated` is what the engine keeps on the GPU, and its peak over the
-step adds the working set (stage 3: gathered layers and the gradient bucket) and transfer temporaries.
+steps adds the working set (stage 3: gathered layers and the gradient bucket) and transfer temporaries.
 Skipped on machines without CUDA.
 """
 
@@ -99,7 +99,6 @@ def _measure(tmp_path, stage: int, optim: str, param: str):
 @pytest.mark.parametrize("optim", ["none", "cpu", "nvme"])
 def test_stage2_gpu_and_pinned_bytes(tmp_path, optim):
     count, steady, peak, pinned, est = _measure(tmp_path, 2, optim, "none")
-    print(f"stage 2 {optim}: steady {steady} peak {peak} est {est.gpu} pinned {pinned} est {est.cpu_pinned}")
     # Stages 0-2 keep the whole model's 16-bit weights and one flat 16-bit gradient buffer on the GPU.
     assert abs(steady - est.per_gpu_bytes) <= PADDING, (steady, est.gpu)
     # Transients the estimate leaves out, at different moments: during backward autograd's new gradient of
@@ -115,7 +114,6 @@ def test_stage2_gpu_and_pinned_bytes(tmp_path, optim):
 @pytest.mark.parametrize("param, optim", [(p, o) for p in ("none", "cpu", "nvme") for o in ("cpu", "nvme")])
 def test_stage3_gpu_bytes(tmp_path, param, optim):
     count, steady, peak, pinned, est = _measure(tmp_path, 3, optim, param)
-    print(f"stage 3 {param}/{optim}: steady {steady} peak {peak} est {est.gpu} pinned {pinned}")
     # The estimate is the step's peak: resident partitions plus the working set. Between steps the
     # working set may be released, so what stays lies between the resident part and the peak.
     assert peak <= est.per_gpu_bytes + PADDING, (peak, est.gpu)
