@@ -36,6 +36,24 @@ def test_space_is_private_and_preallocated(tmp_path):
     space.close()  # idempotent
 
 
+def test_space_lock_file_is_hidden_private_and_held(tmp_path):
+    import fcntl
+
+    with SwapSpace(str(tmp_path)) as space:
+        assert os.path.basename(space.lock_path) == f".{os.path.basename(space.dir)}.lock"
+        assert os.path.dirname(space.lock_path) == str(tmp_path)
+        assert stat.S_IMODE(os.stat(space.lock_path).st_mode) == 0o600
+        fd = os.open(space.lock_path, os.O_RDONLY)
+        try:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(fd)
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(ValueError, match="prefix"):
+        SwapSpace(str(tmp_path), prefix="a/b")
+
+
 def test_space_removed_at_interpreter_exit(tmp_path):
     code = textwrap.dedent(
         f"""

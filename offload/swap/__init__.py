@@ -1,23 +1,55 @@
-"""Swapping tensors between pinned host memory and files on NVMe: the swap space and the swappers."""
+"""Swapping tensors between pinned host memory and files on NVMe: the swap space and the swappers.
 
-from offload.swap.optimizer_swapper import (
-    AioSettings,
-    DeferredWriteError,
-    OptimizerSwapper,
-    SwapStats,
-    slot_bytes,
+The swappers (and torch with them) are imported on first use, so the swap-space API (`SwapSpace`,
+`reclaim_stale`) stays light for tools that only manage swap directories.
+"""
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from offload.swap.space import (
+    ReclaimedSpace,
+    SwapFile,
+    SwapSpace,
+    SwapSpaceError,
+    align_up,
+    check_nvme_path,
+    reclaim_stale,
 )
-from offload.swap.space import SwapFile, SwapSpace, SwapSpaceError, align_up, check_nvme_path
+
+if TYPE_CHECKING:
+    from offload.swap.optimizer_swapper import (
+        AioSettings,
+        DeferredWriteError,
+        OptimizerSwapper,
+        SwapStats,
+        slot_bytes,
+    )
+
+_SWAPPER_NAMES = ("AioSettings", "DeferredWriteError", "OptimizerSwapper", "SwapStats", "slot_bytes")
 
 __all__ = [
     "AioSettings",
     "DeferredWriteError",
     "OptimizerSwapper",
+    "ReclaimedSpace",
     "SwapFile",
     "SwapSpace",
     "SwapSpaceError",
     "SwapStats",
     "align_up",
     "check_nvme_path",
+    "reclaim_stale",
     "slot_bytes",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SWAPPER_NAMES or name == "optimizer_swapper":
+        optimizer_swapper = importlib.import_module("offload.swap.optimizer_swapper")
+        return optimizer_swapper if name == "optimizer_swapper" else getattr(optimizer_swapper, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list:
+    return sorted(set(globals()) | set(__all__))

@@ -2,25 +2,62 @@
 
 The directory is created 0700 and every file 0600, because optimizer state is the model itself. Files are
 preallocated (posix_fallocate) at creation, so running out of disk shows up when the engine is built rather
-than halfway through a step, and region offsets are aligned for O_DIRECT. Everything is removed on
-`close()`, when the object is collected, or at normal interpreter exit (weakref.finalize registers itself
-with atexit).
+than halfway through a step, and region offsets are aligned for O_DIRECT.
+
+Lifetime. Everything is removed on `close()`, when the object is collected, at interpreter exit (an
+uncaught exception and Ctrl-C included) and when the process is told to stop with SIGTERM or SIGHUP
+(`offload.cleanup`). A process that dies without running any code (SIGKILL, the OOM killer, a crash, a lost
+node) cannot remove anything, so every swap directory has a lock that proves its owner is alive:
+
+    <nvme_path>/.zero-offload-XXXX.lock   0600, flock(LOCK_EX) held by the owner for the directory's life
+    <nvme_path>/zero-offload-XXXX/        0700, the swap files
+
+The kernel drops an flock when its holder dies, however it dies. The lock file is created, locked, checked
+to still be the file at that name, and stamped (pid, host, boot) before the directory exists, and it is
+unlinked only after the directory is gone, by whoever holds the lock. `reclaim_stale(nvme_path)` (run by
+every new SwapSpace) removes each directory whose lock it can take without waiting: its owner is dead. A
+directory whose lock is held is never touched, nor anything that is not exactly such a pair (our prefix,
+our uid, a regular 0600 lock file with our stamp, a real 0700 directory: never a symlink). On a filesystem
+shared between machines a lock need not be visible across them, so a directory is reclaimed only from the
+machine (kernel boot, or host name) that stamped it.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
+import logging
 import os
 import shutil
+import socket
+import stat
 import tempfile
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import Dict, Iterable, List, Optional, Tuple
 
-__all__ = ["SwapFile", "SwapSpace", "SwapSpaceError", "align_up"]
+from offload import cleanup
+
+__all__ = [
+    "SWAP_PREFIXES",
+    "ReclaimedSpace",
+    "SwapFile",
+    "SwapSpace",
+    "SwapSpaceError",
+    "align_up",
+    "check_nvme_path",
+    "reclaim_stale",
+]
+
+logger = logging.getLogger("offload.swap")
 
 DEFAULT_ALIGNMENT = 4096
+DEFAULT_PREFIX = "zero-offload-"
+# The prefixes our engines give their swap directories (optimizer state; stage-3 parameters).
+SWAP_PREFIXES: Tuple[str, ...] = ("zero-offload-", "zero-stage3-")
+_LOCK_PREFIX, _LOCK_SUFFIX = ".", ".lock"  # <nvme_path>/.zero-offload-XXXX.lock: hidden beside its directory
+_STAMP_MAGIC = "zero-offload swap space"
 
 
 class SwapSpaceError(OSError):
@@ -35,10 +72,6 @@ def align_up(n: int, alignment: int) -> int:
 class SwapFile:
     path: str
     nbytes: int
-
-
-def _remove_tree(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def check_nvme_path(nvme_path: str) -> str:
@@ -58,23 +91,36 @@ def check_nvme_path(nvme_path: str) -> str:
 
 
 class SwapSpace:
-    """Owns `<nvme_path>/zero-offload-XXXX/` and the files in it."""
+    """Owns `<nvme_path>/zero-offload-XXXX/`, its lock file and the files in it.
+
+    Creating one first reclaims the directories that dead processes left under the same `nvme_path`
+    (`reclaim_stale`; pass `reclaim=False` to skip)."""
 
     def __init__(
-        self, nvme_path: str, alignment: int = DEFAULT_ALIGNMENT, prefix: str = "zero-offload-"
+        self,
+        nvme_path: str,
+        alignment: int = DEFAULT_ALIGNMENT,
+        prefix: str = DEFAULT_PREFIX,
+        reclaim: bool = True,
     ) -> None:
         root = check_nvme_path(nvme_path)
-        try:
-            self.dir = tempfile.mkdtemp(prefix=prefix, dir=root)  # mkdtemp creates the directory 0700
-        except OSError as e:
-            raise SwapSpaceError(
-                e.errno, f"cannot create the swap directory under nvme_path: {e.strerror}", root
-            ) from e
-        os.chmod(self.dir, 0o700)
+        if not prefix or os.sep in prefix:
+            raise ValueError(f"swap directory prefix must be a non-empty file name, got {prefix!r}")
+        if reclaim:
+            prefixes = SWAP_PREFIXES if prefix.startswith(SWAP_PREFIXES) else SWAP_PREFIXES + (prefix,)
+            try:
+                reclaim_stale(root, prefixes)
+            except OSError as e:  # never a reason not to start
+                logger.debug("could not scan %s for stale swap directories: %s", root, e)
+        self._lease = _Lease.create(root, prefix)
+        self.dir = self._lease.dir
+        self.lock_path = self._lease.lock_path
         self.alignment = max(DEFAULT_ALIGNMENT, int(alignment))
         self._files: Dict[str, SwapFile] = {}
         self._lock = threading.Lock()
-        self._finalizer = weakref.finalize(self, _remove_tree, self.dir)
+        # Collected, closed, normal exit (finalize's own atexit hook) or SIGTERM/SIGHUP (cleanup's).
+        self._finalizer = weakref.finalize(self, self._lease.release)
+        self._lease.registration = cleanup.register(self._finalizer)
 
     @property
     def bytes_allocated(self) -> int:
@@ -116,7 +162,7 @@ class SwapSpace:
         return f
 
     def close(self) -> None:
-        """Remove every swap file and the directory. Safe to call more than once."""
+        """Remove every swap file, the directory and its lock file. Safe to call more than once."""
         self._finalizer()
         with self._lock:
             self._files.clear()
@@ -129,6 +175,273 @@ class SwapSpace:
 
     def __repr__(self) -> str:
         return f"SwapSpace({self.dir!r}, files={len(self._files)}, bytes={self.bytes_allocated})"
+
+
+class _Lease:
+    """The directory, its lock file and the locked fd: created together, released together, once.
+
+    `release` may run from a signal handler that interrupted the main thread anywhere (even inside
+    `release` itself), so it takes no lock: the state is claimed by an atomic `list.pop`. A forked child
+    shares the parent's lock (the same open file description) and removes nothing."""
+
+    def __init__(self, dir: str, lock_path: str, fd: int) -> None:
+        self.dir = dir
+        self.lock_path = lock_path
+        self.pid = os.getpid()
+        self.registration: Optional[cleanup.Registration] = None
+        self._state = [fd]
+
+    @classmethod
+    def create(cls, root: str, prefix: str) -> _Lease:
+        stamp = _stamp()
+        for _ in range(100):
+            try:
+                fd, lock_path = tempfile.mkstemp(prefix=_LOCK_PREFIX + prefix, suffix=_LOCK_SUFFIX, dir=root)
+            except OSError as e:
+                raise SwapSpaceError(
+                    e.errno, f"cannot create the swap directory under nvme_path: {e.strerror}", root
+                ) from e
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:  # a reclaimer got it first and unlinks it: take a fresh name
+                    os.close(fd)
+                    continue
+                except OSError as e:  # no flock here (some network filesystems): nothing is reclaimable
+                    logger.debug("swap directory lock unsupported under %s: %s", root, e)
+                if not _is_file_at(fd, lock_path):  # unlinked by a reclaimer before we locked it
+                    os.close(fd)
+                    continue
+                _write_all(fd, stamp)
+                path = _dir_of(lock_path)
+                try:
+                    os.mkdir(path, 0o700)
+                except FileExistsError:  # a directory without a lock: not ours to use or remove
+                    os.unlink(lock_path)
+                    os.close(fd)
+                    continue
+                try:
+                    os.chmod(path, 0o700)  # exact, whatever the umask
+                except BaseException:
+                    os.rmdir(path)
+                    raise
+            except OSError as e:
+                _unlink_quietly(lock_path)
+                os.close(fd)
+                raise SwapSpaceError(
+                    e.errno, f"cannot create the swap directory under nvme_path: {e.strerror}", root
+                ) from e
+            except BaseException:
+                _unlink_quietly(lock_path)
+                os.close(fd)
+                raise
+            return cls(path, lock_path, fd)
+        raise SwapSpaceError(errno.EEXIST, "cannot find a free swap directory name under nvme_path", root)
+
+    def release(self) -> None:
+        try:
+            fd = self._state.pop()
+        except IndexError:
+            return  # released already (or being released by the frame this signal interrupted)
+        try:
+            if self.pid == os.getpid():
+                shutil.rmtree(self.dir, ignore_errors=True)
+                if not os.path.lexists(self.dir):  # else keep the lock file: a later run reclaims the rest
+                    _unlink_quietly(self.lock_path)
+        finally:
+            os.close(fd)  # drops the lock (in a forked child, only its reference to the parent's)
+            reg, self.registration = self.registration, None
+            if reg is not None:
+                reg.cancel()
+
+
+@dataclass(frozen=True)
+class ReclaimedSpace:
+    """A swap directory left by a dead process and removed by `reclaim_stale`."""
+
+    path: str
+    nbytes: int  # disk space freed (allocated blocks of its files)
+    pid: int  # the process that created it, as recorded in its lock file
+    host: str
+
+
+def reclaim_stale(nvme_path: str, prefixes: Iterable[str] = SWAP_PREFIXES) -> List[ReclaimedSpace]:
+    """Remove the swap directories under `nvme_path` whose owner is dead; returns what was removed.
+
+    Considered are only `.<prefix>XXXX.lock` files (a prefix from `prefixes`) that are regular 0600 files of
+    this user carrying a swap-space stamp, with the 0700 directory `<prefix>XXXX` of this user beside
+    them. Each lock is tried with LOCK_NB: a live owner holds it, so its directory is skipped. The directory
+    is removed while the lock is held, then the lock file. A stamp from another machine (a filesystem
+    shared between hosts, where the lock may not be visible across them) is left for that machine. Each
+    removal is logged as a warning on the `offload.swap` logger. Raises OSError if `nvme_path` cannot be
+    listed; anything else that goes wrong leaves that one directory alone."""
+    root = os.path.abspath(os.path.expanduser(nvme_path))
+    prefixes = tuple(p for p in prefixes if p and os.sep not in p)
+    if not prefixes:
+        return []
+    me = _identity()
+    reclaimed = []
+    for name in sorted(os.listdir(root)):
+        if _is_lock_name(name, prefixes):
+            r = _reclaim_one(root, name, me)
+            if r is not None:
+                reclaimed.append(r)
+    return reclaimed
+
+
+def _reclaim_one(root: str, lock_name: str, me: Tuple[str, str]) -> Optional[ReclaimedSpace]:
+    lock_path = os.path.join(root, lock_name)
+    path = _dir_of(lock_path)
+    try:
+        st = os.lstat(lock_path)
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) != 0o600:
+        return None
+    try:
+        fd = os.open(lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    try:
+        if not os.path.samestat(st, os.fstat(fd)) or not _lock_nb(fd) or not _is_file_at(fd, lock_path):
+            return None  # replaced since the lstat, owner alive, or removed by another reclaimer
+        data = os.pread(fd, 4096, 0)
+        if not data:
+            # Created but never stamped: its creator died before locking it, or has not locked it yet (it
+            # then finds the name gone and takes another). No directory belongs to it.
+            os.unlink(lock_path)
+            return None
+        owner = _parse_stamp(data)
+        if owner is None:
+            return None  # not a lock file of ours
+        pid, host, boot = owner
+        if not ((boot and boot == me[1]) or host == me[0]):
+            logger.info(
+                "swap directory %s belongs to host %s: left for a process there to reclaim", path, host
+            )
+            return None
+        nbytes = 0
+        try:
+            dst = os.lstat(path)
+        except FileNotFoundError:
+            dst = None
+        if dst is not None:
+            if (
+                not stat.S_ISDIR(dst.st_mode)
+                or dst.st_uid != os.geteuid()
+                or stat.S_IMODE(dst.st_mode) != 0o700
+            ):
+                logger.warning("not reclaiming %s: not a private swap directory of this user", path)
+                return None
+            nbytes = _disk_bytes(path)
+            shutil.rmtree(path, ignore_errors=True)  # refuses a symlink swapped in since the lstat
+            if os.path.lexists(path):
+                logger.warning("could not remove all of stale swap directory %s", path)
+                return None
+        os.unlink(lock_path)
+    except OSError as e:
+        logger.debug("not reclaiming %s: %s", path, e)
+        return None
+    finally:
+        os.close(fd)
+    logger.warning(
+        "reclaimed stale swap directory %s (%s) left by process %d on %s, which is gone",
+        path,
+        _human_bytes(nbytes),
+        pid,
+        host,
+    )
+    return ReclaimedSpace(path, nbytes, pid, host)
+
+
+def _is_lock_name(name: str, prefixes: Tuple[str, ...]) -> bool:
+    stem = name[len(_LOCK_PREFIX) : -len(_LOCK_SUFFIX)]
+    return name.startswith(_LOCK_PREFIX) and name.endswith(_LOCK_SUFFIX) and stem.startswith(prefixes)
+
+
+def _dir_of(lock_path: str) -> str:
+    head, name = os.path.split(lock_path)
+    return os.path.join(head, name[len(_LOCK_PREFIX) : -len(_LOCK_SUFFIX)])
+
+
+def _lock_nb(fd: int) -> bool:
+    """True if this fd now holds the exclusive lock; False if another holds it or flock is unsupported
+    (then whether its owner lives cannot be told: the directory is left alone)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+
+
+def _is_file_at(fd: int, path: str) -> bool:
+    try:
+        return os.path.samestat(os.fstat(fd), os.lstat(path))
+    except OSError:
+        return False
+
+
+def _identity() -> Tuple[str, str]:
+    """(host name, kernel boot id): processes sharing a boot id share the kernel that keeps the locks."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return socket.gethostname(), boot
+
+
+def _stamp() -> bytes:
+    host, boot = _identity()
+    return f"{_STAMP_MAGIC}\npid {os.getpid()}\nhost {host}\nboot {boot}\n".encode()
+
+
+def _parse_stamp(data: bytes) -> Optional[Tuple[int, str, str]]:
+    try:
+        lines = data.decode().splitlines()
+    except UnicodeDecodeError:
+        return None
+    if not lines or lines[0] != _STAMP_MAGIC:
+        return None
+    fields = dict(line.partition(" ")[::2] for line in lines[1:])
+    try:
+        return int(fields.get("pid", "")), fields.get("host", ""), fields.get("boot", "")
+    except ValueError:
+        return None
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _disk_bytes(path: str) -> int:
+    total = 0
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in dirnames + filenames:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+            except OSError:
+                pass
+    return total
+
+
+def _human_bytes(n: int) -> str:
+    if n < 1024:
+        return f"{n} bytes"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        n /= 1024
+        if n < 1024 or unit == "TiB":
+            break
+    return f"{n:.1f} {unit}"
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def _preallocate(fd: int, nbytes: int, path: str) -> None:
