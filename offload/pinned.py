@@ -24,7 +24,7 @@ import resource
 import sys
 import threading
 import warnings
-from typing import TYPE_CHECKING, Any, Dict, Literal, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Literal, Mapping, Optional
 
 from offload import _aio
 
@@ -33,8 +33,14 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ALIGNMENT",
+    "CGROUP_ROOT",
+    "LOCAL_WORLD_SIZE_ENVS",
     "PINNED_BUDGET_ENV",
+    "automatic_pinned_budget",
+    "cgroup_memory_limit",
     "default_pinned_budget",
+    "local_world_size",
+    "physical_memory_bytes",
     "HostBuffer",
     "MemlockLimitWarning",
     "PinnedMemoryBudgetError",
@@ -243,10 +249,132 @@ def pinned_tensor(numel: int, dtype: torch.dtype, *, populate: Populate = "backg
 
 PINNED_BUDGET_ENV = "ZERO_OFFLOAD_PINNED_BUDGET"
 
+# Where the automatic budget looks for the memory limit of this process's cgroup. Module attributes (read at
+# call time) so that tests can point them at fake trees.
+CGROUP_ROOT = "/sys/fs/cgroup"
+PROC_SELF_CGROUP = "/proc/self/cgroup"
+
+# Launchers' "processes on this node", first set one wins: torchrun / torch.distributed, the DeepSpeed
+# launcher, Open MPI.
+LOCAL_WORLD_SIZE_ENVS = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE")
+
+# cgroup v1 writes "no limit" as the largest page-aligned 63-bit number (9223372036854771712); v2 writes
+# "max". Limits at or above 2**60 bytes (1 EiB) are read as no limit.
+_CGROUP_NO_LIMIT = 1 << 60
+
+
+def physical_memory_bytes() -> int:
+    """Physical memory of the machine in bytes (what the kernel reports, not what a container may use)."""
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def _read_cgroup_limit(path: str) -> Optional[int]:
+    """The byte limit in a memory.max / memory.limit_in_bytes file; None for absent, "max" or unreadable."""
+    try:
+        with open(path, encoding="ascii") as f:
+            text = f.read().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    if text == "max":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        return None
+    if value <= 0 or value >= _CGROUP_NO_LIMIT:
+        return None
+    return value
+
+
+def _cgroup_paths(self_cgroup: str) -> Dict[str, str]:
+    """This process's cgroup per hierarchy from /proc/self/cgroup: "" for cgroup v2, "memory" for v1's
+    memory controller. Empty when the file is missing (not Linux, or /proc not mounted)."""
+    paths: Dict[str, str] = {}
+    try:
+        with open(self_cgroup, encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return paths
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if controllers == "":
+            paths[""] = path
+        elif "memory" in controllers.split(","):
+            paths["memory"] = path
+    return paths
+
+
+def _ancestor_dirs(base: str, cgroup_path: Optional[str]) -> List[str]:
+    """``base/<cgroup_path>`` and every directory above it, up to ``base`` itself: a limit set on any
+    ancestor applies to this process too. A path with ".." (a cgroup outside this cgroup namespace) is not
+    followed; only ``base`` is read then."""
+    parts = [p for p in (cgroup_path or "").split("/") if p and p != "."]
+    if ".." in parts:
+        parts = []
+    dirs = [os.path.join(base, *parts[:n]) for n in range(len(parts), 0, -1)]
+    dirs.append(base)
+    return dirs
+
+
+def cgroup_memory_limit(root: Optional[str] = None, self_cgroup: Optional[str] = None) -> Optional[int]:
+    """The memory limit of this process's cgroup in bytes, or None when there is none.
+
+    Reads cgroup v2 ``memory.max`` and cgroup v1 ``memory/memory.limit_in_bytes`` under ``root`` (default
+    /sys/fs/cgroup), in the process's own cgroup (from ``self_cgroup``, default /proc/self/cgroup) and each
+    of its ancestors, and returns the tightest. Inside a container the container's limit is the one at
+    ``root`` itself. "max" and values of 1 EiB or more mean no limit.
+    """
+    root = CGROUP_ROOT if root is None else root
+    paths = _cgroup_paths(PROC_SELF_CGROUP if self_cgroup is None else self_cgroup)
+    files = [os.path.join(d, "memory.max") for d in _ancestor_dirs(root, paths.get(""))]
+    v1 = os.path.join(root, "memory")
+    files += [os.path.join(d, "memory.limit_in_bytes") for d in _ancestor_dirs(v1, paths.get("memory"))]
+    limits = [v for v in map(_read_cgroup_limit, files) if v is not None]
+    return min(limits) if limits else None
+
+
+def local_world_size(environ: Optional[Mapping[str, str]] = None) -> int:
+    """Processes of this job on this node: the first of LOCAL_WORLD_SIZE (torchrun), LOCAL_SIZE (DeepSpeed's
+    launcher) and OMPI_COMM_WORLD_LOCAL_SIZE (Open MPI) that holds a positive integer, else 1."""
+    env = os.environ if environ is None else environ
+    for name in LOCAL_WORLD_SIZE_ENVS:
+        text = env.get(name, "").strip()
+        try:
+            value = int(text)
+        except ValueError:
+            continue
+        if value >= 1:
+            return value
+    return 1
+
+
+def automatic_pinned_budget(
+    *,
+    physical: Optional[int] = None,
+    cgroup_root: Optional[str] = None,
+    self_cgroup: Optional[str] = None,
+    environ: Optional[Mapping[str, str]] = None,
+) -> int:
+    """The pinned-memory cap of one process when nothing sets it: half of the memory this node's processes
+    may use, min(physical memory, cgroup limit), divided among the local processes (`local_world_size`).
+
+    Each argument overrides what would be read from the system: `physical` bytes of RAM, the cgroup tree at
+    `cgroup_root` with this process's membership in the file `self_cgroup`, and the environment `environ`.
+    """
+    memory = physical_memory_bytes() if physical is None else int(physical)
+    limit = cgroup_memory_limit(cgroup_root, self_cgroup)
+    if limit is not None:
+        memory = min(memory, limit)
+    return memory // 2 // local_world_size(environ)
+
 
 def default_pinned_budget(configured: Optional[int] = None) -> int:
     """The process's pinned-memory cap in bytes: `configured` (the config's zero_offload.pinned_budget_bytes)
-    if given, else $ZERO_OFFLOAD_PINNED_BUDGET, else half of physical memory."""
+    if given, else $ZERO_OFFLOAD_PINNED_BUDGET, else `automatic_pinned_budget()`: half of min(physical
+    memory, cgroup memory limit), divided by the number of processes on this node."""
     if configured is not None:
         return int(configured)
     env = os.environ.get(PINNED_BUDGET_ENV)
@@ -258,7 +386,7 @@ def default_pinned_budget(configured: Optional[int] = None) -> int:
         if value < 0:
             raise ValueError(f"{PINNED_BUDGET_ENV} must be >= 0, got {value}")
         return value
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2)
+    return automatic_pinned_budget()
 
 
 class PinnedPool:

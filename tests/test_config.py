@@ -408,7 +408,7 @@ def test_wrong_types(config, fragment) -> None:
         ({"fp16": {"loss_scale": -1}}, "fp16.loss_scale in <dict>: must be >= 0.0"),
         ({"train_batch_size": 0}, "train_batch_size in <dict>: must be >= 1, got 0"),
         ({"gradient_clipping": -0.5}, "gradient_clipping in <dict>: must be >= 0.0"),
-        ({"aio": {"queue_depth": 0}}, "aio.queue_depth in <dict>: must be >= 1, got 0"),
+        ({"aio": {"queue_depth": 0}}, "aio.queue_depth in <dict>: must be in [1, 4096], got 0"),
         (
             {"optimizer": {"type": "Adam", "params": {"lr": -1e-3}}},
             "optimizer.params.lr in <dict>: must be >= 0.0",

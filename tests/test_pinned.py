@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import resource
 import threading
 import warnings
@@ -380,3 +381,116 @@ def test_small_background_buffers_are_populated_before_returning(lockable):
     buf = pinned.alloc_host_buffer(1 << 20, populate="background")  # one slice: no thread for it
     assert buf.locked and buf.populated
     buf.release()
+
+
+# --- the automatic pinned budget: cgroup limit and processes per node -----------------------------------
+
+GiB = 1 << 30
+
+
+def fake_cgroup(tmp_path, files: dict, membership: str = "0::/\n"):
+    """A fake /sys/fs/cgroup tree (`files`: path under the root -> contents) and /proc/self/cgroup."""
+    root = tmp_path / "cgroup"
+    root.mkdir(parents=True)
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    self_cgroup = tmp_path / "self_cgroup"
+    self_cgroup.write_text(membership)
+    return str(root), str(self_cgroup)
+
+
+@pytest.mark.parametrize(
+    "files, membership, expected",
+    [
+        ({"memory.max": f"{8 * GiB}\n"}, "0::/\n", 8 * GiB),  # v2, inside a container
+        ({"memory.max": "max\n"}, "0::/\n", None),
+        ({"memory/memory.limit_in_bytes": f"{4 * GiB}\n"}, "4:memory:/\n", 4 * GiB),  # v1
+        ({"memory/memory.limit_in_bytes": "9223372036854771712\n"}, "4:memory:/\n", None),  # v1 "unlimited"
+        ({}, "0::/\n", None),
+        ({"memory.max": "garbage\n"}, "0::/\n", None),
+        # v2 on a host: the limit sits on an ancestor of the process's own cgroup (e.g. a batch job)
+        ({"job/memory.max": f"{2 * GiB}", "job/step/memory.max": "max"}, "0::/job/step\n", 2 * GiB),
+        ({"job/memory.max": f"{6 * GiB}", "job/step/memory.max": f"{3 * GiB}"}, "0::/job/step\n", 3 * GiB),
+        # v1 with the memory controller among others, limit on the process's own cgroup
+        (
+            {
+                "memory/a/memory.limit_in_bytes": f"{GiB}",
+                "memory/memory.limit_in_bytes": "9223372036854771712",
+            },
+            "5:cpu,memory:/a\n",
+            GiB,
+        ),
+        # a cgroup outside this namespace ("/.."): only the root is read
+        ({"memory.max": f"{5 * GiB}"}, "0::/../../elsewhere\n", 5 * GiB),
+    ],
+)
+def test_cgroup_memory_limit(tmp_path, files, membership, expected):
+    root, self_cgroup = fake_cgroup(tmp_path, files, membership)
+    assert pinned.cgroup_memory_limit(root, self_cgroup) == expected
+
+
+def test_cgroup_memory_limit_without_proc_self_cgroup(tmp_path):
+    root, _ = fake_cgroup(tmp_path, {"memory.max": f"{GiB}"})
+    assert pinned.cgroup_memory_limit(root, str(tmp_path / "missing")) == GiB
+
+
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({}, 1),
+        ({"LOCAL_WORLD_SIZE": "4"}, 4),
+        ({"LOCAL_SIZE": "8"}, 8),  # DeepSpeed's launcher
+        ({"OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, 2),
+        ({"LOCAL_WORLD_SIZE": "4", "LOCAL_SIZE": "8"}, 4),
+        ({"LOCAL_WORLD_SIZE": "0"}, 1),
+        ({"LOCAL_WORLD_SIZE": "many", "LOCAL_SIZE": "3"}, 3),
+    ],
+)
+def test_local_world_size(env, expected):
+    assert pinned.local_world_size(env) == expected
+
+
+def test_automatic_budget_is_half_the_usable_memory_shared_by_the_local_processes(tmp_path):
+    root, self_cgroup = fake_cgroup(tmp_path, {"memory.max": f"{16 * GiB}"})
+    budget = pinned.automatic_pinned_budget(
+        physical=64 * GiB, cgroup_root=root, self_cgroup=self_cgroup, environ={"LOCAL_WORLD_SIZE": "4"}
+    )
+    assert budget == 16 * GiB // 2 // 4
+    # A cgroup limit above physical memory changes nothing; no launcher variables: one process.
+    root2, self2 = fake_cgroup(tmp_path / "b", {"memory.max": f"{128 * GiB}"})
+    budget = pinned.automatic_pinned_budget(
+        physical=64 * GiB, cgroup_root=root2, self_cgroup=self2, environ={}
+    )
+    assert budget == 32 * GiB
+
+
+def test_default_budget_uses_cgroup_and_local_world_size(tmp_path, monkeypatch):
+    root, self_cgroup = fake_cgroup(tmp_path, {"memory.max": f"{12 * GiB}"})
+    monkeypatch.setattr(pinned, "CGROUP_ROOT", root)
+    monkeypatch.setattr(pinned, "PROC_SELF_CGROUP", self_cgroup)
+    monkeypatch.setattr(pinned, "physical_memory_bytes", lambda: 256 * GiB)
+    monkeypatch.delenv(pinned.PINNED_BUDGET_ENV, raising=False)
+    for name in pinned.LOCAL_WORLD_SIZE_ENVS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    assert pinned.default_pinned_budget() == 12 * GiB // 2 // 3
+    # An explicit budget is per process and taken as given: the config key, then the environment variable.
+    monkeypatch.setenv(pinned.PINNED_BUDGET_ENV, str(5 * GiB))
+    assert pinned.default_pinned_budget() == 5 * GiB
+    assert pinned.default_pinned_budget(7 * GiB) == 7 * GiB
+
+
+def test_default_budget_on_this_machine_is_at_most_half_of_physical_memory(monkeypatch):
+    monkeypatch.delenv(pinned.PINNED_BUDGET_ENV, raising=False)
+    budget = pinned.default_pinned_budget()
+    assert 0 < budget <= pinned.physical_memory_bytes() // 2
+
+
+def test_default_budget_is_shared_by_the_processes_of_the_node(monkeypatch):
+    """torchrun's LOCAL_WORLD_SIZE divides the default: 4 ranks on a node no longer each take half of it."""
+    monkeypatch.delenv(pinned.PINNED_BUDGET_ENV, raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert 0 < pinned.default_pinned_budget() <= physical // 2 // 4

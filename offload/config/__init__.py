@@ -5,14 +5,16 @@ See docs/configuration.md for every key, its default, and what is accepted-and-i
 """
 
 from ._reader import ConfigError
-from .aio import AIO_BACKENDS, AioConfig, validate_aio_section
+from .aio import AIO_BACKENDS, AIO_LIMITS, AioConfig, validate_aio_section
 from .loader import ZeroOffloadConfig, ZeroOffloadSection, load_config
 from .optimizer import OPTIMIZER_TYPES, SCHEDULER_TYPES, OptimizerConfig, SchedulerConfig, parse_scheduler
 from .precision import BF16Config, FP16Config
-from .zero import OFFLOAD_DEVICES, OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
+from .zero import MIN_SUB_GROUP_SIZE, OFFLOAD_DEVICES, OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
 
 __all__ = [
     "AIO_BACKENDS",
+    "AIO_LIMITS",
+    "MIN_SUB_GROUP_SIZE",
     "OFFLOAD_DEVICES",
     "OPTIMIZER_TYPES",
     "SCHEDULER_TYPES",

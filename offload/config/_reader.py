@@ -133,7 +133,9 @@ class Section:
         min: Optional[int] = None,
         max: Optional[int] = None,
         allow_none: bool = False,
+        why: Optional[str] = None,
     ) -> Optional[int]:
+        """An integer in [min, max]; ``why`` (what the bound protects) is added to an out-of-range error."""
         value = self.raw.get(name, default)
         if value is None and (allow_none or name not in self.raw):
             return None
@@ -144,7 +146,7 @@ class Section:
             if not math.isfinite(value) or value != int(value):
                 raise self._type_error(name, "an integer", value)
             value = int(value)
-        self._check_range(name, value, min, max)
+        self._check_range(name, value, min, max, why)
         return value
 
     def float(
@@ -172,11 +174,19 @@ class Section:
             raise self.fail(name, f"must be {'<' if max_exclusive else '<='} {max}, got {value}")
         return value
 
-    def _check_range(self, name: str, value: int, lo: Optional[int], hi: Optional[int]) -> None:
-        if lo is not None and value < lo:
-            raise self.fail(name, f"must be >= {lo}, got {value}")
-        if hi is not None and value > hi:
-            raise self.fail(name, f"must be <= {hi}, got {value}")
+    def _check_range(
+        self, name: str, value: int, lo: Optional[int], hi: Optional[int], why: Optional[str] = None
+    ) -> None:
+        if (lo is None or value >= lo) and (hi is None or value <= hi):
+            return
+        if why is not None and lo is not None and hi is not None:
+            bound = f"in [{lo}, {hi}]"
+        elif lo is not None and value < lo:
+            bound = f">= {lo}"
+        else:
+            bound = f"<= {hi}"
+        reason = f" ({why})" if why else ""
+        raise self.fail(name, f"must be {bound}, got {value}{reason}")
 
     def str(self, name: str, default: Optional[str], *, allow_none: bool = False) -> Optional[str]:
         value = self.raw.get(name, default)

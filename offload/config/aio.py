@@ -6,7 +6,8 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Union
+from types import MappingProxyType
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 from ._reader import ConfigError, Context, Section
 
@@ -22,6 +23,26 @@ _DS_IO_BACKEND = {
     "posix": "psync",
     "sync": "psync",
     "simple": "psync",
+}
+
+# The I/O core's limits, as (lowest, highest) per key. They are checked here, when the config is loaded, so
+# that a value the core would refuse fails before training instead of at the first NVMe swap or checkpoint.
+# The core checks the same bounds in zo::Handle's constructor (aio_csrc/handle.cpp: kMaxBlockSize and the
+# queue_depth / intra_op_parallelism checks) and again in the pybind11 Handle (aio_csrc/bindings.cpp).
+# offload._aio does not export them, so this table is their only Python copy; tests/test_config_bounds.py
+# builds real Handles at both ends of every range, so a change on either side fails there.
+AIO_LIMITS: Mapping[str, Tuple[int, int]] = MappingProxyType(
+    {
+        "block_size": (1, 1 << 30),
+        "queue_depth": (1, 4096),
+        "intra_op_parallelism": (1, 256),
+    }
+)
+
+_AIO_LIMIT_REASON = {
+    "block_size": "the I/O core's limit on bytes per request: 1 byte to 1 GiB",
+    "queue_depth": "the I/O core's limit on requests in flight per I/O thread",
+    "intra_op_parallelism": "the I/O core's limit on I/O threads per handle",
 }
 
 _AIO_KEYS = (
@@ -62,8 +83,8 @@ def parse_aio(raw: Any, ctx: Context, path: str = "aio") -> AioConfig:
     s = Section(raw, path, ctx, _AIO_KEYS)
     # "thread_count" is DeepSpeed's old name for intra_op_parallelism; DeepSpeed lets the new key win when
     # both are given, which hides typos, so a disagreement is an error here.
-    threads = s.int("thread_count", None, min=1, allow_none=True)
-    parallelism = s.int("intra_op_parallelism", None, min=1, allow_none=True)
+    threads = _limited(s, "thread_count", None, limit="intra_op_parallelism")
+    parallelism = _limited(s, "intra_op_parallelism", None)
     if threads is not None and parallelism is not None and threads != parallelism:
         raise s.fail(
             "intra_op_parallelism",
@@ -86,14 +107,21 @@ def parse_aio(raw: Any, ctx: Context, path: str = "aio") -> AioConfig:
         raise s.not_supported("use_gds", "GPUDirect Storage (use_gds: true)")
 
     return AioConfig(
-        block_size=s.int("block_size", 1048576, min=1),
-        queue_depth=s.int("queue_depth", 8, min=1),
+        block_size=_limited(s, "block_size", 1048576),
+        queue_depth=_limited(s, "queue_depth", 8),
         intra_op_parallelism=intra,
         single_submit=s.bool("single_submit", False),
         overlap_events=s.bool("overlap_events", True),
         use_gds=use_gds,
         backend=backend,
     )
+
+
+def _limited(s: Section, name: str, default: Optional[int], *, limit: Optional[str] = None) -> Any:
+    """An integer key within the I/O core's range for ``limit`` (default: the key itself)."""
+    limit = limit or name
+    lo, hi = AIO_LIMITS[limit]
+    return s.int(name, default, min=lo, max=hi, allow_none=default is None, why=_AIO_LIMIT_REASON[limit])
 
 
 def validate_aio_section(d: Union[Mapping[str, Any], str, os.PathLike]) -> AioConfig:

@@ -118,7 +118,8 @@ class ZeroOffloadSection:
 
     report: bool = False
     report_every: int = 1
-    # None: $ZERO_OFFLOAD_PINNED_BUDGET if set, else half of physical memory.
+    # None: $ZERO_OFFLOAD_PINNED_BUDGET if set, else offload.pinned.automatic_pinned_budget(): half of
+    # min(physical memory, cgroup memory limit), shared by the processes of this node.
     pinned_budget_bytes: Optional[int] = None
 
 

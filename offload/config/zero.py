@@ -14,6 +14,24 @@ from ._reader import Context, Section, is_off_value
 
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 
+# Smallest zero_optimization.sub_group_size, in elements. A sub-group is the unit of the offloaded optimizer
+# step and of NVMe swapping: the engine cuts the partition into chunks of at most sub_group_size elements
+# (zero/engine.py `_slot_numel`, via offload/estimate/formulas.py `swap_chunk`); each chunk is one I/O
+# request per pass and one region [master | states] of its swap file, padded to whole 4 KiB blocks (the
+# swap alignment, offload/swap/optimizer_swapper.py `slot_bytes`). 1024 fp32 elements per array make every
+# region a whole number of blocks for any number of states; a sub-group of 1 element would cost one request
+# per element and, for Adam, 341x the disk space (4096 bytes for 12 bytes of state). DeepSpeed's default
+# is 1e9.
+MIN_SUB_GROUP_SIZE = 1024
+
+_SUB_GROUP_WHY = (
+    "the unit of the offloaded optimizer step and of NVMe swapping: each sub-group costs at least one I/O"
+    " request and is padded to whole 4 KiB blocks in the swap files, so smaller ones multiply the requests"
+    " and the disk space, 341x for Adam at 1 element; DeepSpeed's default is 1e9"
+)
+_NVME_BUFFER_WHY = "device 'nvme' swaps through these staging buffers and needs at least one"
+_NVME_BUFFER_SIZE_WHY = "device 'nvme' reads partitions through staging buffers of this many elements"
+
 _OFFLOAD_OPTIMIZER_KEYS = (
     "device",
     "nvme_path",
@@ -172,6 +190,11 @@ def _nvme_path(s: Section, device: str) -> Optional[str]:
     return path
 
 
+def _nvme_min(device: str) -> int:
+    """Staging-buffer keys are only read for NVMe; there 0 buffers (or 0 elements each) cannot work."""
+    return 1 if device == "nvme" else 0
+
+
 def parse_offload_optimizer(raw: Any, ctx: Context, path: str) -> OffloadOptimizerConfig:
     s = Section(raw, path, ctx, _OFFLOAD_OPTIMIZER_KEYS)
     device = s.choice("device", "none", OFFLOAD_DEVICES)
@@ -183,7 +206,7 @@ def parse_offload_optimizer(raw: Any, ctx: Context, path: str) -> OffloadOptimiz
         device=device,
         nvme_path=_nvme_path(s, device),
         pin_memory=s.bool("pin_memory", False),
-        buffer_count=s.int("buffer_count", 4, min=0),
+        buffer_count=s.int("buffer_count", 4, min=_nvme_min(device), why=_NVME_BUFFER_WHY),
         pipeline_read=s.bool("pipeline_read", False),
         pipeline_write=s.bool("pipeline_write", False),
         fast_init=s.bool("fast_init", False),
@@ -198,8 +221,8 @@ def parse_offload_param(raw: Any, ctx: Context, path: str) -> OffloadParamConfig
         device=device,
         nvme_path=_nvme_path(s, device),
         pin_memory=s.bool("pin_memory", False),
-        buffer_count=s.int("buffer_count", 5, min=0),
-        buffer_size=s.int("buffer_size", 100_000_000, min=0),
+        buffer_count=s.int("buffer_count", 5, min=_nvme_min(device), why=_NVME_BUFFER_WHY),
+        buffer_size=s.int("buffer_size", 100_000_000, min=_nvme_min(device), why=_NVME_BUFFER_SIZE_WHY),
         max_in_cpu=s.int("max_in_cpu", 1_000_000_000, min=0),
     )
 
@@ -276,7 +299,7 @@ def parse_zero(raw: Any, ctx: Context, *, legacy_allgather_size: Any = None) -> 
         load_from_fp32_weights=s.bool("load_from_fp32_weights", True),
         ignore_unused_parameters=s.bool("ignore_unused_parameters", True),
         round_robin_gradients=s.bool("round_robin_gradients", False),
-        sub_group_size=s.int("sub_group_size", 1_000_000_000, min=0),
+        sub_group_size=s.int("sub_group_size", 1_000_000_000, min=MIN_SUB_GROUP_SIZE, why=_SUB_GROUP_WHY),
         offload_optimizer=offload_optimizer,
         offload_param=offload_param,
         stage3_prefetch_bucket_size=s.int("stage3_prefetch_bucket_size", 50_000_000, min=0),
