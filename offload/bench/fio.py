@@ -4,11 +4,17 @@ Parameter mapping (ours -> fio): block_size -> bs, queue_depth -> iodepth (per j
 numjobs (each job one contiguous slice of the file, like our threads), backend io_uring/aio/psync ->
 ioengine io_uring/libaio/psync, single_submit -> iodepth_batch_submit=1 (else the whole queue at once).
 overlap_events has no fio equivalent. fio's buffers are huge-page shared memory (--iomem=shmhuge) when
-the system can provide the pages; vm.nr_hugepages is raised for the comparison and restored afterwards.
+the system can provide the pages; vm.nr_hugepages is raised for the comparison and restored afterwards:
+at the end of the comparison, on any error, and on SIGTERM/SIGHUP (through offload.cleanup). A fio still
+running when the bench is terminated is killed, so it cannot go on writing after the bench has gone.
+
+DS_NVME_BENCH_NR_HUGEPAGES names another file to use as the vm.nr_hugepages control (tests point it at a
+scratch file; the default is /proc/sys/vm/nr_hugepages).
 """
 
 from __future__ import annotations
 
+import errno as errno_mod
 import json
 import os
 import resource
@@ -18,11 +24,14 @@ import subprocess
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from offload.cleanup import Registration, register
+
 from .grid import AioParams
 
 GB = 1e9
 FIO_ENGINES = {"io_uring": "io_uring", "aio": "libaio", "psync": "psync"}
-_NR_HUGEPAGES = "/proc/sys/vm/nr_hugepages"
+NR_HUGEPAGES = "/proc/sys/vm/nr_hugepages"
+NR_HUGEPAGES_ENV = "DS_NVME_BENCH_NR_HUGEPAGES"
 
 
 class FioError(RuntimeError):
@@ -41,6 +50,25 @@ def _meminfo(key: str) -> int:
     return 0
 
 
+def nr_hugepages_path() -> str:
+    """The vm.nr_hugepages control file: DS_NVME_BENCH_NR_HUGEPAGES if set, else /proc/sys/vm/nr_hugepages."""
+    return os.environ.get(NR_HUGEPAGES_ENV) or NR_HUGEPAGES
+
+
+def _read_count(path: str) -> int:
+    with open(path) as f:
+        text = f.read()
+    try:
+        return int(text.strip())
+    except ValueError:
+        raise OSError(errno_mod.EINVAL, f"not a number: {text.strip()[:40]!r}", path) from None
+
+
+def _write_count(path: str, value: int) -> None:
+    with open(path, "w") as f:
+        f.write(str(value))
+
+
 def hugepage_bytes() -> int:
     return _meminfo("Hugepagesize") * 1024 or (2 << 20)
 
@@ -55,12 +83,18 @@ def fio_hugepages_needed(params: AioParams) -> int:
 
 @dataclass
 class HugePages:
-    """Make `needed` huge pages free for the duration of a `with` block, restoring vm.nr_hugepages after."""
+    """Make `needed` huge pages free for the duration of a `with` block, restoring vm.nr_hugepages after.
+
+    The original value is written back when the block ends, when anything in between raises (KeyboardInterrupt
+    included), and on SIGTERM/SIGHUP through offload.cleanup; `sysctl` is the control file to use.
+    """
 
     needed: int
+    sysctl: str = field(default_factory=nr_hugepages_path)
     available: bool = False
     note: str = ""
     _original: Optional[int] = None
+    _registration: Optional[Registration] = None
 
     def __enter__(self) -> HugePages:
         try:
@@ -68,16 +102,19 @@ class HugePages:
             if free >= self.needed:
                 self.available = True
                 return self
-            if os.geteuid() != 0:
-                self.note = (
-                    f"huge pages unavailable ({free} free, {self.needed} needed; "
-                    "raising vm.nr_hugepages needs root)"
+            if not os.access(self.sysctl, os.W_OK):
+                why = (
+                    "raising vm.nr_hugepages needs root"
+                    if os.geteuid() != 0
+                    else f"{self.sysctl} is read-only"
                 )
+                self.note = f"huge pages unavailable ({free} free, {self.needed} needed; {why})"
                 return self
-            with open(_NR_HUGEPAGES) as f:
-                self._original = int(f.read())
-            with open(_NR_HUGEPAGES, "w") as f:
-                f.write(str(self._original + self.needed - free))
+            original = _read_count(self.sysctl)
+            # Registered before the write: from the moment the value may differ, every way out restores it.
+            self._original = original
+            self._registration = register(self._restore)
+            _write_count(self.sysctl, original + self.needed - free)
             granted = _meminfo("HugePages_Free")
             if granted >= self.needed:
                 self.available = True
@@ -89,13 +126,30 @@ class HugePages:
         except OSError as e:
             self.note = f"huge pages unavailable (vm.nr_hugepages: {e.strerror})"
             self._restore()
+        except BaseException:
+            self._restore()
+            raise
         return self
 
     def _restore(self) -> None:
-        if self._original is not None:
-            with open(_NR_HUGEPAGES, "w") as f:
-                f.write(str(self._original))
-            self._original = None
+        """Write the original value back (once); a failure is reported on stderr with the fix."""
+        original, self._original = self._original, None
+        registration, self._registration = self._registration, None
+        if registration is not None:
+            registration.cancel()
+        if original is None:
+            return
+        try:
+            _write_count(self.sysctl, original)
+        except OSError as e:
+            message = (
+                f"ds-nvme-bench: warning: could not restore vm.nr_hugepages to {original} "
+                f"({self.sysctl}: {e.strerror}); set it back with: sysctl -w vm.nr_hugepages={original}\n"
+            )
+            try:
+                os.write(2, message.encode())  # not print(): this may run inside a signal handler
+            except OSError:
+                pass
 
     def __exit__(self, *exc: object) -> None:
         self._restore()
@@ -137,17 +191,36 @@ def fio_command(
     return cmd
 
 
+def _kill(proc: subprocess.Popen) -> None:
+    try:
+        proc.kill()
+    except OSError:
+        pass
+
+
 def run_fio(cmd: List[str], op: str, timeout: float = 600.0) -> FioSample:
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # A SIGTERM to the bench must not leave fio writing the test file (or recreating it after its removal).
+    stop = register(lambda: _kill(proc))
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        raise FioError(f"fio did not finish within {timeout:.0f} s") from None
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise FioError(f"fio did not finish within {timeout:.0f} s") from None
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+    finally:
+        stop.cancel()
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
-        lines = [ln for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()]
+        lines = [ln for ln in (stderr + stdout).splitlines() if ln.strip()]
         raise FioError(f"fio exited with {proc.returncode}: {lines[-1] if lines else 'no output'}")
-    text = proc.stdout
+    text = stdout
     start = text.find("{")
     try:
         report: Dict[str, Any] = json.loads(text[start:])

@@ -110,6 +110,7 @@ class BenchFile:
         self.direct = True
         self.notes: List[str] = []
         self._created = False
+        self._cleanup: Any = None  # offload.cleanup registration that removes the file on exit or SIGTERM
         # Our pinned buffers (huge pages, page-locked), as the engine's swappers use them.
         self._buf: Any = alloc_host_buffer(self.buffer_bytes)
         self.buffer_locked = bool(self._buf.locked)
@@ -119,13 +120,19 @@ class BenchFile:
         self.npages = self.buffer_bytes // PAGE
 
     # -- lifecycle ---------------------------------------------------------------------------------
-    def close(self) -> None:
+    def _remove_file(self) -> None:
         if self._created:
+            self._created = False
             try:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
-            self._created = False
+
+    def close(self) -> None:
+        cleanup, self._cleanup = self._cleanup, None
+        if cleanup is not None:
+            cleanup()  # removes the file (once) and drops the registration
+        self._remove_file()
         if self._buf is not None:
             self.view = np.empty(0, dtype=np.uint8)
             self._buf.release()
@@ -165,11 +172,20 @@ class BenchFile:
     def layout(self) -> None:
         """Write the whole file once (untimed), so every measurement overwrites allocated blocks, as fio does.
 
-        This is also where O_DIRECT is tried and where a full disk shows up first.
+        This is also where O_DIRECT is tried and where a full disk shows up first. From here on the file is
+        removed by close(), at normal exit, and on SIGTERM/SIGHUP (offload.cleanup), whichever comes first.
         """
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        from offload.cleanup import register
+
+        if self._cleanup is None:
+            self._cleanup = register(self._remove_file)
+        self._created = True  # before the file exists, so that no moment has it on disk and unaccounted for
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except BaseException:
+            self._created = False  # not ours to remove
+            raise
         os.close(fd)
-        self._created = True
         try:
             self._layout_once()
         except OSError as e:

@@ -6,9 +6,11 @@ those (the legend says so), so a line shows what that backend and depth can reac
 
 from __future__ import annotations
 
+import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .grid import format_size
+from .outputs import write_atomically
 
 _LINESTYLES = {"io_uring": ("-", "o"), "aio": ("--", "s"), "psync": (":", "^")}
 
@@ -42,7 +44,9 @@ def plot_results(
     out_path: str,
     title: str,
     fio: Optional[Sequence[Dict[str, Any]]] = None,
+    overwrite: bool = True,
 ) -> None:
+    """Draw the plot into `out_path` (format from its extension, PNG without one), written atomically."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only; never needs a display
@@ -113,5 +117,10 @@ def plot_results(
         ax.set_ylim(0, ymax * 1.15 if ymax > 0 else 1)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(out_path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    fmt = os.path.splitext(out_path)[1][1:].lower() or "png"
+    try:
+        write_atomically(
+            out_path, lambda f: fig.savefig(f, format=fmt, dpi=110, bbox_inches="tight"), overwrite=overwrite
+        )
+    finally:
+        plt.close(fig)

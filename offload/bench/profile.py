@@ -84,13 +84,13 @@ def aio_section(params: AioParams) -> Dict[str, Any]:
     return {"aio": section}
 
 
-def write_json(payload: Dict[str, Any], path: str) -> None:
-    """Write through a temporary name and rename, so an interrupted run never leaves half a file."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(payload, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
+def write_json(payload: Dict[str, Any], path: str, overwrite: bool = True) -> None:
+    """Write atomically (temporary file in the same directory, fsync, rename): an interrupted run never leaves
+    half a file. With `overwrite` false an existing file is kept and BenchError raised."""
+    from .outputs import write_atomically
+
+    text = json.dumps(payload, indent=2) + "\n"  # serialised first: a bad value cannot leave a file behind
+    write_atomically(path, lambda f: f.write(text.encode()), overwrite=overwrite)
 
 
 def load_machine_profile(path: str) -> Dict[str, Any]:

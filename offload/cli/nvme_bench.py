@@ -3,7 +3,11 @@
     ds-nvme-bench --path /mnt/nvme --quick --json profile.json --plot bw.png --write-config aio.json
 
 Exit status: 0 done, 1 data read back differed from what was written, 2 bad input or unusable
-environment (path, size, grid, full disk), each with one line on stderr saying what was wrong.
+environment (path, size, grid, full disk, an output file that exists without --force or cannot be
+written), each with one line on stderr saying what was wrong.
+
+Output files are checked before the first measurement and written atomically; the test file, temporary
+files and a raised vm.nr_hugepages are undone at exit, on errors and on SIGTERM/SIGHUP (offload.cleanup).
 """
 
 from __future__ import annotations
@@ -69,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--fio", action="store_true", help="also run fio with the best settings, interleaved, and compare"
     )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="overwrite --json, --write-config and --plot files that already exist (without it an existing "
+        "file is an error, reported before anything is measured)",
+    )
     return p
 
 
@@ -89,14 +99,23 @@ def check_directory(path: str) -> str:
     return os.path.abspath(path)
 
 
-def check_output(option: str, path: Optional[str]) -> None:
-    if path is None:
-        return
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise BenchError(f"{option} {path}: directory {parent} does not exist")
-    if not os.access(parent, os.W_OK):
-        raise BenchError(f"{option} {path}: directory {parent} is not writable")
+def check_outputs(args: argparse.Namespace) -> None:
+    """Every output file must be writable, and new unless --force, before anything is measured."""
+    from offload.bench.outputs import check_targets
+
+    check_targets(
+        [("--json", args.json), ("--plot", args.plot), ("--write-config", args.write_config)], args.force
+    )
+
+
+def write_output(option: str, path: str, write: Any) -> None:
+    """Run `write()` for one output file; an I/O error becomes one line naming the option and file."""
+    from offload.bench.nvme import describe_os_error
+
+    try:
+        write()
+    except OSError as e:
+        raise BenchError(describe_os_error(e, f"writing {option} {path}:")) from None
 
 
 def choose_size(text: Optional[str], quick: bool, free: int, ram: int) -> int:
@@ -213,12 +232,7 @@ def run(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         raise BenchError(f"--repeats {args.repeats}: must be at least 1")
     directory = check_directory(args.path)
-    for option, value in (
-        ("--json", args.json),
-        ("--plot", args.plot),
-        ("--write-config", args.write_config),
-    ):
-        check_output(option, value)
+    check_outputs(args)
     ops = ["read"] if args.read_only else ["write"] if args.write_only else ["write", "read"]
     try:
         from offload import _aio
@@ -300,8 +314,12 @@ def run(args: argparse.Namespace) -> int:
     for line in notes:
         print(f"note: {line}")
 
+    overwrite = args.force
     if args.write_config:
-        write_json(aio_section(chosen.params), args.write_config)
+        section = aio_section(chosen.params)
+        write_output(
+            "--write-config", args.write_config, lambda: write_json(section, args.write_config, overwrite)
+        )
         print(f"wrote {args.write_config} (aio settings best for {'read+write' if best_both else ops[0]})")
     if args.json:
         profile = build_profile(
@@ -320,12 +338,14 @@ def run(args: argparse.Namespace) -> int:
             notes=notes,
             buffer=buffer_info,
         )
-        write_json(profile, args.json)
+        write_output("--json", args.json, lambda: write_json(profile, args.json, overwrite))
         print(f"wrote {args.json} (machine profile)")
     if args.plot:
         if plot_available():
             title = f"{PROG}: {directory}, {format_size(size)} per run, medians of {args.repeats}"
-            plot_results(results, args.plot, title, comparisons)
+            write_output(
+                "--plot", args.plot, lambda: plot_results(results, args.plot, title, comparisons, overwrite)
+            )
             print(f"wrote {args.plot}")
         else:
             note("plot skipped: matplotlib is not installed (pip install matplotlib)")
