@@ -9,11 +9,12 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 py="$venv/bin/python"
 # torch==2.13.0 is pinned: this machine carries its CPU wheel, and an unpinned torch would pull a multi-GB
-# CUDA build. transformers is for the tests only (Hugging Face GPT-2 / Llama built from configs, no hub).
-if ! "$py" -c "import torch, pytest, hypothesis, psutil, numpy, transformers" >/dev/null 2>&1 \
+# CUDA build. xxhash (checkpoint checksums) is pinned to the version the checkpoints were tested with.
+# transformers is for the tests only (Hugging Face GPT-2 / Llama built from configs, no hub).
+if ! "$py" -c "import torch, pytest, hypothesis, psutil, numpy, transformers, xxhash" >/dev/null 2>&1 \
     || ! "$venv/bin/ruff" --version >/dev/null 2>&1; then
     "$py" -m pip install -q --disable-pip-version-check \
-        "torch==2.13.0" numpy psutil "pytest>=7" "hypothesis>=6" "ruff>=0.5" "clang-format>=17" \
+        "torch==2.13.0" numpy psutil "xxhash==4.1.0" "pytest>=7" "hypothesis>=6" "ruff>=0.5" "clang-format>=17" \
         "transformers>=4.40" \
         "setuptools>=64" wheel "pybind11>=2.12" 2>&1 | grep -v "is ignored: it is neither" || true
 fi

@@ -29,3 +29,29 @@ def run_on_ranks(fn: RankFn, tmp: Path, world_size: int = 2) -> Tuple[List[Any],
     args = (fn, world_size, str(tmp / "init"), str(nvme), str(tmp))
     mp.spawn(_worker, args=args, nprocs=world_size, join=True)
     return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(world_size)], nvme
+
+
+def run_on_ranks_within(
+    fn: RankFn, tmp: Path, timeout_s: float, world_size: int = 2
+) -> Tuple[List[Any], Path]:
+    """As run_on_ranks, but a rank still running after `timeout_s` (e.g. blocked in a collective that a
+    failed peer never joins) kills them all and raises TimeoutError instead of hanging the test run."""
+    import time
+
+    nvme = tmp / "nvme"
+    nvme.mkdir()
+    args = (fn, world_size, str(tmp / "init"), str(nvme), str(tmp))
+    ctx = mp.start_processes(_worker, args=args, nprocs=world_size, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            for p in ctx.processes:
+                p.join()
+            done = [r for r in range(world_size) if (tmp / f"rank{r}.pt").exists()]
+            raise TimeoutError(
+                f"ranks not finished after {timeout_s} s (finished: {done}): a rank is blocked"
+            )
+    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(world_size)], nvme

@@ -98,6 +98,7 @@ def test_resume_is_bit_identical(tmp_path, save_dev, load_dev, fp16):
     resumed.close()
     assert sorted(os.listdir(ckpt)) == ["global_step3", "latest"]
     assert sorted(os.listdir(ckpt / "global_step3")) == [
+        "manifest.json",
         "model_states.pt",
         "optim_rank0.bin",
         "rank0_states.pt",

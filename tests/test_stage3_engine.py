@@ -187,6 +187,7 @@ def test_checkpoint_with_nvme_params_resumes_bit_identically(tmp_path, optim):
     path = first.save_checkpoint(str(tmp_path / "ckpt"))
     first.close()
     assert sorted(os.listdir(path)) == [
+        "manifest.json",
         "model_states.pt",
         "optim_rank0.bin",
         "param_rank0.bin",

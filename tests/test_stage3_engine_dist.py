@@ -99,6 +99,7 @@ def test_two_rank_checkpoint_resumes_bit_identically(two_rank_results):
     for r in range(2):
         assert two_rank_results[r]["checkpoint"]["same"], f"rank {r} diverged after resuming"
     assert two_rank_results[0]["checkpoint"]["files"] == [
+        "manifest.json",
         "model_states.pt",
         "optim_rank0.bin",
         "optim_rank1.bin",

@@ -2,7 +2,19 @@
 
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["GatheredParameters", "Init", "ZeroEngine", "consolidated_state_dict", "initialize"]
+from zero.errors import CheckpointError, CheckpointIntegrityError, CheckpointPickleError, StateCorruptedError
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointIntegrityError",
+    "CheckpointPickleError",
+    "GatheredParameters",
+    "Init",
+    "StateCorruptedError",
+    "ZeroEngine",
+    "consolidated_state_dict",
+    "initialize",
+]
 
 if TYPE_CHECKING:
     from zero.engine import ZeroEngine

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+import warnings
 from typing import Any, Callable, Dict, Iterator, List, NoReturn, Optional, Tuple, Union
 
 import torch
@@ -39,6 +40,7 @@ from offload.swap.optimizer_swapper import AioSettings, OptimizerSwapper, slot_b
 from offload.swap.space import SwapSpace, check_nvme_path
 from zero.accelerator import compute_device, dist_backend
 from zero.comm import settle
+from zero.errors import StateCorruptedError
 from zero.grad_fetch import DeviceGradFetch, copy_to_host
 from zero.optimizer_offload import (
     DeviceState,
@@ -53,7 +55,18 @@ from zero.report import PhaseClock, StepReport
 __all__ = ["PINNED_BUDGET_ENV", "ZeroEngine"]
 
 # Cap on pinned host memory the engine may take (bytes). Until the config has a key for it, the
-# environment sets it; default: half of physical memory.
+# environment sets it; default: half of the usable memory (RAM or cgroup limit) per local process.
+
+
+def _describe(err: BaseException) -> str:
+    """An error as its type and text; for an OSError also errno and path when the text lacks them."""
+    text = f"{type(err).__name__}: {err}"
+    if isinstance(err, OSError):
+        if err.errno is not None and f"Errno {err.errno}" not in text:
+            text += f" [errno {err.errno}]"
+        if err.filename and str(err.filename) not in text:
+            text += f" ({err.filename})"
+    return text
 
 
 def init_distributed() -> Tuple[int, int, int]:
@@ -187,6 +200,11 @@ class ZeroEngine:
         self.last_report: Optional[StepReport] = None
         self.last_grad_norm: Optional[float] = None  # set when a step computes it (clipping, fp16 check)
         self._closed = False
+        # The first failure that may have left master, states or parameters inconsistent (None: usable);
+        # `_state_error_what` says what failed. Steps and saves refuse until a checkpoint is loaded.
+        self._state_error: Optional[BaseException] = None
+        self._state_error_what = ""
+        self._pass_updates = 0  # chunks the running optimizer pass updated (an in-place tier is torn then)
         self._space: Optional[SwapSpace] = None
         self._state: Any = None
         self._writer: Optional[_ParamWriter] = None
@@ -614,6 +632,7 @@ class ZeroEngine:
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """Backward of `loss / gradient_accumulation_steps` (times the loss scale in fp16)."""
         self._check_open()
+        self.check_state_usable()
         boundary = self.is_gradient_accumulation_boundary()
         if self.reducer is not None and boundary:
             self.reducer.begin()
@@ -646,6 +665,7 @@ class ZeroEngine:
     def step(self, lr_kwargs: Optional[Dict[str, Any]] = None) -> None:
         """Count the micro-batch; at the end of an accumulation window, update the weights."""
         self._check_open()
+        self.check_state_usable()
         if self.is_gradient_accumulation_boundary():
             self._take_model_step(lr_kwargs)
             self.global_steps += 1
@@ -715,6 +735,7 @@ class ZeroEngine:
                 check_finite=fused_check,
             )
             if ok:
+                self._pass_updates += 1
                 writer.after_update(start, n, master)
             return ok
 
@@ -745,6 +766,7 @@ class ZeroEngine:
             self._grad_fetch.begin()
         gate.begin()
         self._early_result = None
+        self._pass_updates = 0
         self._early_thread = threading.Thread(target=run, name="zero-optimizer-overlap", daemon=True)
         self._early_thread.start()
 
@@ -762,10 +784,15 @@ class ZeroEngine:
         if getattr(self, "_early_thread", None) is None:
             return
         self._early_gate.cancel()  # type: ignore[union-attr]
-        self._join_early_pass()
+        result = self._join_early_pass()
         self._state.abort()
         self._restore_params()
         self._state.stats.reset()
+        err = result[1] if result is not None else None
+        if getattr(err, "steps_lost", 0):
+            # The pass found the last step's write-back lost: the next step (or save) undoes that step,
+            # exactly as without the overlapped pass.
+            self._state.keep_lost(err)
 
     def _optimizer_pass(self, rep: StepReport) -> bool:
         """Run the optimizer over this rank's partition; True when the step was skipped (overflow)."""
@@ -789,9 +816,10 @@ class ZeroEngine:
         h2d0 = self._writer.h2d_bytes
         update = self._chunk_update(self.grad_host, step, group, grad_scale, fused_check)
 
+        self._pass_updates = 0
         try:
             ok = self._state.step(update)
-        except OSError as e:
+        except BaseException as e:
             self._raise_pass_failure(e, step)
         if fused_check and self.world_size > 1:
             flag = torch.tensor(
@@ -825,8 +853,18 @@ class ZeroEngine:
         return self._end_pass(ok, step, rep, h2d0)
 
     def _raise_pass_failure(self, err: BaseException, step: int) -> NoReturn:
-        """A pass over the swapped optimizer state failed: keep the last durable state, then raise."""
+        """An optimizer pass failed part way. Two NVMe copies: the committed state is intact, so the
+        parameters are put back from it and the error raised (a retry redoes the update). In-place state
+        (memory tiers, one NVMe copy) that the pass already changed is torn: the engine is poisoned."""
         self._state.abort()
+        if self._pass_updates and not self._atomic_steps():
+            self._writer.finish()
+            self.poison_state(
+                err,
+                what=f"optimizer step {step} failed after it had updated part of the optimizer state "
+                "in place (it cannot be rolled back)",
+            )
+            self.check_state_usable()
         self._restore_params()
         if getattr(err, "steps_lost", 0):  # the last step's deferred write-back failed: undo it too
             self.optimizer.step_count -= err.steps_lost  # type: ignore[attr-defined]
@@ -874,17 +912,25 @@ class ZeroEngine:
         self.flat.param_buffer[self.lo : self.hi].copy_(self._state.master)
 
     def _restore_params(self) -> None:
-        """After an aborted NVMe pass: put the committed master back into the parameter buffer."""
+        """After an aborted pass: put the committed master back into the parameters. If that fails the
+        parameters are partly the aborted pass's: the engine is poisoned (StateCorruptedError, chained)."""
+        try:
+            self._put_master_in_params()
+        except Exception as e:
+            self.poison_state(e, what="putting the committed fp32 master back into the parameters failed")
+            self.check_state_usable()
+        except BaseException as e:  # KeyboardInterrupt and the like: raised as they are, state marked
+            self.poison_state(e, what="putting the committed fp32 master back into the parameters stopped")
+            raise
+
+    def _put_master_in_params(self) -> None:
         self._writer.finish()  # on a GPU: after the copies the aborted pass still had in flight
         target = self.flat.param_buffer
 
         def put(start: int, n: int, master: torch.Tensor, states: List[torch.Tensor]) -> None:
             target[self.lo + start : self.lo + start + n].copy_(master)
 
-        try:
-            self._state.read_all(put)
-        except OSError:
-            pass  # the parameters are stale but the committed state is intact; a reload restores them
+        self._state.read_all(put)
 
     def _allgather_params(self) -> None:
         size = self.part_numel
@@ -913,8 +959,117 @@ class ZeroEngine:
     def swap_dir(self) -> Optional[str]:
         return self._space.dir if self._space is not None else None
 
+    # ------------------------------------------------------------------------------------- state integrity
+    @property
+    def state_error(self) -> Optional[BaseException]:
+        """The failure that made the training state unusable (see `check_state_usable`); None when usable."""
+        return getattr(self, "_state_error", None)
+
+    def check_state_usable(self) -> None:
+        """Raise `StateCorruptedError` if a failure may have left master, optimizer states or parameters
+        inconsistent (an I/O error while state was updated in place, a failed restore, a checkpoint load
+        that stopped part way). Steps, backward and checkpoint saves call this; loading a checkpoint
+        completely (with its optimizer states) makes the engine usable again."""
+        err = self.state_error
+        if err is None:
+            return
+        raise StateCorruptedError(
+            f"the engine's training state is unusable: {self._state_error_what}: {_describe(err)}. The fp32 "
+            "master, optimizer states and parameters may be partly updated, so steps and checkpoint saves "
+            "are refused: load a checkpoint to continue (engine.load_checkpoint, with its optimizer states)",
+            err,
+        ) from err
+
+    def poison_state(self, err: BaseException, what: Optional[str] = None) -> None:
+        """Mark the training state unusable because of `err` (e.g. an I/O error that stopped a checkpoint
+        load half way): `step`, `backward` and saves raise `StateCorruptedError` until
+        `mark_state_restored()`. A `StateCorruptedError` passed here keeps naming its original error."""
+        if isinstance(err, StateCorruptedError) and err.original is not None:
+            if self.state_error is err.original:
+                return
+            err = err.original
+        self._state_error = err
+        self._state_error_what = what or "an operation that changes it failed part way"
+
+    def mark_state_restored(self) -> None:
+        """A checkpoint's module weights and optimizer states were loaded completely: usable again."""
+        self._state_error = None
+        self._state_error_what = ""
+
+    def prepare_checkpoint_save(self) -> None:
+        """Settle the engine before a checkpoint reads its state: an optimizer pass started during backward
+        is discarded (the committed state is saved, as without overlap), the last step's deferred NVMe
+        writes are waited for - if one failed, that step is undone (parameters and step count back at the
+        state before it) and its `DeferredWriteError` raised, so no save pairs its weights with the older
+        optimizer state - and an unusable state raises `StateCorruptedError`. Afterwards master, states
+        and parameters read consistently until the next step."""
+        self._check_open()
+        self.check_state_usable()
+        self._discard_early_pass()
+        self._settle_write_back()
+        self.check_state_usable()
+
+    def sync_master_from_module(self) -> None:
+        """Rebuild the fp32 master of every tier from the module's current weights (optimizer states are
+        kept): after loading only the module's weights, the next step starts from them instead of the old
+        master overwriting them. With 16-bit weights the master takes their (16-bit) values.
+
+        NVMe with two copies writes the new master atomically; an error part way through leaves master
+        and module different, so the engine is poisoned (as it is for one copy or memory tiers)."""
+        self._check_open()
+        self._discard_early_pass()
+        err = self._state.take_lost()
+        if err is not None:  # the states are back at the step before: count that, keep the loaded weights
+            self.optimizer.step_count -= err.steps_lost
+            warnings.warn(
+                f"the last optimizer step was lost before the master was rebuilt from the module: {err}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        fill = self._master_from_module()
+
+        def put(start: int, n: int, master: torch.Tensor, states: List[torch.Tensor]) -> None:
+            fill(start, n, master)
+
+        try:
+            self._state.rewrite(put)
+        except BaseException as e:
+            self.poison_state(e, what="rebuilding the fp32 master from the module's weights failed")
+            if isinstance(e, Exception):
+                self.check_state_usable()
+            raise
+        self._state.stats.reset()  # not part of the next step's report
+
+    def _master_from_module(self) -> Callable[[int, int, torch.Tensor], None]:
+        """fill(start, n, out): the module's weights of [start, start + n) of the partition, as fp32."""
+        buf, lo = self.flat.param_buffer, self.lo  # the parameters are views of it; the padding is zero
+
+        def fill(start: int, n: int, out: torch.Tensor) -> None:
+            src = buf[lo + start : lo + start + n]
+            if out.data_ptr() != src.data_ptr():  # aliased (fp32 on the host): the master is the weights
+                out.copy_(src)
+
+        return fill
+
+    def _atomic_steps(self) -> bool:
+        """Whether a failed optimizer pass leaves the committed state untouched (two NVMe copies)."""
+        return isinstance(self._state, OptimizerSwapper) and self._state.copies > 1
+
+    def _settle_write_back(self) -> None:
+        """Wait for the writes the last step left in flight. If one failed, the swapper is back at the state
+        before that step: undo the engine's side of it too (parameters, step count, gradients computed on
+        its weights) and raise the `DeferredWriteError`."""
+        err = self._state.take_lost()
+        if err is None:
+            return
+        self._restore_params()
+        self.optimizer.step_count -= err.steps_lost
+        self.zero_grad()
+        raise err
+
     def optimizer_state_dict(self) -> Dict[str, Any]:
         self._discard_early_pass()  # between backward and step: the committed state, as without overlap
+        self._settle_write_back()
         master = torch.empty(self.part_numel, dtype=torch.float32)
         states = [torch.empty(self.part_numel, dtype=torch.float32) for _ in range(self.rule.n_states)]
 
@@ -947,7 +1102,12 @@ class ZeroEngine:
             for dst, src in zip(st, states):
                 dst.copy_(src[start : start + n])
 
-        self._state.load(put)
+        try:
+            self._state.load(put)  # two NVMe copies: atomic; otherwise in place
+        except BaseException as e:
+            if not self._atomic_steps():
+                self.poison_state(e, what="loading the optimizer state failed part way")
+            raise
         self.optimizer.param_groups[0].update(sd["param_groups"][0])
         self.optimizer.step_count = int(sd["step"])
         self._restore_params()
@@ -967,7 +1127,11 @@ class ZeroEngine:
         load_optimizer_states: bool = True,
         load_lr_scheduler_states: bool = True,
         load_module_only: bool = False,
+        *,
+        allow_pickle: bool = False,
     ) -> Tuple[Optional[str], Optional[Dict[str, Any]]]:
+        """DeepSpeed's load_checkpoint; `allow_pickle=True` also loads what only pickle can restore (see
+        zero.checkpoint.load_checkpoint: only for checkpoints from a trusted source)."""
         from zero.checkpoint import load_checkpoint
 
         return load_checkpoint(
@@ -975,8 +1139,10 @@ class ZeroEngine:
             load_dir,
             tag=tag,
             load_module_strict=load_module_strict,
-            load_optimizer_states=load_optimizer_states and not load_module_only,
-            load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only,
+            load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states,
+            load_module_only=load_module_only,
+            allow_pickle=allow_pickle,
         )
 
     # --------------------------------------------------------------------------------------- lifetime

@@ -238,6 +238,13 @@ class DeviceState:
     def load(self, fn: Callable[[int, int, torch.Tensor, List[torch.Tensor]], None]) -> None:
         self.read_all(fn)
 
+    def rewrite(self, fn: Callable[[int, int, torch.Tensor, List[torch.Tensor]], None]) -> None:
+        """`fn` changes each chunk's views in place (the swapper's `rewrite`, for this tier)."""
+        self.read_all(fn)
+
+    def take_lost(self) -> None:
+        return None  # nothing is written back later on this tier
+
     def close(self) -> None:
         pass
 

@@ -19,7 +19,8 @@ gathered per module during forward and backward) into the same optimizer machine
   assembled per unit and written to its swap file through `write_partition` once the unit is complete).
 * NVMe disk space. The atomic optimizer step needs two copies of the state on disk; when `nvme_path`
   cannot hold them (ZeRO-Infinity scale), the state is updated in place (one copy, a warning is issued):
-  a step that fails half way then cannot be rolled back, and fp16 overflow is checked before the pass.
+  a step that fails half way then cannot be rolled back - the engine refuses further steps and saves
+  (`StateCorruptedError`) until a checkpoint is loaded - and fp16 overflow is checked before the pass.
 """
 
 from __future__ import annotations
@@ -351,11 +352,12 @@ class Stage3Engine(ZeroEngine):
 
         self._state.read_all(put)
 
-    def _restore_params(self) -> None:
-        try:
-            self._write_from_master()
-        except OSError:
-            pass  # the partitions are stale but the committed state is intact; a reload restores them
+    def _put_master_in_params(self) -> None:
+        self._write_from_master()
+
+    def _master_from_module(self) -> Any:
+        """The partitions' current values as fp32, unit by unit (what the master started from)."""
+        return self._master_filler({})
 
     def _device_step(self, step: int, group: Dict[str, Any], grad_scale: float) -> None:
         opt = self._torch_opt
@@ -408,6 +410,7 @@ class Stage3Engine(ZeroEngine):
         0, like DeepSpeed's; every rank must call it. Returns True."""
         import os
 
+        self.check_state_usable()
         sd = consolidated_state_dict(self)
         if exclude_frozen_parameters:
             frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
@@ -427,6 +430,8 @@ class Stage3Engine(ZeroEngine):
 
     def fp32_master_state_dict(self) -> Dict[str, torch.Tensor]:
         """The trainable parameters' fp32 master values, whole (collective; gathers one unit at a time)."""
+        self._discard_early_pass()
+        self._settle_write_back()
         master = torch.empty(self.part_numel, dtype=torch.float32)
 
         def take(start: int, n: int, m: torch.Tensor, st: List[torch.Tensor]) -> None:

@@ -24,7 +24,10 @@ live copy, and nothing writes the old one before the settle) and reports a `Defe
 file. `step` always raises it (the engine then undoes its side of the lost step); `read_all` and `close`
 raise it unless it was already raised; `prefetch` keeps it for the next `step` (it runs inside backward,
 where the engine could not undo anything); `load` replaces the state and drops it. In-place steps
-(`copies=1`) always drain: a failed write there would have nothing to go back to.
+(`copies=1`) always drain: a failed write there would have nothing to go back to. `take_lost` settles and
+hands a kept failure to a caller that undoes the lost step itself (the engine, before a checkpoint reads
+the state); `keep_lost` puts back one a discarded step had taken. `rewrite` changes every chunk in place
+through the pipeline (the engine rebuilds the master from the module's weights with it).
 """
 
 from __future__ import annotations
@@ -436,6 +439,41 @@ class OptimizerSwapper:
         )
         self._pending = ok
         return ok
+
+    def take_lost(self) -> Optional[DeferredWriteError]:
+        """Settle the deferred writes and hand over a failure of theirs that no `step` has raised yet.
+
+        The caller takes over undoing its side of the lost step (the swapper is back at the step before
+        it): the failure is forgotten here, so a later `step`, `read_all` or `close` does not raise it again.
+        """
+        self._check_open()
+        self.settle()
+        err, self._lost, self._lost_raised = self._lost, None, False
+        return err
+
+    def keep_lost(self, err: DeferredWriteError) -> None:
+        """Keep a failure a discarded step had taken (raised to it), for the next `step` or `take_lost`."""
+        self._lost, self._lost_raised = err, False
+
+    def rewrite(self, fn: Callable[[int, int, torch.Tensor, List[torch.Tensor]], None]) -> None:
+        """Read every chunk of the live state, let `fn(start, n, master, states)` change it, write it back.
+
+        With two copies the chunks go to the spare copy, which becomes live only once every write finished
+        (atomic: a failure leaves the state as it was); with one copy they are written in place, so a
+        failure part way leaves some chunks changed. No write is left in flight. Raises a deferred write
+        failure of the last step first (the engine takes it with `take_lost` before).
+        """
+        self._check_open()
+        self.settle()
+        self._raise_lost(always=True)
+        self._pending = False
+
+        def visit(start: int, n: int, master: torch.Tensor, states: List[torch.Tensor]) -> bool:
+            fn(start, n, master, states)
+            return True
+
+        self._pipeline(self._files[self._live], self._files[self._spare], visit)
+        self._live = self._spare
 
     def commit(self) -> None:
         """Make the last step's copy the state (live-pending while its writes are in flight)."""

@@ -1,0 +1,274 @@
+"""What a checkpoint holds and how the engine's state streams in and out of its files.
+
+Everything in `model_states.pt` and `rank<r>_states.pt` is a tensor or a plain type (dict, list, tuple,
+int, float, str, bool, None, dtypes), so both load with torch.load(weights_only=True), which never runs
+code from the file. RNG states are stored in that form too (python's and numpy's as int64 tensors).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+import re
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+
+import torch
+
+from zero.checkpoint._files import Entry, StreamDigest, create_private, digest_file, fsync_path
+
+if TYPE_CHECKING:
+    from zero.engine import ZeroEngine
+
+
+def is_stage3(engine: ZeroEngine) -> bool:
+    return getattr(engine, "partitioner", None) is not None
+
+
+def trainable_numel(engine: ZeroEngine) -> int:
+    return engine.trainable_numel if is_stage3(engine) else engine.flat.numel  # type: ignore[attr-defined]
+
+
+def check_tag(tag: Any) -> str:
+    tag = str(tag)
+    if not tag or os.sep in tag or tag.startswith(".") or tag == "latest":
+        raise ValueError(f"checkpoint tag must be a plain name not starting with '.', got {tag!r}")
+    return tag
+
+
+# ------------------------------------------------------------------------------------------- RNG states
+def rng_state() -> Dict[str, Any]:
+    state: Dict[str, Any] = {"torch": torch.get_rng_state()}
+    version, internal, gauss = random.getstate()
+    state["python"] = {"version": version, "state": torch.tensor(internal, dtype=torch.int64), "gauss": gauss}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+
+        kind, key, pos, has_gauss, cached = np.random.get_state(legacy=True)
+        state["numpy"] = {
+            "kind": str(kind),
+            "key": torch.from_numpy(np.asarray(key, dtype=np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        }
+    except ImportError:  # pragma: no cover - numpy is a dependency
+        pass
+    return state
+
+
+def set_rng_state(state: Dict[str, Any]) -> None:
+    """Restore what rng_state() saved (also the raw tuples of format-1 checkpoints)."""
+    torch.set_rng_state(state["torch"])
+    py = state["python"]
+    if isinstance(py, dict):
+        py = (py["version"], tuple(int(v) for v in py["state"].tolist()), py["gauss"])
+    random.setstate(py)
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        st = state["numpy"]
+        if isinstance(st, dict):
+            key = st["key"].numpy().astype(np.uint32)
+            st = (st["kind"], key, st["pos"], st["has_gauss"], st["cached_gaussian"])
+        np.random.set_state(st)
+
+
+# --------------------------------------------------------------------------------------- plain objects
+def pickle_needed(obj: Any) -> Optional[str]:
+    """None if torch.load(weights_only=True) restores `obj`; otherwise what stops it (e.g. a class name)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    try:
+        torch.load(buf, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any refusal means the same: pickle would be needed
+        return weights_only_reason(e)
+    return None
+
+
+def weights_only_reason(e: BaseException) -> str:
+    """What torch.load(weights_only=True) refused, e.g. 'Unsupported global: GLOBAL mymodule.MyClass'."""
+    found = re.search(r"WeightsUnpickler error: (.*?)(?: was not an allowed global.*)?$", str(e), re.M)
+    return found.group(1) if found else f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
+
+
+# ---------------------------------------------------------------------------------------- module state
+def module_state(engine: ZeroEngine) -> Dict[str, Any]:
+    """The module's state dict; at stage 3 without the partitioned parameters (saved per rank)."""
+    if not is_stage3(engine):
+        return engine.module.state_dict()
+    from zero.stage3.unit import is_partitioned
+
+    return {
+        k: v.detach().clone()
+        for k, v in engine.module.state_dict(keep_vars=True).items()
+        if not is_partitioned(v)
+    }
+
+
+def expected_module_state(engine: ZeroEngine) -> Dict[str, Optional[torch.Size]]:
+    """What load_state_dict will accept: key -> shape (None for stage-3 partitioned parameters)."""
+    own = engine.module.state_dict(keep_vars=True)
+    if not is_stage3(engine):
+        return {k: v.shape for k, v in own.items()}
+    from zero.stage3.unit import is_partitioned
+
+    return {k: None if is_partitioned(v) else v.shape for k, v in own.items()}
+
+
+def check_module_state(engine: ZeroEngine, saved: Dict[str, Any], strict: bool, where: str) -> None:
+    mine = expected_module_state(engine)
+    missing = [k for k, shape in mine.items() if k not in saved and shape is not None]
+    unexpected = [k for k in saved if k not in mine]
+    if strict and (missing or unexpected):
+        raise ValueError(f"{where}: module state mismatch: missing {missing}, unexpected {unexpected}")
+    wrong = [
+        f"{k}: saved {tuple(v.shape)}, model {tuple(mine[k])}"
+        for k, v in saved.items()
+        if mine.get(k) is not None and isinstance(v, torch.Tensor) and v.shape != mine[k]
+    ]
+    if wrong:
+        raise ValueError(f"{where}: module state shape mismatch: {'; '.join(wrong[:5])}")
+
+
+def unit_index(engine: ZeroEngine) -> List[List[Any]]:
+    return [[u.name, u.part_numel, str(u.dtype)] for u in engine.partitioner.units]  # type: ignore[attr-defined]
+
+
+def check_units(engine: ZeroEngine, saved_units: List[Any], where: str) -> int:
+    """Raise unless the saved stage-3 units are this model's; returns the parameter file's size."""
+    mine = unit_index(engine)
+    saved = [[n, int(k), str(d)] for n, k, d in saved_units]
+    if saved != mine:
+        diff = next(
+            (f"{a} vs {b}" for a, b in zip(saved, mine) if a != b), f"{len(saved)} vs {len(mine)} units"
+        )
+        raise ValueError(f"{where}: saved parameter partitions do not match this model's units ({diff})")
+    return sum(u.part_nbytes for u in engine.partitioner.units)  # type: ignore[attr-defined]
+
+
+# ------------------------------------------------------------------------------- streamed binary files
+def _aio_handle(engine: ZeroEngine) -> Any:
+    from offload.swap.optimizer_swapper import AioSettings
+
+    return AioSettings.from_config(engine.config.aio).handle()
+
+
+def _host_bytes(t: torch.Tensor) -> Any:
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return t.contiguous().view(torch.uint8).numpy()
+
+
+def _close_quietly(handle: Any) -> None:
+    try:
+        handle.close()
+    except BaseException:  # noqa: BLE001 - the error already being raised is the one that matters
+        pass
+
+
+def optimizer_nbytes(engine: ZeroEngine) -> int:
+    return engine.part_numel * (1 + engine.rule.n_states) * 4
+
+
+def write_optimizer(engine: ZeroEngine, path: str) -> Entry:
+    """Stream master + states into `path`, tensor after tensor, hashing each region on the way."""
+    part = engine.part_numel
+    os.close(create_private(path))  # 0600 from the start; the aio handle writes into it, never truncating
+    digests = [StreamDigest() for _ in range(1 + engine.rule.n_states)]
+    handle = _aio_handle(engine)
+    expect, in_order = 0, True
+
+    def put(start: int, n: int, master: torch.Tensor, states: List[torch.Tensor]) -> None:
+        nonlocal expect, in_order
+        tensors = [master, *states]
+        for k, t in enumerate(tensors):
+            handle.async_pwrite(t, path, (k * part + start) * 4)
+        in_order = in_order and start == expect
+        if in_order:  # hash while the writes run
+            for d, t in zip(digests, tensors):
+                d.update(_host_bytes(t))
+        expect = start + n
+        handle.wait()  # the views are only valid during this call
+
+    try:
+        engine._state.read_all(put)
+    except BaseException:
+        _close_quietly(handle)
+        raise
+    handle.close()
+    engine._state.stats.reset()  # checkpoint I/O is not part of the next step's report
+    fsync_path(path)
+    if not (in_order and expect == part):
+        return digest_file(path, part * 4)
+    return {
+        "size": optimizer_nbytes(engine),
+        "segment_bytes": part * 4,
+        "digests": [d.entry()["digests"][0] for d in digests],
+    }
+
+
+def read_optimizer(engine: ZeroEngine, path: str) -> None:
+    part = engine.part_numel
+    size = os.path.getsize(path)
+    if size != optimizer_nbytes(engine):
+        raise ValueError(f"{path}: {size} bytes, expected {optimizer_nbytes(engine)}")
+    handle = _aio_handle(engine)
+
+    def fill(start: int, n: int, master: torch.Tensor, states: List[torch.Tensor]) -> None:
+        for k, t in enumerate([master, *states]):
+            handle.async_pread(t, path, (k * part + start) * 4)
+        handle.wait()
+
+    try:
+        engine._state.load(fill)
+    except BaseException:
+        _close_quietly(handle)
+        raise
+    handle.close()
+    engine._state.stats.reset()
+
+
+def write_params(engine: ZeroEngine, path: str) -> Entry:
+    """Stage 3: every unit's partition, back to back in unit order, one unit in memory at a time."""
+    part = engine.partitioner  # type: ignore[attr-defined]
+    digest = StreamDigest()
+    with os.fdopen(create_private(path), "wb") as f:
+        for u in part.units:
+            raw = part.read_partition(u, torch.empty(u.part_numel, dtype=u.dtype)).view(torch.uint8).numpy()
+            digest.update(raw)
+            f.write(raw.data)
+        f.flush()
+        os.fsync(f.fileno())
+    return digest.entry()
+
+
+def read_params(engine: ZeroEngine, path: str) -> None:
+    part = engine.partitioner  # type: ignore[attr-defined]
+    with open(path, "rb") as f:
+        for u in part.units:
+            raw = bytearray(f.read(u.part_nbytes))
+            if len(raw) != u.part_nbytes:
+                raise OSError(f"{path}: ended inside unit {u.name}")
+            part.write_partition(u, torch.frombuffer(raw, dtype=torch.uint8).view(u.dtype))
+
+
+def optimizer_meta(engine: ZeroEngine) -> Dict[str, Any]:
+    return {
+        "rule": engine.rule.kind,
+        "param_groups": [engine.optimizer.hyperparameters()],
+        "step": engine.optimizer.step_count,
+        "partition": [engine.lo, engine.hi],
+        "n_states": engine.rule.n_states,
+    }
+
+
+def partition_of(meta: Dict[str, Any]) -> Tuple[int, int]:
+    lo, hi = meta["partition"]
+    return int(lo), int(hi)

@@ -1,0 +1,197 @@
+"""save_checkpoint: every rank writes its files into `.<tag>.tmp`, rank 0 seals and publishes them."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+from typing import TYPE_CHECKING, Any, Dict, Optional
+
+from zero.checkpoint import _state as st
+from zero.checkpoint._agree import agree, all_gather_json, attempt
+from zero.checkpoint._files import (
+    FORMAT_VERSION,
+    HASH,
+    MANIFEST,
+    PICKLED,
+    Entry,
+    crash_point,
+    create_private,
+    fsync_path,
+    manifest_bytes,
+    mkdir_private,
+    save_object,
+    write_bytes,
+)
+
+if TYPE_CHECKING:
+    from zero.engine import ZeroEngine
+
+
+def _make_tmp(save_dir: str, tmp: str) -> None:
+    if not os.path.isdir(save_dir):
+        parent = os.path.dirname(save_dir)
+        os.makedirs(parent, exist_ok=True)
+        try:
+            mkdir_private(save_dir)
+        except FileExistsError:
+            pass  # made meanwhile by someone else: theirs, leave its mode alone
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
+    mkdir_private(tmp)
+
+
+def _needs_pickle(obj: Any, what: str, pickled: Dict[str, Any], key: str) -> Any:
+    """`obj` if it loads weights-only; otherwise moves it to `pickled[key]` (with a warning), returns None."""
+    problem = st.pickle_needed(obj)
+    if problem is None:
+        return obj
+    warnings.warn(
+        f"the {what} holds objects that only pickle can restore ({problem}); it is saved in {PICKLED}, "
+        "which load_checkpoint reads only when called with allow_pickle=True (unpickling runs code from "
+        "the file). Keep it to dicts, lists, numbers, strings, bools, None and tensors to avoid this.",
+        UserWarning,
+        stacklevel=2,
+    )
+    pickled[key] = obj
+    return None
+
+
+def _write_rank_files(
+    engine: ZeroEngine, tmp: str, client_state: Optional[Dict[str, Any]]
+) -> Dict[str, Entry]:
+    r = engine.rank
+    files: Dict[str, Entry] = {}
+    files[f"optim_rank{r}.bin"] = st.write_optimizer(engine, os.path.join(tmp, f"optim_rank{r}.bin"))
+    crash_point("after_optimizer")
+    if st.is_stage3(engine):
+        files[f"param_rank{r}.bin"] = st.write_params(engine, os.path.join(tmp, f"param_rank{r}.bin"))
+    rank_state: Dict[str, Any] = {"rng": st.rng_state(), "optimizer": st.optimizer_meta(engine)}
+    if st.is_stage3(engine):
+        rank_state["stage3_units"] = st.unit_index(engine)
+    problem = st.pickle_needed(rank_state["optimizer"])
+    if problem is not None:
+        raise ValueError(f"the optimizer's hyperparameters hold objects that need pickle ({problem})")
+    files[f"rank{r}_states.pt"] = save_object(rank_state, os.path.join(tmp, f"rank{r}_states.pt"))
+    if r != 0:
+        return files
+    pickled: Dict[str, Any] = {}
+    scheduler = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "global_steps": engine.global_steps,
+        "global_samples": engine.global_samples,
+        "micro_steps": engine.micro_steps,
+        "skipped_steps": engine.skipped_steps,
+        "world_size": engine.world_size,
+        "stage": engine.stage,
+        "numel": st.trainable_numel(engine),
+        "padded_numel": engine.flat.padded_numel if not st.is_stage3(engine) else engine.part_numel,
+        "dtype": str(engine.dtype),
+        "lr_scheduler": _needs_pickle(scheduler, "lr scheduler's state", pickled, "lr_scheduler"),
+        "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
+        "client_state": _needs_pickle(client_state or {}, "client_state", pickled, "client_state"),
+        "config": engine.config.to_dict(),
+    }
+    meta["pickled"] = sorted(pickled)
+    problem = st.pickle_needed(meta)
+    if problem is not None:
+        raise ValueError(f"the engine's checkpoint metadata holds objects that need pickle ({problem})")
+    if pickled:
+        files[PICKLED] = save_object(pickled, os.path.join(tmp, PICKLED))
+    model_states = {**meta, "module": st.module_state(engine)}
+    files["model_states.pt"] = save_object(model_states, os.path.join(tmp, "model_states.pt"))
+    crash_point("after_model")
+    return files
+
+
+def _write_latest(save_dir: str, tag: str) -> None:
+    tmp = os.path.join(save_dir, f".latest.tmp-{os.getpid()}")
+    try:
+        with os.fdopen(create_private(tmp), "w") as f:
+            f.write(tag)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(save_dir, "latest"))
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _publish(engine: ZeroEngine, save_dir: str, tag: str, files: Dict[str, Entry]) -> None:
+    """Rank 0: manifest last, then `.<tag>.tmp` -> `<tag>` and `latest`; rolled back if that fails."""
+    tmp, final, old = (os.path.join(save_dir, n) for n in (f".{tag}.tmp", tag, f".{tag}.old"))
+    body = {
+        "format_version": FORMAT_VERSION,
+        "hash": HASH,
+        "tag": tag,
+        "world_size": engine.world_size,
+        "stage": engine.stage,
+        "files": files,
+    }
+    write_bytes(os.path.join(tmp, MANIFEST), manifest_bytes(body))
+    fsync_path(tmp, directory=True)
+    moved_aside = renamed = False
+    try:
+        if os.path.isdir(final):
+            # `final` is complete (only a finished rename makes it), so an older `.old` is not needed
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
+            moved_aside = True
+            crash_point("after_move_aside")
+        # else a `.old` stays: after a save that died having moved `final` aside it is the only copy
+        os.rename(tmp, final)
+        renamed = True
+        fsync_path(save_dir, directory=True)
+        crash_point("before_latest")
+        _write_latest(save_dir, tag)
+    except BaseException:
+        # back to where the save started; the caller removes `tmp`
+        try:
+            if renamed:
+                os.rename(final, tmp)
+            if moved_aside:
+                os.rename(old, final)
+            fsync_path(save_dir, directory=True)
+        except OSError:
+            pass
+        raise
+    fsync_path(save_dir, directory=True)  # `latest` is durable: the copy moved aside may go
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def save_checkpoint(
+    engine: ZeroEngine,
+    save_dir: str,
+    tag: Optional[str] = None,
+    client_state: Optional[Dict[str, Any]] = None,
+) -> str:
+    """Write a checkpoint of `engine` to `save_dir/tag` atomically; returns its path. All ranks call this.
+
+    A failure on any rank raises on every rank (no rank is left waiting), removes `.<tag>.tmp` and leaves
+    the previous checkpoint and `latest` as they were.
+    """
+    engine._check_open()
+    tag = st.check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
+    save_dir = os.path.abspath(save_dir)
+    tmp = os.path.join(save_dir, f".{tag}.tmp")
+    rank0 = engine.rank == 0
+    _, err = attempt(engine.prepare_checkpoint_save)
+    agree(engine, err, "settling the engine's state before the checkpoint")
+    _, err = attempt(lambda: _make_tmp(save_dir, tmp) if rank0 else None)
+    try:
+        agree(engine, err, f"creating {tmp}")
+        files, err = attempt(lambda: _write_rank_files(engine, tmp, client_state))
+        agree(engine, err, f"writing the checkpoint files into {tmp}")
+        merged: Dict[str, Entry] = {}
+        for part in all_gather_json(engine, files):
+            merged.update(part)
+        _, err = attempt(lambda: _publish(engine, save_dir, tag, merged) if rank0 else None)
+        agree(engine, err, f"publishing {os.path.join(save_dir, tag)}")
+    except BaseException:
+        if rank0:  # every rank has stopped writing into it: the vote above came after their writes
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return os.path.join(save_dir, tag)
