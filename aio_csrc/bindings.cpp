@@ -89,6 +89,23 @@ class PyHandle {
         return call_io([&] { return h_->submit_fd(write, as_ptr(ptr), nbytes, fd, offset, asynchronous); },
                        nullptr);
     }
+    void register_file(const std::string& path, bool writable) {
+        zo::CallNotes notes;
+        call_io(
+            [&] {
+                h_->register_file(path, writable, &notes);
+                return int64_t(0);
+            },
+            &notes);
+    }
+    void unregister_file(const std::string& path) {
+        call_io(
+            [&] {
+                h_->unregister_file(path);
+                return int64_t(0);
+            },
+            nullptr);
+    }
     int64_t wait() {
         return call_io([&] { return static_cast<int64_t>(h_->wait()); }, nullptr);
     }
@@ -219,6 +236,10 @@ PYBIND11_MODULE(_aio, m) {
                 return h.io_fd(true, ptr, nbytes, fd, offset, asynchronous);
             },
             py::arg("ptr"), py::arg("nbytes"), py::arg("fd"), py::arg("offset"), py::arg("asynchronous"))
+        .def("register_file", &PyHandle::register_file, py::arg("path"), py::arg("writable") = true,
+             "Open `path` once; requests naming it use that descriptor until unregister_file() or close().")
+        .def("unregister_file", &PyHandle::unregister_file, py::arg("path"),
+             "Forget a registration; the descriptor closes once no request uses it.")
         .def("wait", &PyHandle::wait, "Block until every queued request finished; returns how many finished.")
         .def("pending", &PyHandle::pending)
         .def("close", &PyHandle::close)

@@ -6,10 +6,127 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <climits>
+#include <new>
+#include <vector>
 
+#include "aio_error.h"
 #include "fault_inject.h"
 
 namespace zo {
+
+FileUse& FileUse::operator=(FileUse&& o) noexcept {
+    if (this != &o) {
+        release();
+        f_ = std::move(o.f_);
+    }
+    return *this;
+}
+
+int FileUse::release() noexcept {
+    if (!f_) return 0;
+    std::shared_ptr<RegisteredFile> f = std::move(f_);
+    bool last;
+    {
+        std::lock_guard<std::mutex> lk(f->mu);
+        --f->users;
+        last = f->dropped && f->users == 0;
+    }
+    return last ? f->fd.reset() : 0;
+}
+
+std::string FileTable::key_of(const std::string& path) {
+    std::string full;
+    if (path.empty() || path[0] != '/') {
+        std::vector<char> buf(PATH_MAX);
+        while (getcwd(buf.data(), buf.size()) == nullptr) {
+            if (errno != ERANGE) throw IoError(errno, Op::kOpen, path, 0, 0, "reading the current directory");
+            buf.resize(buf.size() * 2);
+        }
+        full = buf.data();
+        full += '/';
+    }
+    full += path;
+    std::string key;
+    key.reserve(full.size());
+    size_t i = 0;
+    while (i < full.size()) {
+        const size_t j = std::min(full.find('/', i), full.size());
+        const size_t len = j - i;
+        if (len > 0 && !(len == 1 && full[i] == '.')) {
+            key += '/';
+            key.append(full, i, len);
+        }
+        i = j + 1;
+    }
+    return key.empty() ? "/" : key;
+}
+
+bool FileTable::add(const std::string& key, std::shared_ptr<RegisteredFile> f) {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (!files_.emplace(key, std::move(f)).second) return false;
+    count_.store(files_.size(), std::memory_order_release);
+    return true;
+}
+
+FileUse FileTable::use(const std::string& key) {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto it = files_.find(key);
+    if (it == files_.end()) return FileUse();
+    std::shared_ptr<RegisteredFile> f = it->second;  // may throw bad_alloc: nothing counted yet
+    {
+        // A file in the table is never dropped: remove() takes it out under mu_ first.
+        std::lock_guard<std::mutex> flk(f->mu);
+        ++f->users;
+    }
+    return FileUse(std::move(f));
+}
+
+int FileTable::drop(RegisteredFile& f) noexcept {
+    bool unused;
+    {
+        std::lock_guard<std::mutex> lk(f.mu);
+        f.dropped = true;
+        unused = f.users == 0;
+    }
+    return unused ? f.fd.reset() : 0;
+}
+
+int FileTable::remove(const std::string& key, bool* found) {
+    std::shared_ptr<RegisteredFile> f;
+    {
+        std::lock_guard<std::mutex> lk(mu_);
+        auto it = files_.find(key);
+        *found = it != files_.end();
+        if (!*found) return 0;
+        f = std::move(it->second);
+        files_.erase(it);
+        count_.store(files_.size(), std::memory_order_release);
+    }
+    return drop(*f);
+}
+
+int FileTable::clear(std::string* path) {
+    std::map<std::string, std::shared_ptr<RegisteredFile>> files;
+    {
+        std::lock_guard<std::mutex> lk(mu_);
+        files.swap(files_);
+        count_.store(0, std::memory_order_release);
+    }
+    int first = 0;
+    for (auto& kv : files) {
+        const int err = drop(*kv.second);
+        if (err != 0 && first == 0) {
+            first = err;
+            try {
+                *path = kv.second->path;
+            } catch (const std::bad_alloc&) {
+                // the errno alone still reaches the caller
+            }
+        }
+    }
+    return first;
+}
 
 BlockLocks& BlockLocks::instance() {
     static BlockLocks locks;

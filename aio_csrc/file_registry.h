@@ -1,4 +1,9 @@
-// Process-wide coordination of writes to the same file, across requests, workers and handles.
+// Files as the core knows them: a handle's registered files, and process-wide coordination of writes to
+// the same file, across requests, workers and handles.
+//
+// FileTable: the files a Handle opened once, at registration. A request that names a registered path uses
+// the descriptor opened then, so replacing the path afterwards (a rename over it, a symlink in its place)
+// never redirects the request to another file.
 //
 // O_DIRECT writes of partial blocks are read-modify-write, and a padded tail block may grow the file past
 // the caller's end until it is trimmed. Two requests with disjoint byte ranges can still meet in one block
@@ -12,14 +17,79 @@
 
 #include <sys/types.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <set>
+#include <string>
 #include <tuple>
 
+#include "file_util.h"
+
 namespace zo {
+
+struct RegisteredFile {
+    std::string path;  // as the caller spelled it, for messages
+    FileDesc fd;       // O_RDWR (writable) or O_RDONLY; O_DIRECT where the filesystem does it
+    DirectInfo di{false, 1, 1};
+    bool direct = false;
+    bool writable = false;
+
+    std::mutex mu;         // guards the two below
+    unsigned users = 0;    // requests holding the descriptor
+    bool dropped = false;  // no longer registered: the last user closes the descriptor
+};
+
+// One request's hold on a registered file: the descriptor stays open until the hold ends, even if the
+// file is unregistered meanwhile.
+class FileUse {
+  public:
+    FileUse() = default;
+    FileUse(const FileUse&) = delete;
+    FileUse& operator=(const FileUse&) = delete;
+    FileUse(FileUse&& o) noexcept : f_(std::move(o.f_)) {}
+    FileUse& operator=(FileUse&& o) noexcept;
+    ~FileUse() { release(); }
+    RegisteredFile* get() const { return f_.get(); }
+    explicit operator bool() const { return f_ != nullptr; }
+    // Ends the hold. Returns the errno of closing the descriptor when this was the last hold on a file no
+    // longer registered, else 0.
+    int release() noexcept;
+
+  private:
+    friend class FileTable;
+    explicit FileUse(std::shared_ptr<RegisteredFile> f) : f_(std::move(f)) {}
+    std::shared_ptr<RegisteredFile> f_;
+};
+
+class FileTable {
+  public:
+    // The key a path is registered and looked up under: absolute (a relative path is taken against the
+    // current directory), with "//", "/./" and a trailing "/" folded. ".." is kept: folding it is only
+    // right where no symlink is involved. Throws IoError when a relative path meets an unreadable cwd.
+    static std::string key_of(const std::string& path);
+
+    bool empty() const { return count_.load(std::memory_order_acquire) == 0; }
+    // Adds `f` under `key`; false (and nothing changed) if the key is taken.
+    bool add(const std::string& key, std::shared_ptr<RegisteredFile> f);
+    // The file registered under `key`, held for one request; an empty FileUse if there is none.
+    FileUse use(const std::string& key);
+    // Unregisters `key`: *found says whether it was registered. The descriptor is closed now when no
+    // request holds it (the errno of that close is returned), else by the last hold.
+    int remove(const std::string& key, bool* found);
+    // Unregisters every file. Returns the first errno of closing one (0 if none) and names it in *path.
+    int clear(std::string* path);
+
+  private:
+    static int drop(RegisteredFile& f) noexcept;
+
+    std::mutex mu_;
+    std::map<std::string, std::shared_ptr<RegisteredFile>> files_;
+    std::atomic<size_t> count_{0};
+};
 
 struct FileKey {
     dev_t dev = 0;

@@ -36,6 +36,7 @@ namespace {
 constexpr unsigned kMaxBounceBuffers = 8;  // per worker; aligned requests never use them
 constexpr unsigned kMaxRetries = 1000;     // EAGAIN/EINTR completions resubmitted before giving up
 constexpr size_t kMaxBlockSize = size_t(1) << 30;
+constexpr const char* kClosedMessage = "the aio Handle is closed";
 
 uint64_t round_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 
@@ -54,6 +55,7 @@ struct Request {
     char* buf = nullptr;
     uint64_t nbytes = 0;
     uint64_t offset = 0;
+    FileUse registered;  // holds a registered file's descriptor open; declared before fd, released after it
     FileDesc fd;
     FileDesc rmw_fd;  // readable descriptor for read-modify-write when fd is write-only
     bool direct = false;
@@ -548,10 +550,29 @@ Handle::~Handle() {
     }
 }
 
-void Handle::check_open() const {
-    std::lock_guard<std::mutex> lk(mu_);
-    if (closed_) throw UsageError("the aio Handle is closed");
-}
+// Counts a call from its entry check to its return, so that close() can refuse new calls and wait for
+// the ones in progress before it takes the workers away.
+class Handle::CallScope {
+  public:
+    explicit CallScope(Handle& h) : h_(h) {
+        std::lock_guard<std::mutex> lk(h_.mu_);
+        if (h_.closing_) throw UsageError(kClosedMessage);
+        ++h_.callers_;
+    }
+    ~CallScope() {
+        bool last;
+        {
+            std::lock_guard<std::mutex> lk(h_.mu_);
+            last = --h_.callers_ == 0 && h_.closing_;
+        }
+        if (last) h_.cv_.notify_all();
+    }
+    CallScope(const CallScope&) = delete;
+    CallScope& operator=(const CallScope&) = delete;
+
+  private:
+    Handle& h_;
+};
 
 // One warning per filesystem per process: many handles on one tmpfs should not repeat it.
 static bool first_fallback_on(dev_t dev) {
@@ -599,10 +620,60 @@ static bool needs_rmw(const Request& r) {
     return r.write && r.direct && r.nbytes > 0 && (r.offset % r.oa != 0 || (r.offset + r.nbytes) % r.oa != 0);
 }
 
+namespace {
+
+struct OpenedFile {
+    FileDesc fd;
+    DirectInfo di{false, 1, 1};
+    bool direct = false;
+};
+
+// Opens `path` with `flags`, with O_DIRECT unless the mode is off; where the filesystem refuses it, "auto"
+// keeps the file buffered (and notes the fallback once per filesystem) and "on" throws. Errors name the
+// request's range.
+OpenedFile open_path(const std::string& path, int flags, DirectMode mode, const char* what, int64_t offset,
+                     int64_t nbytes, CallNotes* notes) {
+    OpenedFile f;
+    if (mode != DirectMode::kOff) {
+        const int fd = ::open(path.c_str(), flags | O_DIRECT, 0600);
+        if (fd >= 0) {
+            f.fd = FileDesc(fd, true);
+            f.di = direct_info(fd);
+            if (!f.di.supported) {
+                // Keep the descriptor; just switch it to buffered I/O.
+                const int fl = fcntl(fd, F_GETFL);
+                if (fl < 0 || fcntl(fd, F_SETFL, fl & ~O_DIRECT) != 0)
+                    throw IoError(errno, Op::kOpen, path, offset, nbytes, "clearing O_DIRECT");
+            }
+        } else if (errno != EINVAL) {
+            throw IoError(errno, Op::kOpen, path, offset, nbytes, what);
+        }
+        if (!f.di.supported && mode == DirectMode::kOn)
+            throw IoError(EINVAL, Op::kOpen, path, offset, nbytes,
+                          "the filesystem does not support O_DIRECT (direct='on'; use 'auto' or 'off')");
+    }
+    if (f.fd.get() < 0) {
+        const int fd = ::open(path.c_str(), flags, 0600);
+        if (fd < 0) throw IoError(errno, Op::kOpen, path, offset, nbytes, what);
+        f.fd = FileDesc(fd, true);
+    }
+    f.direct = f.di.supported && mode != DirectMode::kOff;
+    if (!f.direct && mode == DirectMode::kAuto && notes != nullptr) {
+        struct stat st;
+        if (fstat(f.fd.get(), &st) == 0 && first_fallback_on(st.st_dev)) {
+            notes->direct_fallback = true;
+            notes->fallback_path = path;
+        }
+    }
+    return f;
+}
+
+}  // namespace
+
 int64_t Handle::submit_path(bool write, void* buf, int64_t nbytes, const std::string& path, int64_t offset,
                             bool async, CallNotes* notes) {
     check_args(buf, nbytes, offset);
-    check_open();
+    CallScope scope(*this);
     auto req = std::make_shared<Request>();
     Request& r = *req;
     r.write = write;
@@ -611,42 +682,25 @@ int64_t Handle::submit_path(bool write, void* buf, int64_t nbytes, const std::st
     r.nbytes = static_cast<uint64_t>(nbytes);
     r.offset = static_cast<uint64_t>(offset);
     r.path = path;
-    const int flags = (write ? O_WRONLY | O_CREAT : O_RDONLY) | O_CLOEXEC;
-    const char* what = write ? "opening for write" : "opening for read";
-    DirectInfo di{false, 1, 1};
-    if (opts_.direct != DirectMode::kOff) {
-        const int fd = ::open(path.c_str(), flags | O_DIRECT, 0600);
-        if (fd >= 0) {
-            r.fd = FileDesc(fd, true);
-            di = direct_info(fd);
-            // Keep the descriptor; just switch it to buffered I/O.
-            if (!di.supported && fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_DIRECT) != 0)
-                throw IoError(errno, Op::kOpen, path, offset, nbytes, "clearing O_DIRECT");
-        } else if (errno != EINVAL) {
-            throw IoError(errno, Op::kOpen, path, offset, nbytes, what);
-        }
-        if (!di.supported) {
-            if (opts_.direct == DirectMode::kOn)
-                throw IoError(EINVAL, Op::kOpen, path, offset, nbytes,
-                              "the filesystem does not support O_DIRECT (direct='on'; use 'auto' or 'off')");
-        }
+    if (!files_.empty()) r.registered = files_.use(FileTable::key_of(path));
+    if (r.registered) {
+        // Registered: the descriptor opened at registration, never the path as it is now.
+        const RegisteredFile& f = *r.registered.get();
+        if (write && !f.writable)
+            throw IoError(EBADF, Op::kWrite, path, offset, nbytes, "the file is registered read-only");
+        r.fd = FileDesc(f.fd.get(), false);
+        r.direct = f.direct;
+        set_alignment(r, f.di, opts_.block_size);
+    } else {
+        const int flags = (write ? O_WRONLY | O_CREAT : O_RDONLY) | O_CLOEXEC;
+        OpenedFile f = open_path(path, flags, opts_.direct, write ? "opening for write" : "opening for read",
+                                 offset, nbytes, notes);
+        r.fd = std::move(f.fd);
+        r.direct = f.direct;
+        set_alignment(r, f.di, opts_.block_size);
     }
-    if (r.fd.get() < 0) {
-        const int fd = ::open(path.c_str(), flags, 0600);
-        if (fd < 0) throw IoError(errno, Op::kOpen, path, offset, nbytes, what);
-        r.fd = FileDesc(fd, true);
-    }
-    r.direct = di.supported && opts_.direct != DirectMode::kOff;
-    if (!r.direct && opts_.direct == DirectMode::kAuto && notes != nullptr) {
-        struct stat st;
-        if (fstat(r.fd.get(), &st) == 0 && first_fallback_on(st.st_dev)) {
-            notes->direct_fallback = true;
-            notes->fallback_path = path;
-        }
-    }
-    set_alignment(r, di, opts_.block_size);
     inspect_file(r);
-    if (needs_rmw(r)) {
+    if (needs_rmw(r) && !r.registered) {  // a registered writable file is open O_RDWR
         // Writes open O_WRONLY; read-modify-write of a partial block needs a readable descriptor.
         const int rfd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
         if (rfd < 0)
@@ -659,7 +713,7 @@ int64_t Handle::submit_path(bool write, void* buf, int64_t nbytes, const std::st
 
 int64_t Handle::submit_fd(bool write, void* buf, int64_t nbytes, int fd, int64_t offset, bool async) {
     check_args(buf, nbytes, offset);
-    check_open();
+    CallScope scope(*this);
     auto req = std::make_shared<Request>();
     Request& r = *req;
     r.write = write;
@@ -698,10 +752,12 @@ int64_t Handle::submit_fd(bool write, void* buf, int64_t nbytes, int fd, int64_t
     return dispatch(req, async);
 }
 
+// Called inside a CallScope: close() cannot empty workers_ meanwhile.
 int64_t Handle::dispatch(const std::shared_ptr<Request>& req, bool async) {
     Request& r = *req;
     if (r.nbytes == 0) return 0;
     const uint64_t n = workers_.size();
+    if (n == 0) throw UsageError(kClosedMessage);  // unreachable while the CallScope holds
     const uint64_t first = r.offset / r.block;
     const uint64_t last = (r.offset + r.nbytes - 1) / r.block;
     const uint64_t nblocks = last - first + 1;
@@ -719,7 +775,6 @@ int64_t Handle::dispatch(const std::shared_ptr<Request>& req, bool async) {
     }
     {
         std::lock_guard<std::mutex> lk(mu_);
-        if (closed_) throw UsageError("the aio Handle is closed");
         ++inflight_total_;
         if (async) ++inflight_async_;
     }
@@ -758,6 +813,9 @@ void Handle::request_finished(Request& r) {
     r.rmw_fd.reset();
     const int close_err = r.fd.reset();  // closes only descriptors opened by path
     if (close_err != 0) r.fail(close_err, Op::kClose, r.offset, r.nbytes, "closing the file");
+    // The last request on a file unregistered meanwhile closes the registered descriptor.
+    const int reg_err = r.registered.release();
+    if (reg_err != 0) r.fail(reg_err, Op::kClose, r.offset, r.nbytes, "closing the unregistered file");
     if (r.failed.load(std::memory_order_acquire) && !r.error) {
         // The error text could not be allocated when it happened; memory may be back by now.
         r.fail(r.fallback_err, r.write ? Op::kWrite : Op::kRead, r.offset, r.nbytes, "");
@@ -785,20 +843,25 @@ void Handle::request_finished(Request& r) {
 }
 
 size_t Handle::wait() {
-    std::unique_lock<std::mutex> lk(mu_);
-    cv_.wait(lk, [&] { return inflight_async_ == 0; });
-    const size_t n = completed_async_;
-    completed_async_ = 0;
-    if (async_oom_ && !first_error_) {
+    size_t n = 0;
+    bool oom = false;
+    std::optional<IoError> err;
+    bool notify;
+    {
+        std::unique_lock<std::mutex> lk(mu_);
+        ++waiters_;  // close() lets a running wait() report the failures first
+        cv_.wait(lk, [&] { return inflight_async_ == 0; });
+        --waiters_;
+        n = completed_async_;
+        completed_async_ = 0;
+        oom = async_oom_ && !first_error_;  // a request failed without memory left even for its error
         async_oom_ = false;
-        throw std::bad_alloc();  // a request failed without memory left even for its error
+        err.swap(first_error_);  // no allocation: the error moves out
+        notify = closing_ && waiters_ == 0;
     }
-    async_oom_ = false;
-    if (first_error_) {
-        IoError e = std::move(*first_error_);
-        first_error_.reset();
-        throw e;
-    }
+    if (notify) cv_.notify_all();
+    if (err) throw IoError(std::move(*err));
+    if (oom) throw std::bad_alloc();
     return n;
 }
 
@@ -808,8 +871,41 @@ size_t Handle::pending() const {
 }
 
 void Handle::set_paused(bool paused) {
-    paused_.store(paused, std::memory_order_release);
+    {
+        // Under mu_: a pause that loses the race with close() must not outlive its unpausing.
+        std::lock_guard<std::mutex> lk(mu_);
+        paused_.store(paused && !closing_, std::memory_order_release);
+    }
+    wake_workers();
+}
+
+void Handle::wake_workers() {
+    std::lock_guard<std::mutex> lk(workers_mu_);
     for (auto& w : workers_) w->wake();
+}
+
+void Handle::register_file(const std::string& path, bool writable, CallNotes* notes) {
+    CallScope scope(*this);
+    const std::string key = FileTable::key_of(path);
+    auto f = std::make_shared<RegisteredFile>();
+    f->path = path;
+    f->writable = writable;
+    const int flags = (writable ? O_RDWR | O_CREAT : O_RDONLY) | O_CLOEXEC;
+    OpenedFile opened =
+        open_path(path, flags, opts_.direct,
+                  writable ? "registering for read and write" : "registering for read", 0, 0, notes);
+    f->fd = std::move(opened.fd);
+    f->di = opened.di;
+    f->direct = opened.direct;
+    if (!files_.add(key, f)) throw UsageError("'" + path + "' is already registered with this aio Handle");
+}
+
+void Handle::unregister_file(const std::string& path) {
+    CallScope scope(*this);
+    bool found = false;
+    const int err = files_.remove(FileTable::key_of(path), &found);
+    if (!found) throw UsageError("'" + path + "' is not registered with this aio Handle");
+    if (err != 0) throw IoError(err, Op::kClose, path, 0, 0, "closing the unregistered file");
 }
 
 void Handle::close() {
@@ -819,20 +915,36 @@ void Handle::close() {
             cv_.wait(lk, [&] { return closed_; });  // another thread is closing
             return;
         }
-        closing_ = true;
+        closing_ = true;                                  // from here on, new calls throw UsageError
+        paused_.store(false, std::memory_order_release);  // paused workers would never drain
     }
-    set_paused(false);  // paused workers would never drain
+    wake_workers();
     std::optional<IoError> err;
+    bool oom = false;
     {
         std::unique_lock<std::mutex> lk(mu_);
-        cv_.wait(lk, [&] { return inflight_total_ == 0; });
-        closed_ = true;
-        err = std::move(first_error_);
-        first_error_.reset();
+        // Calls that passed their entry check finish first: a submission may still be opening its file
+        // and is about to use workers_; a running wait() takes the failures it is waiting for.
+        cv_.wait(lk, [&] { return callers_ == 0 && waiters_ == 0 && inflight_total_ == 0; });
+        err.swap(first_error_);
+        oom = async_oom_ && !err;
+        async_oom_ = false;
+        completed_async_ = 0;  // reaped here: a later wait() returns 0
     }
-    workers_.clear();  // joins the threads, frees rings / AIO contexts and bounce buffers
+    std::string failed_path;
+    const int close_err = files_.clear(&failed_path);
+    {
+        std::lock_guard<std::mutex> lk(workers_mu_);
+        workers_.clear();  // joins the threads, frees rings / AIO contexts and bounce buffers
+    }
+    {
+        std::lock_guard<std::mutex> lk(mu_);
+        closed_ = true;
+    }
     cv_.notify_all();
-    if (err) throw *err;
+    if (err) throw IoError(std::move(*err));
+    if (oom) throw std::bad_alloc();
+    if (close_err != 0) throw IoError(close_err, Op::kClose, failed_path, 0, 0, "closing a registered file");
 }
 
 }  // namespace zo

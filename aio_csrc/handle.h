@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "aio_error.h"
+#include "file_registry.h"
 
 namespace zo {
 
@@ -53,20 +54,37 @@ class Handle {
     Handle(const Handle&) = delete;
     Handle& operator=(const Handle&) = delete;
 
+    // Thread safety: every member may be called from any thread at any time, close() included. A call
+    // that has passed its entry check when close() begins is finished first (close() waits for it); a
+    // call that enters after close() began throws UsageError("the aio Handle is closed").
+
     // Moves `nbytes` between `buf` and `path` at `offset`. The file is opened (and, for reads, checked
     // against its size) here, so those errors throw at once; it is closed when the request completes.
+    // A registered path (register_file) is not opened again: the request uses the registered descriptor.
     // Sync: returns nbytes or throws IoError. Async: queues and returns 0.
     int64_t submit_path(bool write, void* buf, int64_t nbytes, const std::string& path, int64_t offset,
                         bool async, CallNotes* notes);
     // Same on a caller-owned descriptor, which is never closed here. O_DIRECT is taken from its flags.
     int64_t submit_fd(bool write, void* buf, int64_t nbytes, int fd, int64_t offset, bool async);
 
+    // Opens `path` once (O_RDWR | O_CREAT, mode 0600, never truncating, when `writable`; else O_RDONLY;
+    // O_DIRECT as for path requests). Until unregister_file(path) or close(), requests naming the path
+    // (compared as FileTable::key_of spells it) use this descriptor, whatever the path names meanwhile.
+    // Throws IoError for open failures, UsageError if the path is registered already.
+    void register_file(const std::string& path, bool writable, CallNotes* notes);
+    // Forgets the registration. The descriptor is closed now if no request uses it (IoError if that
+    // close fails), else when the last such request completes. UsageError if the path is not registered.
+    void unregister_file(const std::string& path);
+
     // Blocks until every queued async request finished; returns how many finished since the last wait().
     // If any failed, throws the first failure (after all have finished).
     size_t wait();
     size_t pending() const;
-    // Waits for everything, stops the workers, frees kernel contexts. Throws the first unreported async
-    // failure, if any. Idempotent; later submissions throw UsageError.
+    // Refuses new calls, waits for the calls in progress (submissions and wait()s) and for every request,
+    // stops the workers, frees kernel contexts and closes the registered files. Throws the first async
+    // failure that no wait() reported: a failure is reported by exactly one of wait() and close(), and a
+    // wait() already running when close() begins reports it first. Idempotent (a second caller returns
+    // once the first is done); later calls throw UsageError, a later wait() returns 0.
     void close();
 
     const std::string& backend() const { return backend_; }
@@ -82,19 +100,26 @@ class Handle {
     void request_finished(Request& req);
 
   private:
+    class CallScope;
     int64_t dispatch(const std::shared_ptr<Request>& req, bool async);
-    void check_open() const;
+    void wake_workers();
 
     HandleOptions opts_;
     std::string backend_;
+    // Filled by the constructor, emptied by close() once no call is in progress: calls in progress read
+    // it without a lock. workers_mu_ orders set_paused() against close() emptying it.
     std::vector<std::unique_ptr<Worker>> workers_;
+    std::mutex workers_mu_;
     std::atomic<unsigned> next_worker_{0};
     std::atomic<bool> paused_{false};
+    FileTable files_;
 
     mutable std::mutex mu_;
     std::condition_variable cv_;
-    bool closing_ = false;
-    bool closed_ = false;
+    bool closing_ = false;       // close() began: new calls are refused
+    bool closed_ = false;        // close() finished
+    size_t callers_ = 0;         // submissions and registrations between their entry check and their return
+    size_t waiters_ = 0;         // wait() calls in progress
     size_t inflight_total_ = 0;  // sync + async requests not yet finished
     size_t inflight_async_ = 0;
     size_t completed_async_ = 0;

@@ -41,6 +41,7 @@ __all__ = [
 ]
 
 PathOrFd = Union[str, bytes, "os.PathLike[str]", int]
+PathName = Union[str, bytes, "os.PathLike[str]"]
 
 _BACKENDS = ("auto", "io_uring", "aio", "psync")
 _DIRECT_MODES = ("auto", "on", "off")
@@ -226,8 +227,13 @@ class AioHandle:
     "psync"; naming an unavailable one raises BackendUnavailableError) and `direct` ("auto": O_DIRECT with a
     buffered fallback and one DirectIOFallbackWarning per filesystem, "on": refusal raises, "off": buffered).
 
-    Threads may share a handle (every call is safe), but wait() then completes and counts the requests of
-    all of them; give each thread its own handle for independent progress.
+    Threads may share a handle (every call is safe, close() included), but wait() then completes and counts
+    the requests of all of them; give each thread its own handle for independent progress. A call made once
+    close() has begun raises ValueError("the aio Handle is closed"); calls already under way finish first.
+
+    `register_file(path)` opens a file once for the handle's lifetime: requests naming that path then use
+    the descriptor opened at registration, whatever the path names later (a file renamed over it, a
+    symlink put in its place).
     """
 
     def __init__(
@@ -265,7 +271,6 @@ class AioHandle:
         self._inflight: List[_Region] = []  # queued requests' buffers, kept alive until wait()
         self._reads_to_finish: List[_Region] = []
         self._locked_tensors: dict = {}  # data_ptr -> tensor handed out by new_cpu_locked_tensor
-        self._closed = False
 
     # -- configuration (DeepSpeed getters) ------------------------------------------------------------------
 
@@ -296,6 +301,30 @@ class AioHandle:
 
     def pending(self) -> int:
         return self._h.pending()
+
+    # -- registered files -----------------------------------------------------------------------------------
+
+    def register_file(self, path: PathName, writable: bool = True) -> None:
+        """Open `path` once: until `unregister_file(path)` or `close()`, requests by that path use it.
+
+        The file is opened here (read-write, created with mode 0600 and never truncated, when `writable`;
+        read-only otherwise) and errors raise here (`AioError`). Later requests by this path (spelled any way
+        that names the same absolute path without `..`: "d//./f" matches "d/f") are not opened again, so a
+        file renamed over the path or a symlink put in its place is never read or written instead. A write
+        to a file registered read-only raises `AioError(EBADF)`. Registering a path twice is a ValueError.
+        """
+        target = _check_target(path)
+        if isinstance(target, int):
+            raise TypeError("register_file takes a path; a descriptor is already open (pass it to the calls)")
+        self._h.register_file(target, bool(writable))
+
+    def unregister_file(self, path: PathName) -> None:
+        """Forget a registration: later requests open the path again. The descriptor is closed now, or once
+        the last request queued on it completes. ValueError if the path is not registered."""
+        target = _check_target(path)
+        if isinstance(target, int):
+            raise TypeError("unregister_file takes the path given to register_file")
+        self._h.unregister_file(target)
 
     # -- I/O ------------------------------------------------------------------------------------------------
 
@@ -466,15 +495,19 @@ class AioHandle:
     # -- lifetime -------------------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Wait for queued requests (raising their first failure), then free threads and kernel contexts."""
-        if self._closed:
-            return
-        self._closed = True
+        """Wait for queued requests (raising their first failure), then free threads, kernel contexts and
+        registered files.
+
+        Safe to call from any thread, also while others submit or wait: their calls already under way
+        finish first, later ones raise ValueError. A failed request is raised by exactly one call: a
+        `wait()` running at the same time, else this `close()`. Closing again returns once the handle is
+        closed, raising nothing.
+        """
         try:
             if self._has_unreaped():
                 self.wait()
         finally:
-            self._h.close()
+            self._h.close()  # a second caller returns once the first has finished
             self._drop_inflight()
             with self._lock:
                 self._locked_tensors.clear()

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from offload import _aio
-from offload.aio import AioHandle
+from offload.aio import AioError, AioHandle
 from offload.pinned import pinned_bytes_in_use, pinned_tensor
 from tests.aio_helpers import FakeDevice, file_bytes, open_fds, random_bytes, unaligned
 
@@ -337,6 +337,103 @@ def test_open_fd_target(io_dir, backend):
         os.close(fd)
     np.testing.assert_array_equal(dst, src)
     os.unlink(path)
+
+
+# -- registered files: opened once, never reopened by path ------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_registered_file_is_used_after_another_file_is_renamed_over_its_path(io_dir, backend):
+    path = os.path.join(io_dir, f"reg-{backend}.bin")
+    intruder = os.path.join(io_dir, f"intruder-{backend}.bin")
+    original, other = random_bytes(200_000, 41), random_bytes(200_000, 42)
+    with open(path, "wb") as f:
+        f.write(original.tobytes())
+    keep = os.open(path, os.O_RDONLY)  # the registered inode, to check it after the path moved on
+    fds = open_fds()
+    try:
+        with AioHandle(backend=backend, block_size=64 << 10) as h:
+            with_handle = open_fds()  # an io_uring ring is a descriptor too
+            h.register_file(path)
+            with open(intruder, "wb") as f:
+                f.write(other.tobytes())
+            os.replace(intruder, path)
+            out = np.zeros_like(original)
+            h.sync_pread(out, path)
+            np.testing.assert_array_equal(out, original)  # from the registered file, not the new one
+            patch = random_bytes(5000, 43)
+            h.async_pwrite(patch, path, 1001)  # unaligned: read-modify-write through the registered fd
+            # Extends the registered file by 5 bytes; completes the queued write first (returns 2).
+            assert h.sync_pwrite(patch[:10], path, 199_995) == 2
+            assert open_fds() == with_handle + 1  # the registered descriptor, and no other
+        assert open_fds() == fds  # close() closed it
+        with open(path, "rb") as f:
+            assert f.read() == other.tobytes()  # the file now at the path was never touched
+        expect = original.copy()
+        expect[1001:6001] = patch
+        expect = np.concatenate([expect[:199_995], patch[:10]])
+        assert os.fstat(keep).st_size == 200_005
+        np.testing.assert_array_equal(np.frombuffer(os.pread(keep, 300_000, 0), np.uint8), expect)
+    finally:
+        os.close(keep)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_registered_file_is_used_after_a_symlink_replaces_its_path(io_dir, backend):
+    path = os.path.join(io_dir, f"reg-sym-{backend}.bin")
+    target = os.path.join(io_dir, f"target-{backend}.bin")
+    original, other = random_bytes(70_000, 44), random_bytes(70_000, 45)
+    for name, data in ((path, original), (target, other)):
+        with open(name, "wb") as f:
+            f.write(data.tobytes())
+    with AioHandle(backend=backend) as h:
+        h.register_file(path)
+        os.unlink(path)
+        os.symlink(target, path)
+        out = np.zeros_like(original)
+        h.async_pread(out, path)
+        h.wait()
+        np.testing.assert_array_equal(out, original)
+        h.sync_pwrite(np.zeros(100, np.uint8), path, 0)
+        np.testing.assert_array_equal(file_bytes(target, 0, 70_000), other)  # the symlink was not followed
+        # Unregistered, the path is opened per request again: now the symlink leads to the target.
+        h.unregister_file(path)
+        h.sync_pread(out, path)
+        np.testing.assert_array_equal(out, other)
+
+
+def test_registration_rules(io_dir, monkeypatch):
+    path = os.path.join(io_dir, "rules.bin")
+    data = random_bytes(10_000, 46)
+    fds = open_fds()
+    h = AioHandle()
+    h.sync_pwrite(data, path)
+    monkeypatch.chdir(io_dir)
+    h.register_file("./rules.bin", writable=False)  # relative, with "./": the same absolute path
+    with pytest.raises(ValueError, match="already registered"):
+        h.register_file(os.path.join(io_dir, "", "rules.bin"))
+    with pytest.raises(AioError) as info:
+        h.sync_pwrite(data, path)  # registered read-only
+    assert info.value.errno == errno.EBADF and info.value.filename == path
+    out = np.zeros_like(data)
+    assert h.sync_pread(out, io_dir + "//rules.bin") == 1
+    np.testing.assert_array_equal(out, data)
+    h.unregister_file(path)
+    with pytest.raises(ValueError, match="not registered"):
+        h.unregister_file(path)
+    missing = os.path.join(io_dir, "missing.bin")
+    with pytest.raises(AioError) as info:
+        h.register_file(missing, writable=False)
+    assert info.value.errno == errno.ENOENT and info.value.filename == missing and info.value.op == "open"
+    h.register_file(os.path.join(io_dir, "new.bin"))  # writable: created, mode 0600, empty
+    assert os.stat(os.path.join(io_dir, "new.bin")).st_mode & 0o777 == 0o600
+    assert os.path.getsize(os.path.join(io_dir, "new.bin")) == 0
+    with pytest.raises(TypeError):
+        h.register_file(3)
+    h.close()
+    with pytest.raises(ValueError, match="the aio Handle is closed"):
+        h.register_file(path)
+    assert open_fds() == fds
 
 
 def test_concurrent_handles_in_threads(io_dir):

@@ -225,6 +225,89 @@ void errors(const std::string& backend) {
     unlink(path.c_str());
 }
 
+template <typename Fn>
+void expect_usage_error(Fn&& fn, const char* what) {
+    try {
+        fn();
+        CHECK(false, "%s: no error raised", what);
+    } catch (const zo::UsageError&) {
+    } catch (const std::exception& e) {
+        CHECK(false, "%s: wrong exception: %s", what, e.what());
+    }
+}
+
+// A registered path is opened once: requests naming it use that descriptor, even after the path was
+// renamed over or replaced by a symlink. Unregistering goes back to opening the path per request.
+void registered_files(const std::string& backend) {
+    zo::HandleOptions o;
+    o.backend = backend;
+    o.block_size = 16 * 1024;
+    const int fds_before = count_fds();
+    std::mt19937_64 rng(21);
+    const size_t n = 50000;
+    const std::vector<char> first = random_bytes(rng, n);
+    const std::vector<char> other = random_bytes(rng, n);
+    const std::string path = g_dir + "/reg_" + backend;
+    const std::string intruder = g_dir + "/reg_intruder_" + backend;
+    const std::string target = g_dir + "/reg_target_" + backend;
+    write_all(path, first);
+    zo::PinnedMemory buf(2 * n + 4096, 4096, false, false);
+    {
+        zo::Handle h(o);
+        // Registered under a spelling with "//" and "/./": requests by the plain path still match it.
+        h.register_file(g_dir + "//./reg_" + backend, true, nullptr);
+        expect_usage_error([&] { h.register_file(path, true, nullptr); }, "registering twice");
+        // Another file renamed over the path: reads and writes still reach the registered file.
+        write_all(intruder, other);
+        CHECK(rename(intruder.c_str(), path.c_str()) == 0, "rename: %s", std::strerror(errno));
+        CHECK(h.submit_path(false, buf.data() + 1, n, path, 0, false, nullptr) == static_cast<int64_t>(n),
+              "read");
+        CHECK(std::memcmp(buf.data() + 1, first.data(), n) == 0, "%s: read came from the new file",
+              backend.c_str());
+        std::memset(buf.data(), 'z', 1000);
+        h.submit_path(true, buf.data(), 1000, path, 7, true, nullptr);
+        CHECK(h.wait() == 1, "wait");
+        CHECK(read_all(path) == other, "%s: a write by path went to the file renamed over it",
+              backend.c_str());
+        // The path replaced by a symlink to a third file: still the registered file.
+        write_all(target, other);
+        CHECK(unlink(path.c_str()) == 0 && symlink(target.c_str(), path.c_str()) == 0, "symlink");
+        std::memset(buf.data() + n, 0, n);
+        CHECK(h.submit_path(false, buf.data() + n, n, path, 0, false, nullptr) == static_cast<int64_t>(n),
+              "read after symlink");
+        std::vector<char> expect = first;
+        std::memset(expect.data() + 7, 'z', 1000);
+        CHECK(std::memcmp(buf.data() + n, expect.data(), n) == 0, "%s: read followed the symlink",
+              backend.c_str());
+        h.submit_path(true, buf.data() + 3, 5000, path, 20000, false, nullptr);
+        CHECK(read_all(target) == other, "%s: a write followed the symlink", backend.c_str());
+        // Unregistered while a request is queued: the request completes on the registered descriptor.
+        h.set_paused(true);
+        h.submit_path(false, buf.data() + n, 100, path, 0, true, nullptr);
+        h.unregister_file(path);
+        h.set_paused(false);
+        CHECK(h.wait() == 1, "wait after unregister");
+        CHECK(std::memcmp(buf.data() + n, expect.data(), 100) == 0, "queued read after unregister");
+        expect_usage_error([&] { h.unregister_file(path); }, "unregistering twice");
+        // Unregistered: the path is opened per request again, so the symlink is followed.
+        CHECK(h.submit_path(false, buf.data(), 100, path, 0, false, nullptr) == 100, "read by path");
+        CHECK(std::memcmp(buf.data(), other.data(), 100) == 0, "%s: unregistered path not reopened",
+              backend.c_str());
+        // Read-only registration refuses writes; a missing file cannot be registered for reading.
+        h.register_file(target, false, nullptr);
+        expect_io_error([&] { h.submit_path(true, buf.data(), 10, target, 0, false, nullptr); }, EBADF,
+                        zo::Op::kWrite, "write to a read-only registration");
+        expect_io_error([&] { h.register_file(g_dir + "/reg_missing", false, nullptr); }, ENOENT,
+                        zo::Op::kOpen, "registering a missing file for reading");
+        // close() closes what is still registered; later registrations are refused.
+        h.close();
+        expect_usage_error([&] { h.register_file(target, false, nullptr); }, "register after close");
+    }
+    CHECK(count_fds() == fds_before, "%s: fds %d -> %d", backend.c_str(), fds_before, count_fds());
+    unlink(path.c_str());
+    unlink(target.c_str());
+}
+
 // Many small async requests in flight at once, spread over threads and two handles. Records are not
 // block-aligned, so neighbours share partial blocks (read-modify-write) and padded tails: all must land.
 // Expects `fn` to throw an IoError with errno `err`.
@@ -470,6 +553,7 @@ int main(int argc, char** argv) {
         many_async(backend);
         alloc_faults(backend);
         staging_reuse(backend);
+        registered_files(backend);
     }
     if (access("/dev/shm", W_OK) == 0)
         CHECK(g_fallback_notes == 1, "O_DIRECT fallback reported %d times, expected once", g_fallback_notes);
