@@ -186,6 +186,9 @@ class OptimizerSwapper:
             for copy in ("a", "b")[:copies]:
                 self._files.append(space.create(f"{name}.{copy}.swp", self.region_bytes * len(self.chunks)))
                 self._fresh.append(True)
+            for h in self._handles:  # every request uses the descriptor opened here, never the path again
+                for f in self._files:
+                    h.register_file(f.path)
         except BaseException:
             self.close()
             raise

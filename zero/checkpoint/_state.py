@@ -198,6 +198,7 @@ def write_optimizer(engine: ZeroEngine, path: str) -> Entry:
         handle.wait()  # the views are only valid during this call
 
     try:
+        handle.register_file(path)  # one descriptor for every write, never the path again
         engine._state.read_all(put)
     except BaseException:
         _close_quietly(handle)
@@ -220,6 +221,11 @@ def read_optimizer(engine: ZeroEngine, path: str) -> None:
     if size != optimizer_nbytes(engine):
         raise ValueError(f"{path}: {size} bytes, expected {optimizer_nbytes(engine)}")
     handle = _aio_handle(engine)
+    try:
+        handle.register_file(path, writable=False)  # one descriptor for every read
+    except BaseException:
+        _close_quietly(handle)
+        raise
 
     def fill(start: int, n: int, master: torch.Tensor, states: List[torch.Tensor]) -> None:
         for k, t in enumerate([master, *states]):
