@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
-from typing import Any, Dict
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Dict, List
 
 import numpy as np
+import pytest
 import torch
 
 from offload.aio import DeviceBuffer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CSRC = os.path.join(REPO, "aio_csrc")
 
 
 def open_fds() -> int:
@@ -119,3 +124,29 @@ class FakeDevice(DeviceBuffer):
         self.host_addrs.append(host.data_ptr())
         self.mem.copy_(host)
         self.from_host += 1
+
+
+def build_core_program(tmp_path: Any, main_source: str, sanitize_flags: List[str]) -> str:
+    """The C++ core (without its Python bindings) and `main_source`, built with `sanitize_flags` into
+    `tmp_path`; skips when g++ is missing (or, for ThreadSanitizer, when this toolchain cannot link it)."""
+    gxx = shutil.which("g++")
+    if gxx is None:
+        pytest.skip("g++ not found: cannot build the sanitizer test program")
+    flags = ["-std=c++17", *sanitize_flags, "-fno-omit-frame-pointer", "-g", "-O1", "-pthread", "-I", CSRC]
+    sources = [s for s in sorted(glob.glob(os.path.join(CSRC, "*.cpp"))) if not s.endswith("bindings.cpp")]
+    sources.append(main_source)
+
+    def compile_one(src: str) -> str:
+        obj = str(tmp_path / (os.path.basename(src) + ".o"))
+        res = subprocess.run([gxx, *flags, "-c", src, "-o", obj], capture_output=True, text=True)
+        assert res.returncode == 0, f"compiling {src} failed:\n{res.stderr}"
+        return obj
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        objects = list(pool.map(compile_one, sources))
+    exe = str(tmp_path / os.path.splitext(os.path.basename(main_source))[0])
+    res = subprocess.run([gxx, *flags, *objects, "-o", exe], capture_output=True, text=True)
+    if res.returncode != 0 and "tsan" in res.stderr.lower():
+        pytest.skip(f"this toolchain cannot link a ThreadSanitizer program:\n{res.stderr[-2000:]}")
+    assert res.returncode == 0, f"linking failed:\n{res.stderr}"
+    return exe

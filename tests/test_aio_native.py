@@ -9,19 +9,17 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import glob
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 
 from offload import _aio
+from tests.aio_helpers import build_core_program
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CSRC = os.path.join(ROOT, "aio_csrc")
@@ -42,26 +40,8 @@ def random_bytes(rng: np.random.Generator, n: int) -> np.ndarray:
 
 
 def test_core_under_sanitizers(tmp_path):
-    gxx = shutil.which("g++")
-    if gxx is None:
-        pytest.skip("g++ not found: cannot build the sanitizer test program")
-    flags = ["-std=c++17", "-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
-    flags += ["-fno-omit-frame-pointer", "-g", "-O1", "-pthread", "-I", CSRC]
-    sources = [s for s in sorted(glob.glob(os.path.join(CSRC, "*.cpp"))) if not s.endswith("bindings.cpp")]
-    sources.append(os.path.join(CSRC, "tests", "aio_core_test.cpp"))
-
-    def compile_one(src: str) -> str:
-        obj = str(tmp_path / (os.path.basename(src) + ".o"))
-        res = subprocess.run([gxx, *flags, "-c", src, "-o", obj], capture_output=True, text=True)
-        assert res.returncode == 0, f"compiling {src} failed:\n{res.stderr}"
-        return obj
-
-    # Two at a time: the sanitizer build is most of this test's time.
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        objects = list(pool.map(compile_one, sources))
-    exe = str(tmp_path / "aio_core_test")
-    res = subprocess.run([gxx, *flags, *objects, "-o", exe], capture_output=True, text=True)
-    assert res.returncode == 0, f"linking failed:\n{res.stderr}"
+    flags = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
+    exe = build_core_program(tmp_path, os.path.join(CSRC, "tests", "aio_core_test.cpp"), flags)
 
     scratch = tmp_path / "scratch"
     scratch.mkdir()
