@@ -39,6 +39,7 @@ def random_bytes(rng: np.random.Generator, n: int) -> np.ndarray:
 # The core, compiled with ASan + UBSan, runs its own test program (aio_csrc/tests/aio_core_test.cpp).
 
 
+@pytest.mark.slow  # compiles the core from scratch
 def test_core_under_sanitizers(tmp_path):
     flags = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
     exe = build_core_program(tmp_path, os.path.join(CSRC, "tests", "aio_core_test.cpp"), flags)

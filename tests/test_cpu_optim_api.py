@@ -484,6 +484,7 @@ int main() {
 """
 
 
+@pytest.mark.slow  # compiles the kernels from scratch
 def test_portable_build_compiles_and_runs(tmp_path):
     # What a non-x86 machine builds (SIMD files empty, scalar only), checked here by defining
     # ZO_FORCE_PORTABLE: the sources must compile, link without any SIMD symbol and compute.
