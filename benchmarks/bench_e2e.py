@@ -5,8 +5,9 @@
 
 Every configuration runs in its own process (so peak RSS does not mix), 2 warm-up steps then `--steps`
 timed ones, on the same seed and token batches. Each offload configuration runs ours, then DeepSpeed's
-(A B A B over `--repeats` rounds); DeepSpeed runs under its own interpreter (`--ds-python`, default
-/work/dsvenv/bin/python) through benchmarks/deepspeed_runner.py, which also holds the shared timing loop.
+(A B A B over `--repeats` rounds); DeepSpeed runs under its own interpreter (`--ds-python`, else
+$ZO_DS_PYTHON, else .dsvenv/bin/python, the venv scripts/deepspeed_venv.sh builds) through
+benchmarks/deepspeed_runner.py, which also holds the shared timing loop.
 
 Per configuration: median / min / max step time over all timed steps of all rounds, the forward /
 backward / optimizer split (wall time around engine(x) / backward / step) and the optimizer phase's I/O
@@ -42,7 +43,9 @@ from benchmarks.harness import OUT_DIR, machine_info, markdown_table
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNNER = os.path.join(ROOT, "benchmarks", "deepspeed_runner.py")
-DS_PYTHON = "/work/dsvenv/bin/python"
+# DeepSpeed's interpreter: --ds-python, else $ZO_DS_PYTHON, else the venv scripts/deepspeed_venv.sh builds.
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DS_PYTHON = os.environ.get("ZO_DS_PYTHON", os.path.join(_REPO, ".dsvenv", "bin", "python"))
 
 # GPT-3 paper shapes with a 32000-token vocabulary and an untied head.
 SIZES: Dict[str, Dict[str, int]] = {
@@ -367,7 +370,7 @@ def _write(
     if args.device == "cuda":
         note = "GPU run: plain torch and ours compute on the GPU, DeepSpeed is not run"
     else:
-        note = "2 CPU cores shared with other jobs: times are noisy; DeepSpeed runs in /work/dsvenv"
+        note = "2 CPU cores shared with other jobs: times are noisy; DeepSpeed runs in its own venv"
     payload = {
         "benchmark": args.out_name,
         "device": args.device,
@@ -430,7 +433,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument(
         "--no-pipeline", action="store_true", help="offload_optimizer.pipeline_read/write off (both engines)"
     )
-    ap.add_argument("--ds-python", default=DS_PYTHON)
+    ap.add_argument(
+        "--ds-python",
+        default=DS_PYTHON,
+        help="DeepSpeed's interpreter (default: $ZO_DS_PYTHON, else .dsvenv/bin/python from "
+        "scripts/deepspeed_venv.sh); missing: DeepSpeed is not run, and the run says so",
+    )
     ap.add_argument("--nvme-dir", default=None, help="where swap files go (default: a directory under /tmp)")
     ap.add_argument("--out-name", default="e2e", help="output file stem (with --device cuda: + _cuda)")
     ap.add_argument(
@@ -462,6 +470,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         "device": args.device,
     }
     use_ds = not args.no_deepspeed and os.path.exists(args.ds_python)
+    if not args.no_deepspeed and not use_ds:
+        print(
+            f"[e2e] no DeepSpeed interpreter at {args.ds_python}: DeepSpeed is not run "
+            "(scripts/deepspeed_venv.sh builds one; or pass --ds-python)",
+            flush=True,
+        )
     if args.device == "cuda" and not args.no_deepspeed:
         print("[e2e] --device cuda: DeepSpeed is not run (plain torch and ours only)", flush=True)
         use_ds = False

@@ -1,6 +1,6 @@
 """One benchmark configuration in its own process: DeepSpeed, and the measuring loop shared with bench_e2e.
 
-    /work/dsvenv/bin/python benchmarks/deepspeed_runner.py SPEC.json OUT.json
+    .dsvenv/bin/python benchmarks/deepspeed_runner.py SPEC.json OUT.json   (scripts/deepspeed_venv.sh)
 
 This file is run by DeepSpeed's own interpreter (a separate venv), so it imports nothing of this project
 but the model definition, loaded by file path: only the standard library, torch and (in `run_deepspeed`)
