@@ -9,6 +9,8 @@ import json
 import os
 import random
 import stat
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -404,3 +406,19 @@ def test_io_error_while_applying_poisons_until_a_full_load(tmp_path, saved, monk
     assert_same(optimizer_state(engine), want_state)
     run(engine, 2, 1)
     engine.close()
+
+
+def test_latest_temp_file_of_a_killed_save_is_removed_by_the_next(tmp_path):
+    """A save killed between writing `.latest.tmp-<pid>` and renaming it leaves that file; the next save in
+    the directory removes it once its process is gone, and never a live process's."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a pid that no longer runs (reaped)
+    stale, live = ckpt / f".latest.tmp-{dead.pid}", ckpt / f".latest.tmp-{os.getppid()}"
+    stale.write_text("global_step1")
+    live.write_text("global_step1")
+    engine = new_engine("cpu", tmp_path)
+    engine.save_checkpoint(str(ckpt), tag="t")
+    engine.close()
+    assert not stale.exists() and live.exists()

@@ -37,7 +37,27 @@ def _make_tmp(save_dir: str, tmp: str) -> None:
         except FileExistsError:
             pass  # made meanwhile by someone else: theirs, leave its mode alone
     shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
+    _remove_dead_latest_tmp(save_dir)
     mkdir_private(tmp)
+
+
+def _remove_dead_latest_tmp(save_dir: str) -> None:
+    """Remove `.latest.tmp-<pid>` files whose process is gone (killed between writing and renaming)."""
+    for name in os.listdir(save_dir):
+        pid = name[len(".latest.tmp-") :] if name.startswith(".latest.tmp-") else ""
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # alive (or not ours to signal): leave it
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        try:
+            os.unlink(os.path.join(save_dir, name))
+        except FileNotFoundError:
+            pass
 
 
 def _needs_pickle(obj: Any, what: str, pickled: Dict[str, Any], key: str) -> Any:
