@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_helpers import run_on_ranks_within
-from test_engine_dist import GLOBAL_BATCH, TINY, make_config
+from test_engine_dist import TINY, make_config, rank_steps
 
 import zero
-from zero.models import GPT, corpus_bytes, get_batch
+from zero.models import GPT
 
 CASE = {"stage": 2, "offload": "nvme"}
 TIMEOUT_S = 300  # the ranks finish in well under a minute; a rank left in a barrier would wait 30 minutes
@@ -24,18 +24,6 @@ def _engine(world_size, nvme_dir):
     torch.manual_seed(0)
     engine, *_ = zero.initialize(model=GPT(TINY), config=make_config(CASE, world_size, nvme_dir))
     return engine
-
-
-def _steps(engine, rank, start, n):
-    losses = []
-    for step in range(start, start + n):
-        x, y = get_batch(corpus_bytes(), GLOBAL_BATCH, TINY.seq_len, step)
-        half = slice(rank * 2, rank * 2 + 2)
-        loss = engine(x[half], y[half])
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
 
 
 def _params(engine):
@@ -53,27 +41,27 @@ def _error(fn):
 def _failed_load(rank, world_size, nvme_dir, ckpt):
     """Rank 1's optimizer file is truncated: both ranks raise, neither engine changes."""
     ref = _engine(world_size, nvme_dir)
-    _steps(ref, rank, 0, 4)
+    rank_steps(ref, rank, 0, 4)
     ref_after4 = _params(ref)
-    ref_loss = _steps(ref, rank, 4, 1)
+    ref_loss = rank_steps(ref, rank, 4, 1)
     ref_after5 = _params(ref)
     ref.close()
 
     engine = _engine(world_size, nvme_dir)
-    _steps(engine, rank, 0, 3)
+    rank_steps(engine, rank, 0, 3)
     path = engine.save_checkpoint(ckpt, tag="t")
     listed = None
     if os.path.exists(os.path.join(path, "manifest.json")):
         with open(os.path.join(path, "manifest.json")) as f:
             listed = sorted(json.load(f)["files"])
-    _steps(engine, rank, 3, 1)
+    rank_steps(engine, rank, 3, 1)
     if rank == 1:
         optim = os.path.join(path, "optim_rank1.bin")
         os.truncate(optim, os.path.getsize(optim) - 4096)
     dist.barrier()
     error = _error(lambda: engine.load_checkpoint(ckpt, tag="t"))
     unchanged = torch.equal(_params(engine), ref_after4) and engine.global_steps == 4
-    loss = _steps(engine, rank, 4, 1)
+    loss = rank_steps(engine, rank, 4, 1)
     same_step = loss == ref_loss and torch.equal(_params(engine), ref_after5)
     engine.close()
     return {"listed": listed, "error": error, "unchanged": unchanged, "same_step": same_step}
@@ -84,9 +72,9 @@ def _failed_saves(rank, world_size, nvme_dir, ckpt):
     import offload.aio
 
     engine = _engine(world_size, nvme_dir)
-    _steps(engine, rank, 0, 2)
+    rank_steps(engine, rank, 0, 2)
     engine.save_checkpoint(ckpt, tag="good")
-    _steps(engine, rank, 2, 1)
+    rank_steps(engine, rank, 2, 1)
     out = {}
     real_write = offload.aio.AioHandle.async_pwrite
 

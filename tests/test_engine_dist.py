@@ -57,6 +57,19 @@ def make_config(case, world_size, nvme_dir):
     return cfg
 
 
+def rank_steps(engine, rank, start, n):
+    """Steps start..start+n-1 on this rank's half of each global batch (2 ranks); the losses."""
+    losses = []
+    for step in range(start, start + n):
+        x, y = get_batch(corpus_bytes(), GLOBAL_BATCH, TINY.seq_len, step)
+        half = slice(rank * 2, rank * 2 + 2)
+        loss = engine(x[half], y[half])
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
 def train_case(case, rank, world_size, nvme_dir):
     torch.manual_seed(0)
     engine, *_ = zero.initialize(model=GPT(TINY), config=make_config(case, world_size, nvme_dir))
@@ -83,25 +96,14 @@ def checkpoint_case(rank, world_size, nvme_dir, ckpt_dir):
     """Stage 2, NVMe: save after 3 steps, resume in a new engine on CPU offload, compare bit for bit."""
     case = {"stage": 2, "offload": "nvme", "overlap_comm": True, "reduce_bucket_size": 5000}
 
-    def steps(engine, start, n):
-        out = []
-        for step in range(start, start + n):
-            x, y = get_batch(corpus_bytes(), GLOBAL_BATCH, TINY.seq_len, step)
-            half = slice(rank * 2, rank * 2 + 2)
-            loss = engine(x[half], y[half])
-            engine.backward(loss)
-            engine.step()
-            out.append(loss.item())
-        return out
-
     torch.manual_seed(0)
     full, *_ = zero.initialize(model=GPT(TINY), config=make_config(case, world_size, nvme_dir))
-    want = steps(full, 0, 5)
+    want = rank_steps(full, rank, 0, 5)
     want_params = [p.detach().clone() for p in full.module.parameters()]
     full.close()
     torch.manual_seed(0)
     first, *_ = zero.initialize(model=GPT(TINY), config=make_config(case, world_size, nvme_dir))
-    steps(first, 0, 3)
+    rank_steps(first, rank, 0, 3)
     first.save_checkpoint(ckpt_dir)
     first.close()
     torch.manual_seed(7)
@@ -109,7 +111,7 @@ def checkpoint_case(rank, world_size, nvme_dir, ckpt_dir):
         model=GPT(TINY), config=make_config({**case, "offload": "cpu"}, world_size, nvme_dir)
     )
     path, _ = resumed.load_checkpoint(ckpt_dir)
-    got = steps(resumed, 3, 2)
+    got = rank_steps(resumed, rank, 3, 2)
     same = got == want[3:] and all(
         torch.equal(a, p.detach()) for a, p in zip(want_params, resumed.parameters())
     )
