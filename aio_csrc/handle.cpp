@@ -590,6 +590,17 @@ static void check_args(const void* buf, int64_t nbytes, int64_t offset) {
         throw UsageError("offset + nbytes overflows");
 }
 
+static std::shared_ptr<Request> new_request(bool write, void* buf, int64_t nbytes, int64_t offset,
+                                            bool async) {
+    auto req = std::make_shared<Request>();
+    req->write = write;
+    req->async = async;
+    req->buf = static_cast<char*>(buf);
+    req->nbytes = static_cast<uint64_t>(nbytes);
+    req->offset = static_cast<uint64_t>(offset);
+    return req;
+}
+
 static void set_alignment(Request& r, const DirectInfo& di, size_t block_size) {
     r.oa = r.direct ? std::max<uint32_t>(di.offset_align, 1) : 1;
     r.ma = r.direct ? std::max<uint32_t>(di.mem_align, 1) : 1;
@@ -674,13 +685,8 @@ int64_t Handle::submit_path(bool write, void* buf, int64_t nbytes, const std::st
                             bool async, CallNotes* notes) {
     check_args(buf, nbytes, offset);
     CallScope scope(*this);
-    auto req = std::make_shared<Request>();
+    auto req = new_request(write, buf, nbytes, offset, async);
     Request& r = *req;
-    r.write = write;
-    r.async = async;
-    r.buf = static_cast<char*>(buf);
-    r.nbytes = static_cast<uint64_t>(nbytes);
-    r.offset = static_cast<uint64_t>(offset);
     r.path = path;
     if (!files_.empty()) r.registered = files_.use(FileTable::key_of(path));
     if (r.registered) {
@@ -714,13 +720,8 @@ int64_t Handle::submit_path(bool write, void* buf, int64_t nbytes, const std::st
 int64_t Handle::submit_fd(bool write, void* buf, int64_t nbytes, int fd, int64_t offset, bool async) {
     check_args(buf, nbytes, offset);
     CallScope scope(*this);
-    auto req = std::make_shared<Request>();
+    auto req = new_request(write, buf, nbytes, offset, async);
     Request& r = *req;
-    r.write = write;
-    r.async = async;
-    r.buf = static_cast<char*>(buf);
-    r.nbytes = static_cast<uint64_t>(nbytes);
-    r.offset = static_cast<uint64_t>(offset);
     const int fl = fcntl(fd, F_GETFL);
     if (fl < 0)
         throw IoError(errno, Op::kOpen, "<fd " + std::to_string(fd) + ">", offset, nbytes, "fd is not open");

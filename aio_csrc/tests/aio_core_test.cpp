@@ -25,24 +25,13 @@
 #include <vector>
 
 #include "aio_error.h"
+#include "check.h"
 #include "engine.h"
 #include "fault_inject.h"
 #include "handle.h"
 #include "pinned.h"
 
 namespace {
-
-int g_failures = 0;
-
-#define CHECK(cond, ...)                                                         \
-    do {                                                                         \
-        if (!(cond)) {                                                           \
-            ++g_failures;                                                        \
-            std::fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
-            std::fprintf(stderr, __VA_ARGS__);                                   \
-            std::fprintf(stderr, "\n");                                          \
-        }                                                                        \
-    } while (0)
 
 std::string g_dir;
 int g_fallback_notes = 0;
@@ -560,7 +549,7 @@ int main(int argc, char** argv) {
     const int fds_after = count_fds();
     CHECK(fds_before == fds_after, "fd count %d -> %d", fds_before, fds_after);
     if (g_failures != 0) {
-        std::printf("%d FAILED\n", g_failures);
+        std::printf("%d FAILED\n", g_failures.load());
         return 1;
     }
     std::printf("ALL OK\n");

@@ -28,24 +28,13 @@
 #include <vector>
 
 #include "aio_error.h"
+#include "check.h"
 #include "engine.h"
 #include "fault_inject.h"
 #include "handle.h"
 #include "pinned.h"
 
 namespace {
-
-std::atomic<int> g_failures{0};
-
-#define CHECK(cond, ...)                                                         \
-    do {                                                                         \
-        if (!(cond)) {                                                           \
-            ++g_failures;                                                        \
-            std::fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
-            std::fprintf(stderr, __VA_ARGS__);                                   \
-            std::fprintf(stderr, "\n");                                          \
-        }                                                                        \
-    } while (0)
 
 constexpr size_t kRec = 8192;  // bytes per request
 constexpr size_t kSlots = 16;  // distinct file offsets in use
