@@ -259,10 +259,10 @@ def read_params(engine: ZeroEngine, path: str) -> None:
     part = engine.partitioner  # type: ignore[attr-defined]
     with open(path, "rb") as f:
         for u in part.units:
-            raw = bytearray(f.read(u.part_nbytes))
-            if len(raw) != u.part_nbytes:
+            values = torch.empty(u.part_numel, dtype=u.dtype)
+            if f.readinto(values.view(torch.uint8).numpy()) != u.part_nbytes:  # straight into the tensor
                 raise OSError(f"{path}: ended inside unit {u.name}")
-            part.write_partition(u, torch.frombuffer(raw, dtype=torch.uint8).view(u.dtype))
+            part.write_partition(u, values)
 
 
 def optimizer_meta(engine: ZeroEngine) -> Dict[str, Any]:
