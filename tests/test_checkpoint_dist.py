@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import warnings
 
 import pytest
 import torch
@@ -106,10 +107,27 @@ def _failed_saves(rank, world_size, nvme_dir, ckpt):
     return out
 
 
+def _disagreeing_load(rank, world_size, nvme_dir, out_dir):
+    """Rank 0 is pointed at a checkpoint, rank 1 at a directory without one: both raise, nothing loads."""
+    ckpt, empty = os.path.join(out_dir, "ckpt_one"), os.path.join(out_dir, f"empty{rank}")
+    engine = _engine(world_size, nvme_dir)
+    rank_steps(engine, rank, 0, 1)
+    engine.save_checkpoint(ckpt, tag="t")
+    before = _params(engine)
+    os.makedirs(empty, exist_ok=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # rank 1's "no 'latest' file" warning
+        error = _error(lambda: engine.load_checkpoint(ckpt if rank == 0 else empty))
+    unchanged = torch.equal(_params(engine), before) and engine.global_steps == 1
+    engine.close()
+    return {"error": error, "unchanged": unchanged}
+
+
 def _rank_main(rank, world_size, nvme_dir, out_dir):
     return {
         "load": _failed_load(rank, world_size, nvme_dir, os.path.join(out_dir, "ckpt_load")),
         "save": _failed_saves(rank, world_size, nvme_dir, os.path.join(out_dir, "ckpt_save")),
+        "disagree": _disagreeing_load(rank, world_size, nvme_dir, out_dir),
     }
 
 
@@ -149,3 +167,10 @@ def test_failed_save_on_one_rank_raises_on_both_and_rolls_back(results):
         assert res["after_prepare_error"] == ["good", "latest"]
         assert res["retry_error"] is None, res["retry_error"]
         assert res["after_retry"] == ["good", "latest", "next"]
+
+
+def test_ranks_that_disagree_on_whether_there_is_a_checkpoint_both_raise(results):
+    for r in range(2):
+        res = results[r]["disagree"]
+        assert res["error"] is not None and "disagree" in res["error"], res["error"]
+        assert res["unchanged"], f"rank {r}: the refused load changed the engine"

@@ -471,3 +471,17 @@ def test_poison_state_and_mark_state_restored(tmp_path):
     assert engine.state_error is None
     train(engine, 1)
     engine.close()
+
+
+def test_failed_master_rebuild_poisons(tmp_path):
+    """sync_master_from_module that fails part way leaves master and module different: poisoned, with the
+    write error chained, and steps refuse until a checkpoint is loaded."""
+    engine, *_ = zero.initialize(model=make_model(), config=base_config("nvme", tmp_path, stage=2))
+    train(engine, 1)
+    fired = fail_nth_write(engine._state, 2)
+    with pytest.raises(StateCorruptedError, match="rebuilding the fp32 master") as info:
+        engine.sync_master_from_module()
+    assert fired and "injected write failure" in str(info.value.__cause__)
+    with pytest.raises(StateCorruptedError, match="injected write failure"):
+        engine.step()
+    engine.close()

@@ -410,3 +410,22 @@ def test_registration_runs_once_and_cancel_drops_it():
     other.cancel()
     other()
     assert ran == [1] and not other.pending
+
+
+def test_a_failing_cleanup_is_reported_and_the_others_still_run(tmp_path):
+    """At exit every registered cleanup runs, newest first; one that raises is reported on stderr and does not
+    stop the others (nor change the exit status)."""
+    marker = tmp_path / "older-ran"
+    code = textwrap.dedent(
+        f"""
+        from offload import cleanup
+        cleanup.register(lambda: open({str(marker)!r}, "w").close())
+        def boom():
+            raise RuntimeError("cleanup boom")
+        cleanup.register(boom)
+        """
+    )
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert "cleanup failed" in run.stderr and "cleanup boom" in run.stderr
+    assert marker.exists()
