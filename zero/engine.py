@@ -36,7 +36,7 @@ from offload.pinned import (
     default_pinned_budget,
     pinned_bytes_in_use,
 )
-from offload.swap.optimizer_swapper import AioSettings, OptimizerSwapper, slot_bytes
+from offload.swap.optimizer_swapper import OptimizerSwapper, slot_bytes
 from offload.swap.space import SwapSpace, check_nvme_path
 from zero.accelerator import compute_device, dist_backend
 from zero.comm import settle
@@ -448,7 +448,7 @@ class ZeroEngine:
                     self.pool,
                     chunk_numel=chunk,
                     buffer_count=buffer_count,
-                    aio=AioSettings.from_config(self.config.aio),
+                    aio=self.config.aio,
                     name=f"optim-rank{self.rank}",
                     **({"copies": swap_copies} if swap_copies != 2 else {}),
                 )

@@ -8,9 +8,10 @@ errors the same way: ``"<dotted.key> in <source>: <what was wrong>"``.
 from __future__ import annotations
 
 import difflib
+import json
 import logging
 import math
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 logger = logging.getLogger("offload.config")
 
@@ -258,3 +259,32 @@ def is_off_value(value: Any) -> bool:
 
 def _quoted(choices: Sequence[str]) -> str:
     return ", ".join(f"'{c}'" for c in choices)
+
+
+def read_json_file(path: str) -> Any:
+    """Parse a JSON file; missing files and syntax errors become ConfigErrors naming file, line, column."""
+
+    def no_duplicates(pairs: List[Tuple[str, Any]]) -> Dict[str, Any]:
+        # DeepSpeed refuses duplicate keys as well; json would silently keep the last one.
+        out: Dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out:
+                raise ConfigError(f"config file {path}: duplicate key '{key}'")
+            out[key] = value
+        return out
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} not found") from None
+    except OSError as e:
+        raise ConfigError(f"config file {path} cannot be read: {e.strerror} (errno {e.errno})") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path} is not UTF-8 text: {e}") from None
+    try:
+        return json.loads(text, object_pairs_hook=no_duplicates)
+    except json.JSONDecodeError as e:
+        raise ConfigError(
+            f"config file {path} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
+        ) from None

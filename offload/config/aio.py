@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
-from ._reader import ConfigError, Context, Section
+from ._reader import ConfigError, Context, Section, read_json_file
 
 AIO_BACKENDS = ("auto", "io_uring", "aio", "psync")
 
@@ -78,6 +78,19 @@ class AioConfig:
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def handle(self) -> Any:
+        """A new `offload.aio.AioHandle` with these settings (the caller closes it)."""
+        from offload.aio import AioHandle
+
+        return AioHandle(
+            block_size=self.block_size,
+            queue_depth=self.queue_depth,
+            single_submit=self.single_submit,
+            overlap_events=self.overlap_events,
+            intra_op_parallelism=self.intra_op_parallelism,
+            backend=self.backend,
+        )
+
 
 def parse_aio(raw: Any, ctx: Context, path: str = "aio") -> AioConfig:
     s = Section(raw, path, ctx, _AIO_KEYS)
@@ -131,8 +144,6 @@ def validate_aio_section(d: Union[Mapping[str, Any], str, os.PathLike]) -> AioCo
     this checks it with exactly the rules ``load_config`` applies to the same section.
     """
     if isinstance(d, (str, os.PathLike)):
-        from .loader import read_json_file
-
         source = os.fspath(d)
         d = read_json_file(source)
     else:

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
-from ._reader import ConfigError, Context, Section, is_off_value
+from ._reader import ConfigError, Context, Section, is_off_value, read_json_file
 from .aio import AioConfig, parse_aio
 from .optimizer import OptimizerConfig, SchedulerConfig, parse_optimizer, parse_scheduler
 from .precision import BF16Config, FP16Config, parse_bf16, parse_fp16
@@ -152,35 +151,6 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_jsonable(v) for v in value]
     return value
-
-
-def read_json_file(path: str) -> Any:
-    """Parse a JSON file; missing files and syntax errors become ConfigErrors naming file, line, column."""
-
-    def no_duplicates(pairs: List[Tuple[str, Any]]) -> Dict[str, Any]:
-        # DeepSpeed refuses duplicate keys as well; json would silently keep the last one.
-        out: Dict[str, Any] = {}
-        for key, value in pairs:
-            if key in out:
-                raise ConfigError(f"config file {path}: duplicate key '{key}'")
-            out[key] = value
-        return out
-
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path} not found") from None
-    except OSError as e:
-        raise ConfigError(f"config file {path} cannot be read: {e.strerror} (errno {e.errno})") from None
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"config file {path} is not UTF-8 text: {e}") from None
-    try:
-        return json.loads(text, object_pairs_hook=no_duplicates)
-    except json.JSONDecodeError as e:
-        raise ConfigError(
-            f"config file {path} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
-        ) from None
 
 
 def load_config(

@@ -19,17 +19,15 @@ from offload.swap.space import (
 
 if TYPE_CHECKING:
     from offload.swap.optimizer_swapper import (
-        AioSettings,
         DeferredWriteError,
         OptimizerSwapper,
         SwapStats,
         slot_bytes,
     )
 
-_SWAPPER_NAMES = ("AioSettings", "DeferredWriteError", "OptimizerSwapper", "SwapStats", "slot_bytes")
+_SWAPPER_NAMES = ("DeferredWriteError", "OptimizerSwapper", "SwapStats", "slot_bytes")
 
 __all__ = [
-    "AioSettings",
     "DeferredWriteError",
     "OptimizerSwapper",
     "ReclaimedSpace",

@@ -38,9 +38,10 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
+from offload.config.aio import AioConfig
 from offload.swap.space import SwapFile, SwapSpace, align_up
 
-__all__ = ["AioSettings", "ChunkFn", "DeferredWriteError", "OptimizerSwapper", "ReadyFn", "SwapStats"]
+__all__ = ["ChunkFn", "DeferredWriteError", "OptimizerSwapper", "ReadyFn", "SwapStats"]
 
 FP32_BYTES = 4
 
@@ -48,41 +49,6 @@ FP32_BYTES = 4
 ChunkFn = Callable[[int, int, torch.Tensor, List[torch.Tensor]], bool]
 # chunk index -> go on (blocks until the chunk's inputs are ready; False cancels the pass)
 ReadyFn = Callable[[int], bool]
-
-
-@dataclass(frozen=True)
-class AioSettings:
-    block_size: int = 1 << 20
-    queue_depth: int = 32
-    single_submit: bool = False
-    overlap_events: bool = True
-    intra_op_parallelism: int = 1
-    backend: str = "auto"
-
-    @classmethod
-    def from_config(cls, aio_cfg: Any) -> AioSettings:
-        if aio_cfg is None:
-            return cls()
-        return cls(
-            block_size=int(aio_cfg.block_size),
-            queue_depth=int(aio_cfg.queue_depth),
-            single_submit=bool(aio_cfg.single_submit),
-            overlap_events=bool(aio_cfg.overlap_events),
-            intra_op_parallelism=int(aio_cfg.intra_op_parallelism),
-            backend=str(getattr(aio_cfg, "backend", "auto") or "auto"),
-        )
-
-    def handle(self) -> Any:
-        from offload.aio import AioHandle
-
-        return AioHandle(
-            block_size=self.block_size,
-            queue_depth=self.queue_depth,
-            single_submit=self.single_submit,
-            overlap_events=self.overlap_events,
-            intra_op_parallelism=self.intra_op_parallelism,
-            backend=self.backend,
-        )
 
 
 @dataclass
@@ -131,7 +97,7 @@ class OptimizerSwapper:
         *,
         chunk_numel: int,
         buffer_count: int = 4,
-        aio: Optional[AioSettings] = None,
+        aio: Optional[AioConfig] = None,
         name: str = "optimizer",
         copies: int = 2,
         defer_writes: bool = True,
@@ -156,7 +122,7 @@ class OptimizerSwapper:
         self.region_bytes = slot_bytes(self.chunk_numel, self.n_states, self.alignment)
         self.stats = SwapStats()
         self._pool = pool
-        self._aio = aio or AioSettings()
+        self._aio = aio or AioConfig()
         self._slots: List[torch.Tensor] = []
         self._handles: List[Any] = []
         self._files: List[SwapFile] = []

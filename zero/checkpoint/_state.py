@@ -154,9 +154,7 @@ def check_units(engine: ZeroEngine, saved_units: List[Any], where: str) -> int:
 
 # ------------------------------------------------------------------------------- streamed binary files
 def _aio_handle(engine: ZeroEngine) -> Any:
-    from offload.swap.optimizer_swapper import AioSettings
-
-    return AioSettings.from_config(engine.config.aio).handle()
+    return engine.config.aio.handle()
 
 
 def _host_bytes(t: torch.Tensor) -> Any:

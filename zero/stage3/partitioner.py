@@ -35,7 +35,6 @@ from torch import nn
 from offload.config import load_config
 from offload.config.zero import OffloadParamConfig
 from offload.pinned import PinnedPool, default_pinned_budget
-from offload.swap.optimizer_swapper import AioSettings
 from zero.accelerator import compute_device
 from zero.stage3.comm import all_gather_flat, dist_info, reduce_scatter_flat
 from zero.stage3.store import PartitionStore, UnitSize
@@ -96,7 +95,7 @@ class Stage3Partitioner:
             buffer_count=off.buffer_count,
             buffer_size=off.buffer_size,
             max_in_cpu=off.max_in_cpu,
-            aio=AioSettings.from_config(getattr(self.config, "aio", None)),
+            aio=getattr(self.config, "aio", None),
         )
         self.units: List[Unit] = []
         self.grad_callback: GradCallback = grad_callback or self._accumulate_grad

@@ -17,8 +17,8 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 
 import torch
 
+from offload.config.aio import AioConfig
 from offload.pinned import PinnedMemoryBudgetError, PinnedPool
-from offload.swap.optimizer_swapper import AioSettings
 from offload.swap.space import SwapFile, SwapSpace, check_nvme_path
 from zero.stage3.unit import Unit, safe_file_name
 
@@ -100,7 +100,7 @@ class PartitionStore:
         buffer_count: int = 5,
         buffer_size: int = 100_000_000,
         max_in_cpu: int = 0,
-        aio: Optional[AioSettings] = None,
+        aio: Optional[AioConfig] = None,
     ) -> None:
         if tier not in ("none", "cpu", "nvme"):
             raise ValueError(f"offload_param.device must be 'none', 'cpu' or 'nvme', got {tier!r}")
@@ -114,7 +114,7 @@ class PartitionStore:
         self.max_in_cpu = int(max_in_cpu) if tier == "nvme" else 0
         self.in_cpu_numel = 0
         self.stats = StoreStats()
-        self._aio = aio or AioSettings()
+        self._aio = aio or AioConfig()
         self._nvme_path = check_nvme_path(nvme_path or "") if tier == "nvme" else None
         self._space: Optional[SwapSpace] = None
         self._files: Dict[int, SwapFile] = {}
