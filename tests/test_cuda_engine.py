@@ -97,7 +97,7 @@ def test_stage3_on_cuda_matches_torch(tmp_path, cuda_reference, param, optim):
     if param == "nvme":
         io = engine.last_param_io
         assert io["param_nvme_read_bytes"] > 0
-        assert io["param_nvme_write_bytes"] == sum(u.part_nbytes for u in engine.units)
+        assert io["param_nvme_write_bytes"] == sum(u.part_nbytes for u in engine.layout.units)
     dirs = [d for d in (engine.swap_dir, engine.partitioner.store.swap_dir) if d]
     engine.close()
     assert not any(os.path.exists(d) for d in dirs)

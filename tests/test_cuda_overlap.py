@@ -36,7 +36,7 @@ test_stage3_matches_stepping_after_backward = stage3.test_overlapped_steps_match
 test_stage3_bf16_partly_frozen_unit = stage3.test_bf16_and_a_partly_frozen_unit_on_nvme
 test_stage3_with_gradient_accumulation = stage3.test_with_gradient_accumulation
 test_stage3_fp16_overflow_is_undone = stage3.test_fp16_overflow_in_the_overlapped_pass_is_undone
-test_stage3_released_during_backward = stage3.test_sub_groups_are_released_while_backward_runs
+test_stage3_released_during_backward = stage3.test_sub_groups_are_stepped_while_backward_runs
 test_stage3_forward_between_backward_and_step = (
     stage3.test_forward_between_backward_and_step_sees_the_committed_weights
 )
@@ -49,7 +49,7 @@ def test_stage2_gradients_leave_the_gpu_chunk_by_chunk_during_backward(tmp_path,
     torch.manual_seed(0)
     engine = zero.initialize(model=GPT(MODEL), config=_config(str(tmp_path), True, dtype))[0]
     assert engine.device.type == "cuda"
-    fetch = engine._grad_fetch
+    fetch = engine.overlap.fetch
     assert fetch is not None
     completed_in_backward = []
     done = fetch.backward_done
@@ -62,8 +62,8 @@ def test_stage2_gradients_leave_the_gpu_chunk_by_chunk_during_backward(tmp_path,
     x, y = (t.to(engine.device) for t in get_batch(corpus_bytes(), 2, MODEL.seq_len, 0))
     engine.backward(engine(x, y))
     engine.step()
-    assert completed_in_backward == [len(engine._state.chunks)]
-    grad_bytes = engine.part_numel * engine.flat.grad_buffer.element_size()
+    assert completed_in_backward == [engine.optimizer_state_info().chunks]
+    grad_bytes = engine.part_numel * engine.layout.flat.grad_buffer.element_size()
     assert engine.last_report.device_to_host_bytes == grad_bytes
     engine.close()
     plain = _train(_config(str(tmp_path), False, dtype), steps=1)

@@ -112,7 +112,7 @@ def test_matches_torch_adamw(tmp_path, reference, offload, stage):
     if offload == "nvme":
         rep = engine.last_report
         assert rep.nvme_read_bytes > 0 and rep.nvme_write_bytes == rep.nvme_read_bytes
-        assert rep.nvme_read_bytes == sum(engine._state._io_bytes(n) for _, n in engine._state.chunks)
+        assert rep.nvme_read_bytes == engine.optimizer_state_info().pass_read_bytes
         assert engine.nvme_bytes > 0
         swap_dir = engine.swap_dir
         assert os.path.isdir(swap_dir)
@@ -250,7 +250,7 @@ def test_bf16_trains_with_fp32_master(tmp_path, offload):
     assert next(engine.module.parameters()).dtype == torch.bfloat16
     losses = train(engine, 15)
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 5e-2
-    master = engine.optimizer.state_dict()["master"][: engine.flat.numel]
+    master = engine.optimizer.state_dict()["master"][: engine.trainable_numel]
     want = torch.cat([p.detach().reshape(-1) for p in ref_model.parameters()])
     init = torch.cat([p.detach().reshape(-1) for p in make_model().parameters()])
     # The fp32 master follows the fp32 run: its error is small next to how far training moved the weights,
@@ -308,9 +308,9 @@ def test_small_budget_splits_subgroups(tmp_path, monkeypatch, reference):
     cfg = base_config("nvme", tmp_path)
     cfg["zero_optimization"]["sub_group_size"] = 10**9
     engine, *_ = zero.initialize(model=make_model(), config=cfg)
-    assert engine._state.chunk_numel < engine.part_numel
+    assert engine.optimizer_state_info().chunk_numel < engine.part_numel
     # smaller than the slots the same config gets without a budget: the split really happened
-    assert engine._state.chunk_numel < swap_chunk(10**9, engine.part_numel, 8)
+    assert engine.optimizer_state_info().chunk_numel < swap_chunk(10**9, engine.part_numel, 8)
     losses = train(engine, 5)
     assert_close_trajectory(losses, ref_losses[:5])
     engine.close()

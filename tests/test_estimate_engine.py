@@ -128,7 +128,7 @@ def _stage3_setup(count, sub_group: int) -> TrainingSetup:
 def test_stage3_pinned_and_nvme_bytes_match_the_engine(tmp_path, param, optim, monkeypatch):
     import shutil
 
-    from zero import stage3_engine
+    from zero import optimizer_state
 
     sub_group = 20_000
     torch.manual_seed(0)
@@ -137,7 +137,7 @@ def test_stage3_pinned_and_nvme_bytes_match_the_engine(tmp_path, param, optim, m
     free = shutil.disk_usage(tmp_path).free
     if optim == "nvme" and param == "nvme":
         free = 10**6  # too small for two copies: the engine updates one in place, as the estimate says
-        monkeypatch.setattr(stage3_engine, "_disk_free", lambda path: free)
+        monkeypatch.setattr(optimizer_state, "_disk_free", lambda path: free)
     config = _stage3_config(tmp_path, param, optim, sub_group)
     if optim == "nvme" and param == "nvme":
         with pytest.warns(UserWarning, match="not enough for two copies"):

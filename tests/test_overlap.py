@@ -61,7 +61,7 @@ def _train(cfg: dict, steps: int, gas: int = 1):
         "params": params,
         "state": state,
         "skipped": engine.skipped_steps,
-        "early": engine._early_gate is not None,
+        "early": engine.overlap.enabled,
         "report": engine.last_report,
     }
     engine.close()
@@ -85,6 +85,8 @@ def test_overlapped_steps_match_steps_after_backward(tmp_path, dtype):
     _same(plain, overlapped)
     rep = overlapped["report"]
     assert rep.nvme_read_bytes > 0 and rep.nvme_write_bytes > 0
+    assert plain["report"].optimizer_chunks_in_backward == 0
+    assert rep.optimizer_chunks == plain["report"].optimizer_chunks > 1  # every sub-group, in both
     # The trajectory really moved (a pass that never committed would also be "identical").
     assert overlapped["state"]["step"] == 3
 
@@ -139,9 +141,33 @@ def test_failed_backward_cancels_the_pass(tmp_path):
     with pytest.raises(RuntimeError, match="backward failed"):
         engine.backward(loss)
     hook.remove()
-    assert engine._early_thread is None
+    assert not engine.overlap.running
     assert all(torch.equal(a, p.detach()) for a, p in zip(before, engine.module.parameters()))
     assert engine.optimizer.state_dict()["step"] == 0
+    engine.close()
+
+
+def test_sub_groups_are_stepped_while_backward_runs(tmp_path):
+    """The overlap happens: sub-groups whose gradients are final are stepped before backward returns.
+
+    A hook on the position embedding (its gradient comes last in backward) holds backward until the pass
+    reports an updated chunk, so the order does not depend on thread scheduling."""
+    torch.manual_seed(0)
+    engine = zero.initialize(model=GPT(MODEL), config=_config(str(tmp_path), True))[0]
+    chunks = engine.optimizer_state_info().chunks
+    assert engine.overlap.enabled and chunks > 2
+    seen = []
+    hook = engine.module.pos.weight.register_hook(
+        lambda g: seen.append(engine.overlap.wait_updated(1, timeout=60))
+    )
+    x, y = (t.to(engine.device) for t in get_batch(corpus_bytes(), 2, MODEL.seq_len, 0))
+    engine.backward(engine(x, y))
+    engine.step()
+    hook.remove()
+    rep = engine.last_report
+    assert seen == [True]
+    assert rep.optimizer_chunks == chunks
+    assert 1 <= rep.optimizer_chunks_in_backward < chunks  # the embeddings' sub-group waited for backward
     engine.close()
 
 

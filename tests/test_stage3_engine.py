@@ -21,9 +21,9 @@ from test_engine import (
 )
 
 import zero
+from zero.layout.units import UnitLayout
 from zero.models import GPT, get_batch
 from zero.stage3 import Stage3PinnedBudgetError
-from zero.stage3_engine import Stage3Engine
 
 TIERS = ["none", "cpu", "nvme"]
 
@@ -55,7 +55,7 @@ def assert_params_match(engine, ref_model, atol=2e-5):
 def test_matches_torch_adamw(tmp_path, reference, param, optim):  # noqa: F811
     ref_losses, ref_model = reference
     engine, opt, loader, sched = zero.initialize(model=make_model(), config=s3_config(param, optim, tmp_path))
-    assert isinstance(engine, Stage3Engine) and opt is engine.optimizer
+    assert isinstance(engine.layout, UnitLayout) and opt is engine.optimizer
     # nothing is whole between steps: every parameter is an empty placeholder
     assert all(p.numel() == 0 for p in engine.module.parameters())
     losses = train(engine, STEPS)
@@ -68,11 +68,13 @@ def test_matches_torch_adamw(tmp_path, reference, param, optim):  # noqa: F811
         assert "blocks.0.qkv.param.swp" in names and "tok.param.swp" in names  # named, never id()
         assert engine.last_param_io["param_nvme_read_bytes"] > 0
         # each step writes every trainable partition back exactly once
-        assert engine.last_param_io["param_nvme_write_bytes"] == sum(u.part_nbytes for u in engine.units)
+        assert engine.last_param_io["param_nvme_write_bytes"] == sum(
+            u.part_nbytes for u in engine.layout.units
+        )
     if optim == "nvme":
         rep = engine.last_report
         assert rep.nvme_read_bytes > 0 and rep.nvme_write_bytes == rep.nvme_read_bytes
-        assert engine._state.copies == 2
+        assert engine.optimizer_state_info().copies == 2
     dirs = [d for d in (engine.swap_dir, part.store.swap_dir) if d]
     engine.close()
     assert not any(os.path.exists(d) for d in dirs)
@@ -219,6 +221,7 @@ def test_checkpoint_rejects_other_model(tmp_path):
 
 def test_save_16bit_model_and_consolidated_exports(tmp_path):
     cfg = s3_config("nvme", "nvme", tmp_path, bf16={"enabled": True})
+    cfg["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
     engine, *_ = zero.initialize(model=make_model(), config=cfg)
     train(engine, 3)
     assert engine.save_16bit_model(str(tmp_path / "export"), "model.bin")
@@ -234,6 +237,16 @@ def test_save_16bit_model_and_consolidated_exports(tmp_path):
     assert sd32["blocks.1.out.weight"].dtype == torch.float32
     assert torch.equal(sd32["blocks.1.out.weight"], master["blocks.1.out.weight"])
     plain.load_state_dict({k: v.float() for k, v in saved.items()})  # a plain torch model takes it as is
+
+
+def test_save_16bit_model_needs_the_gather_key_at_stage3(tmp_path, caplog):
+    """DeepSpeed's rule: stage 3 saves a 16-bit model only with stage3_gather_16bit_weights_on_model_save."""
+    engine, *_ = zero.initialize(model=make_model(), config=s3_config("cpu", "cpu", tmp_path))
+    with caplog.at_level("WARNING", logger="zero"):
+        assert engine.save_16bit_model(str(tmp_path / "export"), "model.bin") is False
+    assert "stage3_gather_16bit_weights_on_model_save" in caplog.text
+    assert not (tmp_path / "export").exists()
+    engine.close()
 
 
 def test_init_built_model_trains_like_torch(tmp_path, reference):  # noqa: F811
@@ -274,14 +287,14 @@ def test_pinned_budget_too_small_for_largest_layer_fails_at_initialize(tmp_path)
 
 def test_in_place_optimizer_state_when_the_disk_is_short(tmp_path, monkeypatch, reference):  # noqa: F811
     """One NVMe copy of the optimizer state (ZeRO-Infinity scale): same numbers, half the disk."""
-    import zero.stage3_engine as s3e
+    from zero import optimizer_state
 
     ref_losses, _ = reference
-    monkeypatch.setattr(s3e, "_disk_free", lambda path: 1)
+    monkeypatch.setattr(optimizer_state, "_disk_free", lambda path: 1)
     with pytest.warns(UserWarning, match="updated in place"):
         engine, *_ = zero.initialize(model=make_model(), config=s3_config("nvme", "nvme", tmp_path))
-    assert engine._state.copies == 1
-    assert engine.optimizer_nvme_bytes == engine._state.region_bytes * len(engine._state.chunks)
+    assert engine.optimizer_state_info().copies == 1
+    assert engine.optimizer_nvme_bytes == engine.optimizer_state_info().disk_bytes > 0
     param_bytes = sum(u.part_nbytes for u in engine.partitioner.units)
     assert engine.nvme_bytes >= engine.optimizer_nvme_bytes + param_bytes
     assert_close_trajectory(train(engine, 10), ref_losses[:10])  # a prefix of the 30-step torch run

@@ -37,7 +37,7 @@ def run(cfg, steps: int, freeze: bool = False, gas: int = 1):
         "losses": losses,
         "params": zero.consolidated_state_dict(engine),
         "state": engine.optimizer.state_dict(),
-        "early": engine._early_gate is not None,
+        "early": engine.overlap.enabled,
         "skipped": engine.skipped_steps,
         "param_io": dict(engine.last_param_io),
     }
@@ -92,25 +92,24 @@ def test_fp16_overflow_in_the_overlapped_pass_is_undone(tmp_path):
     assert_same(plain, overlapped)
 
 
-def test_sub_groups_are_released_while_backward_runs(tmp_path):
-    """The gate opens chunks as units finish, not only when backward returns."""
+def test_sub_groups_are_stepped_while_backward_runs(tmp_path):
+    """The gate opens chunks as units finish, not only when backward returns: a hook on the position
+    embedding (its gradient comes last) holds backward until the pass reports an updated chunk."""
     engine = zero.initialize(model=make_model(), config=config("nvme", tmp_path, True))[0]
-    gate = engine._early_gate
-    n_chunks = len(engine._state.chunks)
-    assert n_chunks >= 4
-    open_at_end = []
-    all_ready = gate.all_ready
-
-    def record_then_release() -> None:
-        open_at_end.append(sum(1 for r in gate._remaining if r <= 0))
-        all_ready()
-
-    gate.all_ready = record_then_release
+    n_chunks = engine.optimizer_state_info().chunks
+    assert engine.overlap.enabled and n_chunks >= 4
+    seen = []
+    hook = engine.module.pos.weight.register_hook(
+        lambda g: seen.append(engine.overlap.wait_updated(1, timeout=60))
+    )
     x, y = (t.to(engine.device) for t in get_batch(DATA, 4, TINY.seq_len, 0))
     engine.backward(engine(x, y))
     engine.step()
-    # every unit reported before backward returned (each gets a gradient): every chunk was open already
-    assert open_at_end == [n_chunks]
+    hook.remove()
+    rep = engine.last_report
+    assert seen == [True]
+    assert rep.optimizer_chunks == n_chunks
+    assert 1 <= rep.optimizer_chunks_in_backward < n_chunks
     assert engine.optimizer.step_count == 1
     engine.close()
 
@@ -122,7 +121,7 @@ def test_forward_between_backward_and_step_sees_the_committed_weights(tmp_path):
     engine.backward(engine(x, y))
     with torch.no_grad():
         engine(x, y)  # drops the pass begun in backward and restores the weights
-    assert engine._early_thread is None
+    assert not engine.overlap.running
     now = zero.consolidated_state_dict(engine)
     assert all(torch.equal(before[k], now[k]) for k in before)
     engine.step()  # then steps after backward, from the same gradients
@@ -137,11 +136,10 @@ def test_failed_backward_cancels_the_pass(tmp_path):
     engine = zero.initialize(model=make_model(), config=config("nvme", tmp_path, True))[0]
     before = zero.consolidated_state_dict(engine)
     x, y = (t.to(engine.device) for t in get_batch(DATA, 4, TINY.seq_len, 0))
-    reduced = []
-    engine.partitioner.on_grad_final = lambda u, final=engine._unit_grad_final: (reduced.append(u), final(u))
 
     def fail(grad):
-        assert reduced  # the head's units are in: their sub-groups may have been stepped already
+        # the head's units are in and their sub-groups stepped already: the pass has work to undo
+        assert engine.overlap.wait_updated(1, timeout=60)
         raise RuntimeError("backward failed")
 
     def arm(module, inputs, out) -> None:  # raises when backward reaches the first block's output
@@ -152,7 +150,7 @@ def test_failed_backward_cancels_the_pass(tmp_path):
     hook.remove()
     with pytest.raises(RuntimeError, match="backward failed"):
         engine.backward(loss)
-    assert engine._early_thread is None
+    assert not engine.overlap.running
     now = zero.consolidated_state_dict(engine)
     assert all(torch.equal(before[k], now[k]) for k in before)
     assert engine.optimizer.step_count == 0

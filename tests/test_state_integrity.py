@@ -41,9 +41,9 @@ def s3_config(param: str, optim: str, tmp, **extra):
 
 def one_copy(monkeypatch) -> None:
     """Make the optimizer's NVMe state single-copy (updated in place), as on a disk too short for two."""
-    import zero.stage3_engine as s3e
+    from zero import optimizer_state
 
-    monkeypatch.setattr(s3e, "_disk_free", lambda path: 1)
+    monkeypatch.setattr(optimizer_state, "_disk_free", lambda path: 1)
 
 
 def weights(engine) -> dict:
@@ -195,7 +195,7 @@ def test_stage3_single_copy_write_error_poisons_until_a_checkpoint_is_loaded(tmp
         ref_losses, ref_w, ref_state = _uninterrupted(cfg, 5)
     with pytest.warns(UserWarning, match="updated in place"):
         engine, *_ = zero.initialize(model=make_model(), config=cfg)
-    sw = engine._state
+    sw = engine.optimizer_state
     assert sw.copies == 1 and len(sw.chunks) >= 4
     train(engine, 2)
     engine.save_checkpoint(str(ckpt), tag="good")
@@ -282,7 +282,7 @@ def test_two_copies_write_error_keeps_the_previous_state(tmp_path, stage):
     cfg["zero_optimization"]["sub_group_size"] = 4000
     ref_losses, ref_w, ref_state = _uninterrupted(cfg, 4)
     engine, *_ = zero.initialize(model=make_model(), config=cfg)
-    sw = engine._state
+    sw = engine.optimizer_state
     assert sw.copies == 2 and len(sw.chunks) >= 6
     losses = train(engine, 2)
     before = weights(engine)
@@ -313,7 +313,7 @@ def test_two_copies_parameter_write_error_keeps_the_previous_state(tmp_path):
     cfg = s3_config("nvme", "nvme", tmp_path)
     ref_losses, ref_w, _ = _uninterrupted(cfg, 4)
     engine, *_ = zero.initialize(model=make_model(), config=cfg)
-    assert engine._state.copies == 2
+    assert engine.optimizer_state_info().copies == 2
     losses = train(engine, 2)
     before = weights(engine)
     store = engine.partitioner.store
@@ -353,7 +353,7 @@ def test_failed_restore_read_poisons_instead_of_being_ignored(tmp_path, stage):
     too the parameters are the aborted pass's: the engine is poisoned and the read error chained."""
     cfg = s3_config("nvme", "nvme", tmp_path) if stage == 3 else base_config("nvme", tmp_path, stage=2)
     engine, *_ = zero.initialize(model=make_model(), config=cfg)
-    sw = engine._state
+    sw = engine.optimizer_state
     train(engine, 1)
     fired = fail_nth_write(sw, 3)
     real_abort = sw.abort
@@ -386,7 +386,7 @@ def test_save_after_a_lost_write_back_never_pairs_new_weights_with_old_state(tmp
     cfg = base_config("nvme", nvme, stage=2)
     _, ref_w, ref_state = _uninterrupted(cfg, 2)
     engine, *_ = zero.initialize(model=make_model(), config=cfg)
-    sw = engine._state
+    sw = engine.optimizer_state
     train(engine, 2)
     x, y = get_batch(DATA, 4, TINY.seq_len, 2)
     engine.backward(engine(x, y))
@@ -420,9 +420,9 @@ def test_prepare_checkpoint_save_discards_an_overlapped_pass(tmp_path):
     committed = weights(engine)
     x, y = get_batch(DATA, 4, TINY.seq_len, 1)
     engine.backward(engine(x, y))
-    assert engine._early_thread is not None
+    assert engine.overlap.running
     engine.prepare_checkpoint_save()
-    assert engine._early_thread is None
+    assert not engine.overlap.running
     assert_same(weights(engine), committed)
     assert engine.optimizer.step_count == 1
     engine.close()
@@ -435,7 +435,7 @@ def test_save_between_backward_and_step_still_reports_a_lost_write_back(tmp_path
     cfg["zero_optimization"]["offload_optimizer"]["pipeline_read"] = True
     _, ref_w, ref_state = _uninterrupted(cfg, 2)
     engine, *_ = zero.initialize(model=make_model(), config=cfg)
-    sw = engine._state
+    sw = engine.optimizer_state
     train(engine, 2)
     x, y = get_batch(DATA, 4, TINY.seq_len, 2)
     fired = fail_nth_write(sw, len(sw.chunks))  # the step's last write (during backward), left in flight
@@ -478,7 +478,7 @@ def test_failed_master_rebuild_poisons(tmp_path):
     write error chained, and steps refuse until a checkpoint is loaded."""
     engine, *_ = zero.initialize(model=make_model(), config=base_config("nvme", tmp_path, stage=2))
     train(engine, 1)
-    fired = fail_nth_write(engine._state, 2)
+    fired = fail_nth_write(engine.optimizer_state, 2)
     with pytest.raises(StateCorruptedError, match="rebuilding the fp32 master") as info:
         engine.sync_master_from_module()
     assert fired and "injected write failure" in str(info.value.__cause__)

@@ -233,7 +233,7 @@ _DISK_FULL_CHILD = ENGINE_CHILD_PRELUDE + textwrap.dedent(
         e.step()
     state = e.optimizer.state_dict()
     params = [p.detach().clone() for p in e.module.parameters()]
-    sw = e._state
+    sw = e.optimizer_state
     assert len(sw.chunks) >= 4, sw.chunks
     got.append(fwd_bwd(e, 2))
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)

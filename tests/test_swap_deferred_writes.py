@@ -203,7 +203,7 @@ _ENGINE_FAILURE_CHILD = ENGINE_CHILD_PRELUDE + textwrap.dedent(
         got.append(fwd_bwd(e, s))
         e.step()
     params_before = [p.detach().clone() for p in e.module.parameters()]
-    sw = e._state
+    sw = e.optimizer_state
     fwd_bwd(e, 2)
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     last = sw.step_order[-1]
@@ -259,8 +259,8 @@ def test_engine_reports_lost_write_back_at_next_step_and_recovers(tmp_path):
 def _train(nvme: str, pipeline: bool, defer: bool, steps: int, save_dir: str = ""):
     torch.manual_seed(0)
     engine = zero.initialize(model=GPT(MODEL), config=_config(nvme, pipeline))[0]
-    assert engine._state.defer_writes  # on by default
-    engine._state.defer_writes = defer
+    assert engine.optimizer_state.defer_writes  # on by default
+    engine.optimizer_state.defer_writes = defer
     data = corpus_bytes()
     losses, in_flight = [], []
     for s in range(steps):
@@ -268,7 +268,7 @@ def _train(nvme: str, pipeline: bool, defer: bool, steps: int, save_dir: str = "
         loss = engine(x, y)
         engine.backward(loss)
         engine.step()
-        in_flight.append(engine._state.writes_in_flight)
+        in_flight.append(engine.optimizer_state.writes_in_flight)
         losses.append(loss.item())
     if save_dir:
         engine.save_checkpoint(save_dir, tag="last")  # right after the step, writes still in flight
@@ -335,7 +335,7 @@ def test_lost_write_back_with_steps_during_backward_is_undone(tmp_path):
     ref = _train(str(tmp_path), True, defer=False, steps=4)
     torch.manual_seed(0)
     e = zero.initialize(model=GPT(MODEL), config=_config(str(tmp_path), True))[0]
-    assert e._early_gate is not None
+    assert e.overlap.enabled
     got = [fwd_bwd(e, 0), None]
     e.step()
     got[1] = fwd_bwd(e, 1)
@@ -343,7 +343,7 @@ def test_lost_write_back_with_steps_during_backward_is_undone(tmp_path):
     before = [p.detach().clone() for p in e.module.parameters()]
     fwd_bwd(e, 2)
     e.step()
-    sw = e._state
+    sw = e.optimizer_state
     assert sw.writes_in_flight
     _fail_last_write_once(sw)
     fwd_bwd(e, 3)  # on the lost step's weights
@@ -371,7 +371,7 @@ def test_engine_close_reports_lost_write_back_and_still_removes_swap_files(tmp_p
     x, y = get_batch(corpus_bytes(), 2, MODEL.seq_len, 0)
     e.backward(e(x, y))
     e.step()
-    sw = e._state
+    sw = e.optimizer_state
     assert sw.writes_in_flight
     _fail_last_write_once(sw)
     swap_dir = e.swap_dir

@@ -17,10 +17,9 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from zero.engine import ZeroEngine
+    from zero.engine import ZeroEngine, consolidated_state_dict
     from zero.initialization import initialize
     from zero.stage3 import GatheredParameters, Init
-    from zero.stage3_engine import consolidated_state_dict
 
 
 def __getattr__(name: str) -> Any:
@@ -44,7 +43,7 @@ def __getattr__(name: str) -> Any:
         globals()[name] = value
         return value
     if name == "consolidated_state_dict":
-        from zero.stage3_engine import consolidated_state_dict
+        from zero.engine import consolidated_state_dict
 
         globals()[name] = consolidated_state_dict
         return consolidated_state_dict

@@ -38,6 +38,8 @@ class StepReport:
     # optimizer steps overlapped with backward (offload_optimizer.pipeline_*): how long that pass waited
     # for gradients; its compute and I/O wait above then ran during backward_s, not after it
     gradient_wait_s: float = 0.0
+    optimizer_chunks: int = 0  # chunks (sub-groups) the optimizer pass updated
+    optimizer_chunks_in_backward: int = 0  # of those, updated while backward still ran (overlap)
     nvme_read_bytes: int = 0
     nvme_write_bytes: int = 0
     device_to_host_bytes: int = 0  # gradients to the host tier

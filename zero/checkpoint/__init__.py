@@ -21,7 +21,7 @@ Atomicity, permissions (0700 directories, 0600 files) and the agreement between 
 load.py, and docs/engine.md.
 """
 
-from zero.checkpoint._files import CRASH_ENV, FORMAT_VERSION
+from zero.checkpoint._files import CRASH_ENV, FORMAT_VERSION, save_atomic
 from zero.checkpoint.load import load_checkpoint
 from zero.checkpoint.save import save_checkpoint
 from zero.errors import CheckpointError, CheckpointIntegrityError, CheckpointPickleError
@@ -33,5 +33,6 @@ __all__ = [
     "CheckpointIntegrityError",
     "CheckpointPickleError",
     "load_checkpoint",
+    "save_atomic",
     "save_checkpoint",
 ]

@@ -8,16 +8,14 @@ then does each rank go on or raise: the failed rank its own error, the others a 
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple, TypeVar
+from typing import Any, Callable, List, Optional, Tuple, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from zero.checkpoint._engine import CheckpointEngine
 from zero.comm import settle
 from zero.errors import CheckpointError
-
-if TYPE_CHECKING:
-    from zero.engine import ZeroEngine
 
 T = TypeVar("T")
 OK, FAILED, NOTHING = 0, 1, 2
@@ -30,11 +28,11 @@ def attempt(fn: Callable[[], T]) -> Tuple[Optional[T], Optional[BaseException]]:
         return None, e
 
 
-def _comm_device(engine: ZeroEngine) -> torch.device:
+def _comm_device(engine: CheckpointEngine) -> torch.device:
     return engine.device if engine.device.type == "cuda" else torch.device("cpu")
 
 
-def codes(engine: ZeroEngine, code: int) -> List[int]:
+def codes(engine: CheckpointEngine, code: int) -> List[int]:
     """Every rank's code, in rank order (a collective)."""
     if engine.world_size == 1:
         return [code]
@@ -44,7 +42,7 @@ def codes(engine: ZeroEngine, code: int) -> List[int]:
     return [int(c) for c in t.tolist()]
 
 
-def agree(engine: ZeroEngine, err: Optional[BaseException], what: str) -> None:
+def agree(engine: CheckpointEngine, err: Optional[BaseException], what: str) -> None:
     """Raise on every rank if `what` failed on any: `err` here, a CheckpointError on the others."""
     votes = codes(engine, OK if err is None else FAILED)
     if err is not None:
@@ -62,7 +60,7 @@ def failed_ranks(votes: List[int]) -> str:
     return f"rank{'s' if len(failed) > 1 else ''} {', '.join(failed)}" if failed else ""
 
 
-def all_gather_json(engine: ZeroEngine, obj: Any) -> List[Any]:
+def all_gather_json(engine: CheckpointEngine, obj: Any) -> List[Any]:
     """Every rank's JSON-able `obj`, in rank order (a collective; no pickle)."""
     data = json.dumps(obj).encode()
     if engine.world_size == 1:

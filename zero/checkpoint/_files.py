@@ -114,6 +114,24 @@ def save_object(obj: Any, path: str) -> Entry:
     return digest.entry()
 
 
+def save_atomic(obj: Any, path: str) -> None:
+    """torch.save `obj` as `path` (directory created if needed): written to a temporary file, fsynced and
+    renamed, so `path` is either the old file or the whole new one."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    fsync_path(os.path.dirname(os.path.abspath(path)), directory=True)
+
+
 def write_bytes(path: str, data: bytes) -> Entry:
     digest = StreamDigest()
     digest.update(data)

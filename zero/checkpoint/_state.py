@@ -11,22 +11,20 @@ import io
 import os
 import random
 import re
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from zero.checkpoint._engine import CheckpointEngine
 from zero.checkpoint._files import Entry, StreamDigest, create_private, digest_file, fsync_path
 
-if TYPE_CHECKING:
-    from zero.engine import ZeroEngine
+
+def is_stage3(engine: CheckpointEngine) -> bool:
+    return engine.partitioner is not None
 
 
-def is_stage3(engine: ZeroEngine) -> bool:
-    return getattr(engine, "partitioner", None) is not None
-
-
-def trainable_numel(engine: ZeroEngine) -> int:
-    return engine.trainable_numel if is_stage3(engine) else engine.flat.numel  # type: ignore[attr-defined]
+def trainable_numel(engine: CheckpointEngine) -> int:
+    return engine.trainable_numel
 
 
 def check_tag(tag: Any) -> str:
@@ -98,7 +96,7 @@ def weights_only_reason(e: BaseException) -> str:
 
 
 # ---------------------------------------------------------------------------------------- module state
-def module_state(engine: ZeroEngine) -> Dict[str, Any]:
+def module_state(engine: CheckpointEngine) -> Dict[str, Any]:
     """The module's state dict; at stage 3 without the partitioned parameters (saved per rank)."""
     if not is_stage3(engine):
         return engine.module.state_dict()
@@ -111,7 +109,7 @@ def module_state(engine: ZeroEngine) -> Dict[str, Any]:
     }
 
 
-def expected_module_state(engine: ZeroEngine) -> Dict[str, Optional[torch.Size]]:
+def expected_module_state(engine: CheckpointEngine) -> Dict[str, Optional[torch.Size]]:
     """What load_state_dict will accept: key -> shape (None for stage-3 partitioned parameters)."""
     own = engine.module.state_dict(keep_vars=True)
     if not is_stage3(engine):
@@ -121,7 +119,7 @@ def expected_module_state(engine: ZeroEngine) -> Dict[str, Optional[torch.Size]]
     return {k: None if is_partitioned(v) else v.shape for k, v in own.items()}
 
 
-def check_module_state(engine: ZeroEngine, saved: Dict[str, Any], strict: bool, where: str) -> None:
+def check_module_state(engine: CheckpointEngine, saved: Dict[str, Any], strict: bool, where: str) -> None:
     mine = expected_module_state(engine)
     missing = [k for k, shape in mine.items() if k not in saved and shape is not None]
     unexpected = [k for k in saved if k not in mine]
@@ -136,11 +134,11 @@ def check_module_state(engine: ZeroEngine, saved: Dict[str, Any], strict: bool, 
         raise ValueError(f"{where}: module state shape mismatch: {'; '.join(wrong[:5])}")
 
 
-def unit_index(engine: ZeroEngine) -> List[List[Any]]:
-    return [[u.name, u.part_numel, str(u.dtype)] for u in engine.partitioner.units]  # type: ignore[attr-defined]
+def unit_index(engine: CheckpointEngine) -> List[List[Any]]:
+    return [[u.name, u.part_numel, str(u.dtype)] for u in engine.partitioner.units]
 
 
-def check_units(engine: ZeroEngine, saved_units: List[Any], where: str) -> int:
+def check_units(engine: CheckpointEngine, saved_units: List[Any], where: str) -> int:
     """Raise unless the saved stage-3 units are this model's; returns the parameter file's size."""
     mine = unit_index(engine)
     saved = [[n, int(k), str(d)] for n, k, d in saved_units]
@@ -149,11 +147,11 @@ def check_units(engine: ZeroEngine, saved_units: List[Any], where: str) -> int:
             (f"{a} vs {b}" for a, b in zip(saved, mine) if a != b), f"{len(saved)} vs {len(mine)} units"
         )
         raise ValueError(f"{where}: saved parameter partitions do not match this model's units ({diff})")
-    return sum(u.part_nbytes for u in engine.partitioner.units)  # type: ignore[attr-defined]
+    return sum(u.part_nbytes for u in engine.partitioner.units)
 
 
 # ------------------------------------------------------------------------------- streamed binary files
-def _aio_handle(engine: ZeroEngine) -> Any:
+def _aio_handle(engine: CheckpointEngine) -> Any:
     return engine.config.aio.handle()
 
 
@@ -171,11 +169,11 @@ def _close_quietly(handle: Any) -> None:
         pass
 
 
-def optimizer_nbytes(engine: ZeroEngine) -> int:
+def optimizer_nbytes(engine: CheckpointEngine) -> int:
     return engine.part_numel * (1 + engine.rule.n_states) * 4
 
 
-def write_optimizer(engine: ZeroEngine, path: str) -> Entry:
+def write_optimizer(engine: CheckpointEngine, path: str) -> Entry:
     """Stream master + states into `path`, tensor after tensor, hashing each region on the way."""
     part = engine.part_numel
     os.close(create_private(path))  # 0600 from the start; the aio handle writes into it, never truncating
@@ -197,12 +195,11 @@ def write_optimizer(engine: ZeroEngine, path: str) -> Entry:
 
     try:
         handle.register_file(path)  # one descriptor for every write, never the path again
-        engine._state.read_all(put)
+        engine.stream_optimizer_state(put)
     except BaseException:
         _close_quietly(handle)
         raise
     handle.close()
-    engine._state.stats.reset()  # checkpoint I/O is not part of the next step's report
     fsync_path(path)
     if not (in_order and expect == part):
         return digest_file(path, part * 4)
@@ -213,7 +210,7 @@ def write_optimizer(engine: ZeroEngine, path: str) -> Entry:
     }
 
 
-def read_optimizer(engine: ZeroEngine, path: str) -> None:
+def read_optimizer(engine: CheckpointEngine, path: str) -> None:
     part = engine.part_numel
     size = os.path.getsize(path)
     if size != optimizer_nbytes(engine):
@@ -231,17 +228,16 @@ def read_optimizer(engine: ZeroEngine, path: str) -> None:
         handle.wait()
 
     try:
-        engine._state.load(fill)
+        engine.load_optimizer_state(fill)
     except BaseException:
         _close_quietly(handle)
         raise
     handle.close()
-    engine._state.stats.reset()
 
 
-def write_params(engine: ZeroEngine, path: str) -> Entry:
+def write_params(engine: CheckpointEngine, path: str) -> Entry:
     """Stage 3: every unit's partition, back to back in unit order, one unit in memory at a time."""
-    part = engine.partitioner  # type: ignore[attr-defined]
+    part = engine.partitioner
     digest = StreamDigest()
     with os.fdopen(create_private(path), "wb") as f:
         for u in part.units:
@@ -253,8 +249,8 @@ def write_params(engine: ZeroEngine, path: str) -> Entry:
     return digest.entry()
 
 
-def read_params(engine: ZeroEngine, path: str) -> None:
-    part = engine.partitioner  # type: ignore[attr-defined]
+def read_params(engine: CheckpointEngine, path: str) -> None:
+    part = engine.partitioner
     with open(path, "rb") as f:
         for u in part.units:
             values = torch.empty(u.part_numel, dtype=u.dtype)
@@ -263,7 +259,7 @@ def read_params(engine: ZeroEngine, path: str) -> None:
             part.write_partition(u, values)
 
 
-def optimizer_meta(engine: ZeroEngine) -> Dict[str, Any]:
+def optimizer_meta(engine: CheckpointEngine) -> Dict[str, Any]:
     return {
         "rule": engine.rule.kind,
         "param_groups": [engine.optimizer.hyperparameters()],

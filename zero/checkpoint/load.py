@@ -6,17 +6,15 @@ import os
 import pickle
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from zero.checkpoint import _state as st
 from zero.checkpoint._agree import FAILED, NOTHING, OK, agree, attempt, codes, failed_ranks
+from zero.checkpoint._engine import CheckpointEngine
 from zero.checkpoint._files import FORMAT_VERSION, MANIFEST, PICKLED, read_manifest, verify_file, verify_size
 from zero.errors import CheckpointError, CheckpointIntegrityError, CheckpointPickleError
-
-if TYPE_CHECKING:
-    from zero.engine import ZeroEngine
 
 _LEGACY_FORMAT = 1
 
@@ -64,7 +62,7 @@ def _load_plain(path: str) -> Any:
         raise CheckpointIntegrityError(f"{path}: unreadable ({type(e).__name__}: {e})") from e
 
 
-def _legacy_plan(engine: ZeroEngine, path: str, allow_pickle: bool) -> _Plan:
+def _legacy_plan(engine: CheckpointEngine, path: str, allow_pickle: bool) -> _Plan:
     if not allow_pickle:
         raise CheckpointPickleError(
             f"{path} has no {MANIFEST}: it was written by an older version of zero-offload (checkpoint "
@@ -82,7 +80,7 @@ def _legacy_plan(engine: ZeroEngine, path: str, allow_pickle: bool) -> _Plan:
     return _Plan(path, ms, rs)
 
 
-def _check_meta(engine: ZeroEngine, plan: _Plan, strict: bool, optimizer: bool) -> None:
+def _check_meta(engine: CheckpointEngine, plan: _Plan, strict: bool, optimizer: bool) -> None:
     """Every check that does not need the big files; raises ValueError on a mismatch."""
     path, ms, rs = plan.path, plan.ms, plan.rs
     if ms.get("format_version") not in (FORMAT_VERSION, _LEGACY_FORMAT):
@@ -125,7 +123,7 @@ def _needed_pickled(ms: Dict[str, Any], scheduler: bool) -> List[str]:
 
 
 def _plan(
-    engine: ZeroEngine, path: str, strict: bool, optimizer: bool, scheduler: bool, allow_pickle: bool
+    engine: CheckpointEngine, path: str, strict: bool, optimizer: bool, scheduler: bool, allow_pickle: bool
 ) -> _Plan:
     """Read and check everything this rank needs; the engine is not touched."""
     manifest = read_manifest(path)
@@ -198,7 +196,7 @@ def _plan(
     return plan
 
 
-def _apply(engine: ZeroEngine, plan: _Plan, strict: bool, optimizer: bool, scheduler: bool) -> None:
+def _apply(engine: CheckpointEngine, plan: _Plan, strict: bool, optimizer: bool, scheduler: bool) -> None:
     path, ms, rs = plan.path, plan.ms, plan.rs
     engine.zero_grad()  # also stops an optimizer pass that backward started: it would use stale state
     with torch.no_grad():
@@ -225,12 +223,15 @@ def _apply(engine: ZeroEngine, plan: _Plan, strict: bool, optimizer: bool, sched
     st.set_rng_state(rs["rng"])
     if optimizer:
         engine.mark_state_restored()
+        if not engine.config.zero_optimization.load_from_fp32_weights:
+            # DeepSpeed's load_from_fp32_weights: false - the master from the (16-bit) module weights
+            engine.sync_master_from_module()
     else:
         engine.sync_master_from_module()  # the master would otherwise overwrite the loaded weights
 
 
 def load_checkpoint(
-    engine: ZeroEngine,
+    engine: CheckpointEngine,
     load_dir: str,
     tag: Optional[str] = None,
     load_module_strict: bool = True,
@@ -247,7 +248,7 @@ def load_checkpoint(
     also load what only pickle can restore (a client_state of arbitrary objects, format-1 checkpoints);
     unpickling can run code from the files, so pass it only for checkpoints you trust.
     """
-    engine._check_open()
+    engine.check_open()
     optimizer = load_optimizer_states and not load_module_only
     scheduler = load_lr_scheduler_states and not load_module_only
     path = None

@@ -5,10 +5,11 @@ from __future__ import annotations
 import os
 import shutil
 import warnings
-from typing import TYPE_CHECKING, Any, Dict, Optional
+from typing import Any, Dict, Optional
 
 from zero.checkpoint import _state as st
 from zero.checkpoint._agree import agree, all_gather_json, attempt
+from zero.checkpoint._engine import CheckpointEngine
 from zero.checkpoint._files import (
     FORMAT_VERSION,
     HASH,
@@ -23,9 +24,6 @@ from zero.checkpoint._files import (
     save_object,
     write_bytes,
 )
-
-if TYPE_CHECKING:
-    from zero.engine import ZeroEngine
 
 
 def _make_tmp(save_dir: str, tmp: str) -> None:
@@ -77,7 +75,7 @@ def _needs_pickle(obj: Any, what: str, pickled: Dict[str, Any], key: str) -> Any
 
 
 def _write_rank_files(
-    engine: ZeroEngine, tmp: str, client_state: Optional[Dict[str, Any]]
+    engine: CheckpointEngine, tmp: str, client_state: Optional[Dict[str, Any]]
 ) -> Dict[str, Entry]:
     r = engine.rank
     files: Dict[str, Entry] = {}
@@ -105,7 +103,7 @@ def _write_rank_files(
         "world_size": engine.world_size,
         "stage": engine.stage,
         "numel": st.trainable_numel(engine),
-        "padded_numel": engine.flat.padded_numel if not st.is_stage3(engine) else engine.part_numel,
+        "padded_numel": engine.layout.padded_numel,
         "dtype": str(engine.dtype),
         "lr_scheduler": _needs_pickle(scheduler, "lr scheduler's state", pickled, "lr_scheduler"),
         "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
@@ -140,7 +138,7 @@ def _write_latest(save_dir: str, tag: str) -> None:
         raise
 
 
-def _publish(engine: ZeroEngine, save_dir: str, tag: str, files: Dict[str, Entry]) -> None:
+def _publish(engine: CheckpointEngine, save_dir: str, tag: str, files: Dict[str, Entry]) -> None:
     """Rank 0: manifest last, then `.<tag>.tmp` -> `<tag>` and `latest`; rolled back if that fails."""
     tmp, final, old = (os.path.join(save_dir, n) for n in (f".{tag}.tmp", tag, f".{tag}.old"))
     body = {
@@ -183,7 +181,7 @@ def _publish(engine: ZeroEngine, save_dir: str, tag: str, files: Dict[str, Entry
 
 
 def save_checkpoint(
-    engine: ZeroEngine,
+    engine: CheckpointEngine,
     save_dir: str,
     tag: Optional[str] = None,
     client_state: Optional[Dict[str, Any]] = None,
@@ -193,7 +191,7 @@ def save_checkpoint(
     A failure on any rank raises on every rank (no rank is left waiting), removes `.<tag>.tmp` and leaves
     the previous checkpoint and `latest` as they were.
     """
-    engine._check_open()
+    engine.check_open()
     tag = st.check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
     save_dir = os.path.abspath(save_dir)
     tmp = os.path.join(save_dir, f".{tag}.tmp")

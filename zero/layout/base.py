@@ -1,0 +1,141 @@
+"""What a layout is: how one rank's parameters and gradients are laid out for the optimizer.
+
+The engine (zero.engine) drives the step; a layout supplies the parts that depend on how parameters are
+partitioned:
+
+* the rank's optimizer partition: a slice [lo, hi) of one flat buffer (flat) / the trainable units'
+  partitions back to back (units);
+* the gradient source `grad_host`: the flat gradient buffer, copied to an fp32 partition / the unit
+  partitions the partitioner reduced into it;
+* readiness of gradients for the overlapped pass: per parameter (post-accumulate-grad hooks) / per unit
+  (the partitioner's gradient sink);
+* the parameter writer: `FlatParamWriter` / `UnitParamWriter` (zero.param_writer);
+* the committed master back into the parameters: a copy into the flat buffer / a scatter into the units;
+* after the update: all-gather the partitions (stages 1-2) / nothing (forward gathers units);
+* the whole-model state dict: the module's own / gathered unit by unit (collective).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple, Union
+
+import torch
+from torch import nn
+
+from offload.pinned import PINNED_BUDGET_ENV, PinnedMemoryBudgetError, PinnedPool
+from zero.grad_fetch import DeviceGradFetch
+from zero.param_writer import ParamWriter
+from zero.partition import GradReadiness
+
+__all__ = ["Fill", "Layout", "Placement", "allocate_pinned", "trainable_params"]
+
+Fill = Callable[[int, int, torch.Tensor], None]  # fill(start, n, out): fp32 values of [start, start + n)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The engine's settings a layout builds on."""
+
+    device: torch.device  # compute device
+    dtype: torch.dtype  # model dtype (fp32, fp16 or bf16)
+    rank: int
+    world_size: int
+    stage: int
+    optimizer_tier: str  # offload_optimizer.device: "none", "cpu" or "nvme"
+
+    @property
+    def grads_to_pinned(self) -> bool:
+        """Whether the gradient partition lives in pinned host memory (any offload)."""
+        return self.optimizer_tier != "none"
+
+
+def allocate_pinned(
+    pool: PinnedPool, numel: int, what: str, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """`numel` elements from the pinned pool; a budget error says what they were for and how to raise it."""
+    try:
+        return pool.allocate(numel, dtype)
+    except PinnedMemoryBudgetError as e:
+        err = PinnedMemoryBudgetError(e.requested, e.in_use, e.cap)
+        err.args = (
+            f"{e} - needed for {what} ({numel} x {dtype}); raise zero_offload.pinned_budget_bytes "
+            f"or {PINNED_BUDGET_ENV}",
+        )
+        raise err from None
+
+
+def trainable_params(model: nn.Module, model_parameters: Optional[Any]) -> List[nn.Parameter]:
+    """The parameters to optimize: `model_parameters` (tensors or param groups) or all of the model's,
+    those with requires_grad, each once. Tensors that are not the model's are refused."""
+    if model_parameters is None:
+        candidates: List[Any] = list(model.parameters())
+    else:
+        candidates = []
+        for item in model_parameters:
+            if isinstance(item, dict):  # a param group
+                candidates.extend(item["params"])
+            else:
+                candidates.append(item)
+    seen, params = set(), []
+    for p in candidates:
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            params.append(p)
+    owned = {id(p) for p in model.parameters()}
+    if any(id(p) not in owned for p in params):
+        raise ValueError("model_parameters contains tensors that are not parameters of the model")
+    return params
+
+
+class Layout(Protocol):
+    """The layout strategy the engine composes (see the module doc)."""
+
+    module: nn.Module
+    pool: PinnedPool
+    part_numel: int  # elements of the rank's optimizer partition
+    lo: int  # the partition's place among all ranks' (checkpoint metadata)
+    hi: int
+    padded_numel: int  # all ranks' partitions together
+    trainable_numel: int
+    grad_host: torch.Tensor  # the partition's gradients as the optimizer reads them
+    reducer: Any  # stages 1-2 with several ranks: the gradient reducer; else None
+    partitioner: Any  # stage 3: the parameter partitioner; else None
+
+    def master_init(self) -> Union[torch.Tensor, Fill]: ...
+
+    def master_alias(self) -> Optional[torch.Tensor]: ...
+
+    def make_writer(self, chunk_numel: int) -> ParamWriter: ...
+
+    def grad_gate(self, chunks: List[Tuple[int, int]]) -> Tuple[GradReadiness, Optional[DeviceGradFetch]]: ...
+
+    def early_grads(self, fetching: bool) -> torch.Tensor: ...
+
+    def gradients_to_host(self) -> int: ...
+
+    def device_grad(self, grad_scale: float) -> torch.Tensor: ...
+
+    def put_master(self, writer: ParamWriter, tier: Any) -> None: ...
+
+    def master_from_module(self) -> Fill: ...
+
+    @property
+    def gathers_after_step(self) -> bool: ...
+
+    def after_step(self) -> None: ...
+
+    def module_state_dict(self) -> Dict[str, torch.Tensor]: ...
+
+    def master_state_dict(self, master: torch.Tensor) -> Dict[str, torch.Tensor]: ...
+
+    def zero_grads(self) -> None: ...
+
+    def take_param_io(self) -> Optional[Dict[str, int]]: ...
+
+    @property
+    def param_nvme_bytes(self) -> int: ...
+
+    def close(self) -> None: ...
+
+    def describe(self) -> str: ...

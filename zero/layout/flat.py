@@ -1,0 +1,234 @@
+"""FlatLayout: stages 0-2. The trainable parameters are views of one flat buffer; the rank's optimizer
+partition is a slice [lo, hi) of it (stage 0, or one rank: all of it).
+
+Gradients accumulate straight into a flat gradient buffer (the parameters' `.grad`s are views of it).
+At the end of an accumulation window, post-accumulate-grad hooks send full buckets to the other ranks while
+backward goes on (`GradReducer`: stages 1-2 reduce each bucket only to the ranks owning it), and the
+rank's slice is copied once to the fp32 gradient partition `grad_host` (on a CPU-only machine with fp32
+weights the gradient buffer already is that partition). After the optimizer pass, stages 1-2 all-gather
+the updated partitions.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from offload.pinned import PinnedPool
+from zero.comm import settle
+from zero.grad_fetch import DeviceGradFetch, copy_to_host
+from zero.layout.base import Fill, Placement, allocate_pinned
+from zero.param_writer import FlatParamWriter, ParamWriter
+from zero.partition import FlatParams, GradReadiness, GradReducer, partition_range
+
+__all__ = ["FlatLayout"]
+
+
+class FlatLayout:
+    """The layout of stages 0-2 (see the module doc). `on_grad(i)` is told when parameter i's gradient
+    is final in a backward (the optimizer pass during backward waits on it)."""
+
+    partitioner = None
+
+    def __init__(
+        self,
+        model: nn.Module,
+        params: List[nn.Parameter],
+        place: Placement,
+        pool: PinnedPool,
+        zcfg: Any,
+        on_grad: Any = None,
+    ) -> None:
+        self.place = place
+        self.pool = pool
+        device, dtype, tier = place.device, place.dtype, place.optimizer_tier
+        # Remember fp32 weights before a cast to 16 bits loses their low bits. fp32 weights stay exact in
+        # the flat buffer: the master is filled from there, no full-size copy.
+        fp32_weights: Optional[torch.Tensor] = None
+        if dtype != torch.float32:
+            fp32_weights = torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in params])
+        model.to(device)
+        if dtype != torch.float32:
+            model.to(dtype)
+        self.module = model
+        host_is_device = device.type == "cpu"
+        # fp32 weights on the host: the master *is* the parameter buffer (nothing to copy back)
+        self._aliased = host_is_device and dtype == torch.float32 and tier in ("none", "cpu")
+        alloc = None
+        if self._aliased and tier == "cpu":
+
+            def alloc(numel: int, dt: torch.dtype) -> torch.Tensor:
+                return allocate_pinned(pool, numel, "the flat parameter buffers", dt)
+
+        self.flat = FlatParams(params, place.world_size, alloc=alloc)
+        if place.stage == 0 or place.world_size == 1:
+            self.lo, self.hi = 0, self.flat.padded_numel
+        else:
+            self.lo, self.hi = partition_range(self.flat.padded_numel, place.rank, place.world_size)
+        self.part_numel = self.hi - self.lo
+        self.padded_numel = self.flat.padded_numel  # all ranks' partitions together
+        self.trainable_numel = self.flat.numel
+
+        # the rank's fp32 gradient partition
+        self._grads_on_host = host_is_device and dtype == torch.float32
+        if self._grads_on_host:
+            self.grad_host = self.flat.grad_buffer[self.lo : self.hi]
+        elif tier == "none":
+            self.grad_host = torch.zeros(self.part_numel, dtype=torch.float32, device=device)
+        else:
+            # fresh pinned memory reads as zeros: a zero_() pass would only fault every page in now
+            self.grad_host = allocate_pinned(pool, self.part_numel, "the fp32 gradient partition")
+        self._fp32_weights = fp32_weights
+
+        self.reducer: Optional[GradReducer] = None
+        if place.world_size > 1:
+            self.reducer = GradReducer(
+                self.flat,
+                stage=place.stage,
+                rank=place.rank,
+                world_size=place.world_size,
+                bucket_numel=int(zcfg.reduce_bucket_size),
+                overlap=bool(zcfg.overlap_comm),
+            )
+        self._on_grad = on_grad
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook(i)) for i, p in enumerate(params)]
+
+    def _grad_hook(self, index: int) -> Any:
+        def hook(param: torch.Tensor) -> None:
+            self.flat.claim_grad(index)
+            if self.reducer is not None:
+                self.reducer.grad_ready(index)
+            if self._on_grad is not None:
+                self._on_grad(index)
+
+        return hook
+
+    # ---------------------------------------------------------------------------------- the master
+    def master_init(self) -> Union[torch.Tensor, Fill]:
+        """The initial fp32 master of the partition (taken once: the fp32 copy is dropped after)."""
+        fp32_weights, self._fp32_weights = self._fp32_weights, None
+        if fp32_weights is None:
+            return self.master_from_module()  # the padding is zero there too
+        init = torch.zeros(self.part_numel, dtype=torch.float32)
+        real = max(0, min(self.hi, self.flat.numel) - self.lo)
+        init[:real] = fp32_weights[self.lo : self.lo + real]
+        return init
+
+    def master_alias(self) -> Optional[torch.Tensor]:
+        return self.flat.param_buffer[self.lo : self.hi] if self._aliased else None
+
+    def master_from_module(self) -> Fill:
+        """fill(start, n, out): the module's weights of [start, start + n) of the partition, as fp32."""
+        buf, lo = self.flat.param_buffer, self.lo  # the parameters are views of it; the padding is zero
+
+        def fill(start: int, n: int, out: torch.Tensor) -> None:
+            src = buf[lo + start : lo + start + n]
+            if out.data_ptr() != src.data_ptr():  # aliased (fp32 on the host): the master is the weights
+                out.copy_(src)
+
+        return fill
+
+    def make_writer(self, chunk_numel: int) -> ParamWriter:
+        cuda = self.place.device.type == "cuda"
+        return FlatParamWriter(self.flat, self.lo, self._aliased, chunk_numel, self.pool if cuda else None)
+
+    def put_master(self, writer: ParamWriter, tier: Any) -> None:
+        """Copy the committed master into the flat parameter buffer."""
+        target, lo = self.flat.param_buffer, self.lo
+
+        def put(start: int, n: int, master: torch.Tensor, states: List[torch.Tensor]) -> None:
+            target[lo + start : lo + start + n].copy_(master)
+
+        tier.read_all(put)
+
+    # ----------------------------------------------------------------------------------- gradients
+    def grad_gate(self, chunks: List[Tuple[int, int]]) -> Tuple[GradReadiness, Optional[DeviceGradFetch]]:
+        """Readiness of the optimizer's chunks; sources are the flat buffer's parameters. On a GPU each
+        chunk's gradients are copied to the pinned host partition as the chunk completes."""
+        if self.place.device.type == "cuda":
+            src = self.flat.grad_buffer[self.lo : self.hi]
+            fetch = DeviceGradFetch(src, self.grad_host, chunks, self.place.device)
+            return GradReadiness.for_flat(self.flat, self.lo, chunks, fetch.chunk_ready), fetch
+        return GradReadiness.for_flat(self.flat, self.lo, chunks), None
+
+    def early_grads(self, fetching: bool) -> torch.Tensor:
+        """The gradients a pass during backward reads: the host partition the fetch fills, or else the
+        gradient buffer itself (the kernel reads 16-bit gradients in place, never copied)."""
+        return self.grad_host if fetching else self.flat.grad_buffer[self.lo : self.hi]
+
+    def gradients_to_host(self) -> int:
+        """The partition's gradients into grad_host after backward; returns the bytes copied.
+
+        From 16-bit GPU gradients in pieces (`D2H_PIECE_NUMEL`): a non-blocking copy that changes dtype
+        converts on the GPU first, into a temporary as large as what it copies."""
+        if self._grads_on_host:
+            return 0
+        src = self.flat.grad_buffer[self.lo : self.hi]
+        copy_to_host(self.grad_host, src, 0, src.numel())
+        if src.is_cuda:
+            torch.cuda.current_stream(self.place.device).synchronize()
+        return self.part_numel * self.flat.grad_buffer.element_size()
+
+    def device_grad(self, grad_scale: float) -> torch.Tensor:
+        return self.grad_host.div_(grad_scale)
+
+    def zero_grads(self) -> None:
+        self.flat.zero_grads()
+
+    # ------------------------------------------------------------------------------ after the step
+    def after_step(self) -> None:
+        """Stages 1-2 with several ranks: every rank gets every updated partition."""
+        if self.place.world_size == 1 or self.place.stage == 0:
+            return
+        size = self.part_numel
+        buf = self.flat.param_buffer
+        outs = [buf[r * size : (r + 1) * size] for r in range(self.place.world_size)]
+        settle(dist.all_gather(outs, buf[self.lo : self.hi].clone(), async_op=True))
+
+    @property
+    def gathers_after_step(self) -> bool:
+        return self.place.world_size > 1 and self.place.stage >= 1
+
+    def take_param_io(self) -> Optional[Dict[str, int]]:
+        return None
+
+    @property
+    def param_nvme_bytes(self) -> int:
+        return 0
+
+    # ------------------------------------------------------------------------------- state dicts
+    def module_state_dict(self) -> Dict[str, torch.Tensor]:
+        """The module's state dict on the CPU (model dtype)."""
+        return {k: v.detach().to("cpu").clone() for k, v in self.module.state_dict().items()}
+
+    def master_state_dict(self, master: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """The trainable parameters from `master` (this rank's fp32 partition), all-gathered at stages 1-2
+        (collective)."""
+        if self.gathers_after_step:
+            full = torch.empty(self.flat.padded_numel, dtype=torch.float32)
+            settle(dist.all_gather_into_tensor(full, master, async_op=True))
+            master = full
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        return {
+            names[id(p)]: master[a : a + n].view(p.shape).clone()
+            for p, a, n in zip(self.flat.params, self.flat.offsets, self.flat.numels)
+        }
+
+    # ------------------------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Remove the hooks and give the parameters storage of their own (the model stays usable)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        with torch.no_grad():
+            for p in self.flat.params:
+                p.data = p.data.clone()
+                p.grad = None
+        self.flat.release()
+        self.grad_host = None  # type: ignore[assignment]
+
+    def describe(self) -> str:
+        return f"stage={self.place.stage}, params={self.flat.numel}"

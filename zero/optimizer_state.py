@@ -1,0 +1,502 @@
+"""The optimizer's state: the fp32 master and optimizer states of one rank's partition, on their tier.
+
+A tier (`StateTier`) holds master + states and walks them chunk by chunk:
+* `DeviceState` (zero.optimizer_offload): tensors in device memory (offload none) or page-locked host
+  memory (offload cpu), updated in place;
+* `OptimizerSwapper` (offload.swap): swap files on NVMe streamed through pinned slots, two copies so a
+  pass is committed only when every chunk succeeded (one copy, in place, when the disk cannot hold two).
+
+`OptimizerState` runs a pass over the tier: the update rule's fused kernel on each chunk, then the
+parameter writer (zero.param_writer) copies the new weights out. It commits or drops the pass, puts the
+committed master back into the parameters after a failure, and streams the state for checkpoints. On CUDA
+without offload the update is torch's fused Adam on the device master (`FusedDeviceStep`).
+"""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, NoReturn, Optional, Protocol, Union
+
+import torch
+from torch import nn
+
+from offload.config import AioConfig
+from offload.estimate.formulas import MIN_SLOT_NUMEL, swap_chunk
+from offload.pinned import PINNED_BUDGET_ENV, PinnedPool
+from offload.swap.optimizer_swapper import OptimizerSwapper, SwapStats, slot_bytes
+from offload.swap.space import SwapSpace, check_nvme_path
+from zero.integrity import StateGuard
+from zero.optimizer_offload import DeviceState, UpdateRule, ZeroOptimizer
+from zero.param_writer import ParamWriter
+from zero.report import StepReport
+
+__all__ = ["FusedDeviceStep", "OptimizerState", "StateInfo", "StateTier", "build_tier"]
+
+# (start, n, master view, state views): what read_all / load / rewrite hand to the caller
+VisitFn = Callable[[int, int, torch.Tensor, List[torch.Tensor]], None]
+Fill = Callable[[int, int, torch.Tensor], None]  # fill(start, n, out): initial fp32 master values
+SWAP_ALIGNMENT = 4096
+FP32_BYTES = 4
+# Two copies of the NVMe optimizer state are kept when the disk has this much more room than they need.
+DISK_HEADROOM = 1.05
+
+
+class StateTier(Protocol):
+    """Master + states of `numel` elements, visited chunk by chunk (DeviceState, OptimizerSwapper)."""
+
+    numel: int
+    chunk_numel: int
+    stats: SwapStats
+
+    def prefetch(self) -> None: ...
+
+    def step(self, fn: Callable[..., bool]) -> bool: ...
+
+    def commit(self) -> None: ...
+
+    def abort(self) -> None: ...
+
+    def read_all(self, fn: VisitFn) -> None: ...
+
+    def load(self, fn: VisitFn) -> None: ...
+
+    def rewrite(self, fn: VisitFn) -> None: ...
+
+    def take_lost(self) -> Any: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class StateInfo:
+    """Where the optimizer state lives and how it is walked (`engine.optimizer_state_info()`)."""
+
+    tier: str  # "device", "cpu" or "nvme"
+    numel: int  # elements of the rank's partition
+    chunk_numel: int  # elements per chunk (NVMe: per staging slot)
+    chunks: int
+    copies: int  # NVMe copies kept (2: steps are atomic); 1 for memory tiers
+    pass_read_bytes: int  # NVMe bytes one full pass reads (0 for memory tiers)
+    disk_bytes: int  # bytes of swap files
+
+
+def _disk_free(path: str) -> int:
+    return shutil.disk_usage(path).free
+
+
+def swap_copies(nvme_path: str, numel: int, n_states: int) -> int:
+    """2 (atomic steps) when the disk at `nvme_path` has room for two copies of the state, else 1 (in
+    place, with a warning: a step that fails half way cannot be rolled back then)."""
+    nvme_path = check_nvme_path(nvme_path or "")  # a clear error for a missing or unusable path first
+    one = numel * (1 + n_states) * FP32_BYTES
+    free = _disk_free(nvme_path)
+    if 2 * one * DISK_HEADROOM <= free:
+        return 2
+    warnings.warn(
+        f"offload_optimizer.nvme_path={nvme_path!r} has {free} bytes free, not enough for two copies "
+        f"of the optimizer state ({2 * one} bytes): the state is updated in place, so a step that fails "
+        "half way (I/O error) cannot be rolled back",
+        stacklevel=4,
+    )
+    return 1
+
+
+def build_tier(
+    numel: int,
+    n_states: int,
+    init: Union[torch.Tensor, Fill],
+    *,
+    tier: str,
+    device: torch.device,
+    pool: PinnedPool,
+    pinned: Callable[[int, str], torch.Tensor],
+    sub_group: int,
+    offload: Any,
+    aio: AioConfig,
+    rank: int,
+    alias: Optional[torch.Tensor] = None,
+    device_staging_bytes: int = 0,
+    swap_copies: int = 2,
+) -> tuple[StateTier, Optional[SwapSpace]]:
+    """The tier for `offload_optimizer.device` = `tier`, filled with the initial master (`init`: the values,
+    or `fill(start, n, out)` so NVMe never needs them whole) and zero states. `alias`: a tensor the master
+    may be (fp32 weights on the host). `pinned(numel, what)` allocates within the pinned budget."""
+    if callable(init) and tier != "nvme" and alias is None:
+        values = torch.empty(numel, dtype=torch.float32)
+        init(0, numel, values)
+        init = values
+    if tier == "nvme":
+        return _nvme_tier(
+            numel, n_states, init, pool, sub_group, offload, aio, rank, device_staging_bytes, swap_copies
+        )
+    on_host = tier == "cpu"
+    if alias is not None:
+        master = alias
+        if not callable(init):
+            master.copy_(init)  # the fp32 weights, bit for bit (already there: same values)
+    elif on_host:
+        master = pinned(numel, "the fp32 master partition").copy_(init)
+    else:
+        master = init.to(device)
+    if on_host:
+        states = [pinned(numel, "the optimizer states") for _ in range(n_states)]  # fresh pages read as 0
+    else:
+        states = [torch.zeros(numel, dtype=torch.float32, device=device) for _ in range(n_states)]
+    return DeviceState(master, states, min(sub_group, numel), pinned=on_host), None
+
+
+def _nvme_tier(
+    numel: int,
+    n_states: int,
+    init: Union[torch.Tensor, Fill],
+    pool: PinnedPool,
+    sub_group: int,
+    off: Any,
+    aio: AioConfig,
+    rank: int,
+    device_staging_bytes: int,
+    copies: int,
+) -> tuple[StateTier, Optional[SwapSpace]]:
+    nvme_path = check_nvme_path(off.nvme_path or "")
+    buffer_count = max(1, int(off.buffer_count))
+    free = pool.cap_bytes - pool.bytes_in_use - device_staging_bytes
+    chunk = plan_slot_numel(sub_group, numel, n_states, buffer_count, free, SWAP_ALIGNMENT)
+    space = SwapSpace(nvme_path, alignment=SWAP_ALIGNMENT, prefix=f"zero-offload-r{rank}-")
+    try:
+        swapper = OptimizerSwapper(
+            space,
+            numel,
+            n_states,
+            pool,
+            chunk_numel=chunk,
+            buffer_count=buffer_count,
+            aio=aio,
+            name=f"optim-rank{rank}",
+            **({"copies": copies} if copies != 2 else {}),
+        )
+    except BaseException:
+        space.close()  # no half-built swap directory left behind
+        raise
+
+    def fill(start: int, n: int, master: torch.Tensor, states: List[torch.Tensor]) -> None:
+        if callable(init):
+            init(start, n, master)
+        else:
+            master.copy_(init[start : start + n])
+
+    try:
+        swapper.load(fill, states_zero=True)
+    except BaseException:
+        swapper.close()
+        space.close()
+        raise
+    swapper.stats.reset()  # the initial write is not part of any step's report
+    return swapper, space
+
+
+def plan_slot_numel(
+    sub_group: int, part_numel: int, n_states: int, buffer_count: int, free: int, alignment: int
+) -> int:
+    """Elements per staging slot: DeepSpeed's staging memory for the config if `free` pinned bytes allow,
+    else a smaller piece of a sub-group (TEMPORARY copy until offload.swap.slots lands)."""
+    want = swap_chunk(sub_group, part_numel, n_states * 4)
+    if buffer_count * slot_bytes(want, n_states, alignment) <= free:
+        return want
+    numel = (free // buffer_count // ((1 + n_states) * 4)) // 1024 * 1024
+    floor = min(MIN_SLOT_NUMEL, want)
+    if numel < floor:
+        raise ValueError(
+            f"pinned memory budget too small for NVMe staging: {free} bytes free (zero_offload."
+            f"pinned_budget_bytes / {PINNED_BUDGET_ENV}); "
+            f"offload_optimizer.buffer_count={buffer_count} slots of {want} elements "
+            f"(sub_group_size={sub_group}) need {buffer_count * slot_bytes(want, n_states, alignment)} bytes"
+        )
+    return numel
+
+
+class FusedDeviceStep:
+    """offload none on CUDA: torch's fused Adam/AdamW on the flat fp32 partition in device memory."""
+
+    def __init__(self, rule: UpdateRule, optimizer: ZeroOptimizer, state: DeviceState) -> None:
+        if rule.kind not in ("adam", "adamw"):
+            raise NotImplementedError(
+                f"optimizer {rule.kind!r} without offload on CUDA is not supported; "
+                "use offload_optimizer.device cpu or nvme"
+            )
+        g = optimizer.param_groups[0]
+        self.param = nn.Parameter(state.master, requires_grad=False)
+        cls = torch.optim.AdamW if g["adamw_mode"] else torch.optim.Adam
+        self.opt = cls(
+            [self.param],
+            lr=g["lr"],
+            betas=g["betas"],
+            eps=g["eps"],
+            weight_decay=g["weight_decay"],
+            fused=True,
+        )
+        self.opt.state[self.param] = {
+            "step": torch.zeros((), dtype=torch.float32, device=state.master.device),
+            "exp_avg": state.states[0],
+            "exp_avg_sq": state.states[1],
+        }
+
+    def step(self, grad: torch.Tensor, step: int, group: Dict[str, Any]) -> None:
+        """One update of the master with the fp32 gradient `grad` (already unscaled)."""
+        g = self.opt.param_groups[0]
+        for k in ("lr", "betas", "eps", "weight_decay"):
+            g[k] = group[k]
+        self.param.grad = grad
+        self.opt.state[self.param]["step"].fill_(step - 1)
+        self.opt.step()
+        self.param.grad = None
+
+
+class OptimizerState:
+    """Passes over one rank's optimizer state, and the state's way into and out of checkpoints.
+
+    `put_master(writer, tier)` (from the layout) writes the committed master into the parameters;
+    `on_step_lost()` is called when a step turns out lost (its deferred NVMe write failed) and the gradients
+    computed on its weights must go."""
+
+    def __init__(
+        self,
+        tier: StateTier,
+        space: Optional[SwapSpace],
+        writer: ParamWriter,
+        rule: UpdateRule,
+        optimizer: ZeroOptimizer,
+        guard: StateGuard,
+        put_master: Callable[[ParamWriter, StateTier], None],
+        on_step_lost: Callable[[], None],
+        device_step: Optional[FusedDeviceStep] = None,
+    ) -> None:
+        self.tier = tier
+        self.space = space
+        self.writer = writer
+        self.rule = rule
+        self.optimizer = optimizer
+        self.guard = guard
+        self.device_step = device_step
+        self._put_master = put_master
+        self._on_step_lost = on_step_lost
+        self.pass_updates = 0  # chunks the running pass updated (an in-place tier is torn then)
+
+    @property
+    def swapped(self) -> bool:
+        return isinstance(self.tier, OptimizerSwapper)
+
+    @property
+    def atomic(self) -> bool:
+        """Whether a failed pass leaves the committed state untouched (two NVMe copies)."""
+        return isinstance(self.tier, OptimizerSwapper) and self.tier.copies > 1
+
+    def info(self, tier_name: str) -> StateInfo:
+        t = self.tier
+        swap = isinstance(t, OptimizerSwapper)
+        chunks = len(t.chunks) if swap else -(-t.numel // t.chunk_numel)
+        return StateInfo(
+            tier=tier_name,
+            numel=t.numel,
+            chunk_numel=t.chunk_numel,
+            chunks=chunks,
+            copies=t.copies if swap else 1,
+            pass_read_bytes=sum(t._io_bytes(n) for _, n in t.chunks) if swap else 0,
+            disk_bytes=self.space.bytes_allocated if self.space is not None else 0,
+        )
+
+    # ------------------------------------------------------------------------------------ one pass
+    def chunk_update(
+        self,
+        grad: torch.Tensor,
+        step: int,
+        group: Dict[str, Any],
+        grad_scale: float,
+        fused_check: bool,
+        on_chunk: Optional[Callable[[], None]] = None,
+    ) -> Callable[[int, int, torch.Tensor, List[torch.Tensor]], bool]:
+        """The tier's per-chunk update: the rule on [start, start + n), then the copy-back."""
+        rule, writer = self.rule, self.writer
+
+        def update(start: int, n: int, master: torch.Tensor, states: List[torch.Tensor]) -> bool:
+            ok = rule.apply(
+                master,
+                grad[start : start + n],
+                states,
+                step=step,
+                group=group,
+                grad_scale=grad_scale,
+                param_copy=writer.param_copy(start, n),
+                check_finite=fused_check,
+            )
+            if ok:
+                self.pass_updates += 1
+                writer.after_update(start, n, master)
+                if on_chunk is not None:
+                    on_chunk()
+            return ok
+
+        return update
+
+    def run(self, update: Callable[..., bool], ready: Optional[Callable[[int], bool]] = None) -> bool:
+        """Walk the tier with `update` (waiting on `ready(c)` per chunk when given); False: overflow."""
+        self.pass_updates = 0
+        if ready is None:
+            return self.tier.step(update)
+        return self.tier.step(update, ready=ready)  # type: ignore[call-arg]
+
+    def end_pass(self, ok: bool, step: int, rep: StepReport, h2d0: int) -> bool:
+        """Commit a finished pass (or drop it on overflow) and add its counts to `rep`; True: skipped."""
+        if ok:
+            self.tier.commit()
+            self.optimizer.step_count = step
+        else:
+            self.tier.abort()
+            self.restore_params()
+        self.writer.finish()
+        stats = self.tier.stats  # counts since the last step, including reads prefetched during backward
+        rep.optimizer_compute_s += stats.compute_s
+        rep.io_wait_s += stats.io_wait_s
+        rep.gradient_wait_s += stats.gate_wait_s  # 0 unless the pass ran during backward
+        rep.nvme_read_bytes += stats.bytes_read
+        rep.nvme_write_bytes += stats.bytes_written
+        rep.optimizer_chunks += self.pass_updates
+        stats.reset()
+        rep.host_to_device_bytes += self.writer.h2d_bytes - h2d0
+        return not ok
+
+    def fail_pass(self, err: BaseException, step: int) -> NoReturn:
+        """A pass failed part way. Two NVMe copies: the committed state is intact, so the parameters are
+        put back from it and the error raised (a retry redoes the update). In-place state (memory tiers, one
+        NVMe copy) that the pass already changed is torn: the guard is poisoned."""
+        self.tier.abort()
+        if self.pass_updates and not self.atomic:
+            self.writer.finish()
+            self.guard.poison(
+                err,
+                what=f"optimizer step {step} failed after it had updated part of the optimizer state "
+                "in place (it cannot be rolled back)",
+            )
+            self.guard.check()
+        self.restore_params()
+        if getattr(err, "steps_lost", 0):  # the last step's deferred write-back failed: undo it too
+            self.optimizer.step_count -= err.steps_lost  # type: ignore[attr-defined]
+            self._on_step_lost()  # gradients computed on the lost step's weights
+            raise err
+        if isinstance(err, OSError):
+            raise OSError(
+                err.errno,
+                f"optimizer step {step} failed while swapping optimizer state ({err.strerror}); "
+                "the previous state is kept and training can continue from it",
+                getattr(err, "filename", None),
+            ) from err
+        raise err
+
+    def drop_pass(self, result_error: Optional[BaseException]) -> None:
+        """Undo a pass that will not be committed (stopped during backward): parameters back to the master."""
+        self.tier.abort()
+        self.restore_params()
+        self.tier.stats.reset()
+        if getattr(result_error, "steps_lost", 0):
+            # The pass found the last step's write-back lost: the next step (or save) undoes that step,
+            # exactly as without the overlapped pass.
+            self.tier.keep_lost(result_error)  # type: ignore[attr-defined]
+
+    def restore_params(self) -> None:
+        """Put the committed master back into the parameters. If that fails the parameters are partly the
+        aborted pass's: the guard is poisoned (StateCorruptedError, chained)."""
+        try:
+            self.writer.finish()  # on a GPU: after the copies the aborted pass still had in flight
+            self._put_master(self.writer, self.tier)
+        except Exception as e:
+            self.guard.poison(e, what="putting the committed fp32 master back into the parameters failed")
+            self.guard.check()
+        except BaseException as e:  # KeyboardInterrupt and the like: raised as they are, state marked
+            self.guard.poison(e, what="putting the committed fp32 master back into the parameters stopped")
+            raise
+
+    def settle_write_back(self) -> None:
+        """Wait for the writes the last step left in flight. If one failed, the tier is back at the state
+        before that step: undo the rest of it too (parameters, step count, gradients computed on its
+        weights) and raise the `DeferredWriteError`."""
+        err = self.tier.take_lost()
+        if err is None:
+            return
+        self.restore_params()
+        self.optimizer.step_count -= err.steps_lost
+        self._on_step_lost()
+        raise err
+
+    # ------------------------------------------------------------------------- whole-state access
+    def master_and_states(self) -> tuple[torch.Tensor, List[torch.Tensor]]:
+        """Copies of the committed master and states on the host."""
+        numel = self.tier.numel
+        master = torch.empty(numel, dtype=torch.float32)
+        states = [torch.empty(numel, dtype=torch.float32) for _ in range(self.rule.n_states)]
+
+        def take(start: int, n: int, m: torch.Tensor, st: List[torch.Tensor]) -> None:
+            master[start : start + n].copy_(m)
+            for dst, src in zip(states, st):
+                dst[start : start + n].copy_(src)
+
+        self.tier.read_all(take)
+        return master, states
+
+    def load_values(self, master: torch.Tensor, states: List[torch.Tensor]) -> None:
+        """Replace master and states (two NVMe copies: atomically; otherwise in place, poisoning on error)."""
+
+        def put(start: int, n: int, m: torch.Tensor, st: List[torch.Tensor]) -> None:
+            m.copy_(master[start : start + n])
+            for dst, src in zip(st, states):
+                dst.copy_(src[start : start + n])
+
+        try:
+            self.tier.load(put)
+        except BaseException as e:
+            if not self.atomic:
+                self.guard.poison(e, what="loading the optimizer state failed part way")
+            raise
+
+    def stream_out(self, fn: VisitFn) -> None:
+        """Visit the committed master and states chunk by chunk (checkpoint writes); not a step's I/O."""
+        self.tier.read_all(fn)
+        self.tier.stats.reset()
+
+    def stream_in(self, fn: VisitFn) -> None:
+        """Fill master and states chunk by chunk (checkpoint reads; atomic with two NVMe copies)."""
+        self.tier.load(fn)
+        self.tier.stats.reset()
+
+    def rebuild_master(self, fill: Fill) -> None:
+        """Set the master from `fill` (states kept): after only the module's weights were loaded."""
+        err = self.tier.take_lost()
+        if err is not None:  # the states are back at the step before: count that, keep the loaded weights
+            self.optimizer.step_count -= err.steps_lost
+            warnings.warn(
+                f"the last optimizer step was lost before the master was rebuilt from the module: {err}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+        def put(start: int, n: int, master: torch.Tensor, states: List[torch.Tensor]) -> None:
+            fill(start, n, master)
+
+        try:
+            self.tier.rewrite(put)
+        except BaseException as e:
+            self.guard.poison(e, what="rebuilding the fp32 master from the module's weights failed")
+            if isinstance(e, Exception):
+                self.guard.check()
+            raise
+        self.tier.stats.reset()  # not part of the next step's report
+
+    def close(self) -> None:
+        """Free the copy-back writer, the tier and the swap space (the space goes even if the tier raises:
+        its files are scratch, never the only copy of a checkpoint)."""
+        try:
+            self.writer.close()
+            self.tier.close()  # may raise a write-back error nothing reported yet
+        finally:
+            if self.space is not None:
+                self.space.close()

@@ -1,0 +1,134 @@
+"""UpdatePass: one optimizer pass over the rank's partition, after backward or during it.
+
+The engine (zero.engine) decides when a step happens; this object runs it: the gradient scale (loss scale,
+world size, clipping coefficient folded into one divisor), the overflow check (fp16; bf16 with
+`check_grad_overflow`), then the optimizer state's pass - the torch fused step on a GPU without offload,
+else the fused CPU kernels chunk by chunk, committed only when every chunk succeeded. With the overlap
+enabled the pass starts on a worker thread when backward starts (`start_overlapped`) and is finished, or
+dropped, afterwards.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from zero.comm import settle
+from zero.layout.base import Layout
+from zero.optimizer_offload import ZeroOptimizer
+from zero.optimizer_state import OptimizerState
+from zero.overlap import OverlapPass
+from zero.report import StepReport
+
+__all__ = ["UpdatePass"]
+
+
+class UpdatePass:
+    """Runs optimizer passes for the engine (see the module doc)."""
+
+    def __init__(
+        self,
+        layout: Layout,
+        opt: OptimizerState,
+        overlap: OverlapPass,
+        zopt: ZeroOptimizer,
+        *,
+        device: torch.device,
+        world_size: int,
+        stage: int,
+        clipping: float,
+        check_overflow: bool,
+        loss_scale: Callable[[], float],
+    ) -> None:
+        self.layout, self.opt, self.overlap, self.zopt = layout, opt, overlap, zopt
+        self.device, self.world_size, self.stage = device, world_size, stage
+        self.gradient_clipping = clipping
+        self.check_overflow = check_overflow
+        self.loss_scale = loss_scale
+        self.last_grad_norm: Optional[float] = None  # set when a pass computes it (clipping, overflow check)
+        self._h2d0 = 0  # the writer's byte count when the overlapped pass started
+
+    def grad_scale_and_overflow(self, fused_check: bool) -> Tuple[float, bool]:
+        """The divisor for raw gradient sums, and whether an overflow was already found."""
+        grad_scale = self.loss_scale() * self.world_size  # sum over ranks -> mean, and unscale
+        if not (self.gradient_clipping > 0 or (self.check_overflow and not fused_check)):
+            return grad_scale, False
+        sq = torch.linalg.vector_norm(self.layout.grad_host, dtype=torch.float32).pow(2).reshape(1)
+        if self.world_size > 1 and self.stage >= 1:
+            sq = sq.to(self.device) if self.device.type == "cuda" else sq
+            settle(dist.all_reduce(sq, async_op=True))
+        norm = math.sqrt(float(sq.item())) / grad_scale if math.isfinite(float(sq.item())) else math.inf
+        if not math.isfinite(norm):
+            return grad_scale, self.check_overflow
+        self.last_grad_norm = norm
+        if self.gradient_clipping > 0:
+            coef = self.gradient_clipping / (norm + 1e-6)
+            if coef < 1.0:
+                grad_scale /= coef
+        return grad_scale, False
+
+    def run(self, rep: StepReport) -> bool:
+        """Run the optimizer over this rank's partition; True when the step was skipped (overflow)."""
+        opt = self.opt
+        if self.overlap.running:
+            return self._finish_overlapped(rep)
+        rep.device_to_host_bytes += self.layout.gradients_to_host()
+        # The fused check needs an atomic step (two NVMe copies) to discard a half-done pass.
+        fused_check = self.check_overflow and opt.atomic and self.gradient_clipping <= 0
+        grad_scale, overflow = self.grad_scale_and_overflow(fused_check)
+        if overflow:
+            return True
+        step = self.zopt.step_count + 1
+        group = self.zopt.param_groups[0]
+        if opt.device_step is not None:
+            opt.device_step.step(self.layout.device_grad(grad_scale), step, group)
+            self.layout.put_master(opt.writer, opt.tier)
+            self.zopt.step_count = step
+            return False
+        h2d0 = opt.writer.h2d_bytes
+        update = opt.chunk_update(self.layout.grad_host, step, group, grad_scale, fused_check)
+        try:
+            ok = opt.run(update)
+        except BaseException as e:
+            opt.fail_pass(e, step)
+        if fused_check and self.world_size > 1:
+            flag = torch.tensor(
+                [1.0 if ok else 0.0], device=self.device if self.device.type == "cuda" else "cpu"
+            )
+            settle(dist.all_reduce(flag, op=dist.ReduceOp.MIN, async_op=True))
+            ok = bool(flag.item() > 0)
+        return opt.end_pass(ok, step, rep, h2d0)
+
+    # --------------------------------------------------------------- optimizer steps during backward
+    def start_overlapped(self) -> None:
+        """Start the pass on the overlap's worker thread; it steps each chunk once its gradients are final."""
+        opt = self.opt
+        fused_check = self.check_overflow  # no clipping here; an overflow stops the pass, nothing committed
+        grad_scale = self.loss_scale() * self.world_size
+        step = self.zopt.step_count + 1
+        grad = self.layout.early_grads(self.overlap.fetch is not None)
+        self._h2d0 = opt.writer.h2d_bytes
+        group = self.zopt.param_groups[0]
+        update = opt.chunk_update(grad, step, group, grad_scale, fused_check, self.overlap.chunk_updated)
+        self.overlap.start(lambda ready: opt.run(update, ready=ready))
+
+    def _finish_overlapped(self, rep: StepReport) -> bool:
+        """Wait for the pass started in backward, then commit it or keep the previous state."""
+        result = self.overlap.join()
+        assert result is not None
+        step = self.zopt.step_count + 1
+        rep.device_to_host_bytes += self.overlap.take_fetched_bytes()
+        rep.optimizer_chunks_in_backward += self.overlap.chunks_in_backward
+        if result.error is not None:
+            self.opt.fail_pass(result.error, step)
+        return self.opt.end_pass(result.ok, step, rep, self._h2d0)
+
+    def drop_overlapped(self) -> None:
+        """Stop a pass started during backward and undo its effect on the parameters (state uncommitted)."""
+        if not self.overlap.running:
+            return
+        result = self.overlap.cancel()
+        self.opt.drop_pass(result.error if result is not None else None)
