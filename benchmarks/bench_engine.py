@@ -39,7 +39,7 @@ def _engine_config(offload: str, nvme_dir: str, sub_group: int) -> dict:
 
 def _pure_io_seconds(engine) -> float:
     """One pipelined read+write pass over the NVMe state with no compute (then discarded)."""
-    sw = engine._state
+    sw = engine.optimizer_state
     t0 = time.perf_counter()
     sw.step(lambda start, n, master, states: True)
     elapsed = time.perf_counter() - t0

@@ -15,6 +15,10 @@ layout's `grad_host` (reduced over ranks on the way); at the end of an accumulat
 walks the partition chunk by chunk - the fused kernel unscales (loss scale, world size, clipping in one
 `grad_scale`), updates master + states and writes the new model-dtype weights, which the writer moves into
 the parameters; stages 1-2 then all-gather the updated partitions.
+
+This module is longer than the others because it is DeepSpeed's engine API: some sixty public members
+that users and integrations call by name. Each delegates to a part in a few lines; splitting the class would
+scatter one API over several files without making any part smaller.
 """
 
 from __future__ import annotations
