@@ -217,7 +217,8 @@ def main(argv: List[str] | None = None) -> None:
         init_peak = sampler.take_peak()
         print(
             f"zero.initialize in {init_s:.1f} s, peak RSS {init_peak / GIB:.2f} GiB, optimizer swap copies "
-            f"{engine.optimizer_state_info().copies}, pinned {engine.pinned_bytes / GIB:.2f} GiB, optimizer state on disk "
+            f"{engine.optimizer_state_info().copies}, pinned {engine.pinned_bytes / GIB:.2f} GiB, "
+            "optimizer state on disk "
             f"{engine.nvme_bytes / GB:.1f} GB",
             flush=True,
         )
