@@ -51,10 +51,10 @@ def test_gpt_forward_and_grads_bit_exact(tier, tmp_path):
     check_step(ref, model, col, lambda m: m(x, y), steps=3)
     assert part.live_full_bytes == 0  # everything released after backward
     largest = max(u.nbytes for u in part.units)
-    assert part.peak_full_bytes <= 2 * largest  # a layer and its neighbour at most, never the model
+    io = part.take_io_report()
+    assert io.peak_full_bytes <= 2 * largest  # a layer and its neighbour at most, never the model
     if tier == "nvme":
-        st = part.store.stats
-        assert st.prefetch_hits > 0 and st.prefetch_hits == st.prefetches
+        assert io.param_prefetch_hits > 0 and io.param_prefetch_hits == io.param_prefetches
         files = sorted(os.listdir(part.store.swap_dir))
         assert "blocks.0.qkv.param.swp" in files and "tok.param.swp" in files
         assert all(os.stat(os.path.join(part.store.swap_dir, f)).st_mode & 0o777 == 0o600 for f in files)
@@ -270,8 +270,8 @@ def test_prefetch_follows_a_changed_module_order(tmp_path):
         if reverse:  # the order kept is the one of the last finished pass: forward, then backward
             assert part.trace in ([*range(n), *reversed(range(n))], [*reversed(range(n)), *range(n)])
     assert part.trace == [*reversed(range(n)), *range(n)]
-    st = part.store.stats
-    assert 0 < st.prefetch_hits <= st.prefetches
+    io = part.take_io_report()
+    assert 0 < io.param_prefetch_hits <= io.param_prefetches
     part.close()
 
 

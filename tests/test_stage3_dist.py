@@ -29,7 +29,7 @@ def _batches():
 
 
 def _rank_main(rank: int, world: int, nvme: str, out_dir: str) -> dict:
-    from zero.stage3 import GatheredParameters, Init, Stage3Partitioner
+    from zero.stage3 import GatheredParameters, Init, Stage3Partitioner, SummingSink
 
     x, y = _batches()
     half = slice(rank * 2, rank * 2 + 2)
@@ -45,11 +45,12 @@ def _rank_main(rank: int, world: int, nvme: str, out_dir: str) -> dict:
             part = Stage3Partitioner(_config(tier, nvme))
         shares = {}
 
-        def collect(unit, g, shares=shares):
-            for s in unit.slices():
-                shares[s.name] = (s.param_lo, s.param_hi, g[s.part_lo : s.part_hi].clone())
+        class Collect(SummingSink):
+            def partition_ready(self, unit, g, shares=shares):
+                for s in unit.slices():
+                    shares[s.name] = (s.param_lo, s.param_hi, g[s.part_lo : s.part_hi].clone())
 
-        part.grad_callback = collect
+        part.grad_sink = Collect()
         part.attach(model)
         losses = []
         for _ in range(2):

@@ -22,13 +22,20 @@ def s3_config(tier: str, nvme_dir: Optional[str] = None, **extra_zero) -> dict:
 
 
 class GradCollector:
-    """A grad callback that rebuilds each parameter's (this rank's share of the) gradient by name."""
+    """A gradient sink (zero.stage3.grads.GradSink) that rebuilds each parameter's (this rank's share of
+    the) gradient by name."""
 
     def __init__(self) -> None:
         self.grads: Dict[str, torch.Tensor] = {}
         self.calls = 0
 
-    def __call__(self, unit: Unit, part: torch.Tensor) -> None:
+    def accumulator(self, unit: Unit) -> None:
+        return None  # every unit's reduced partition comes through partition_ready
+
+    def unit_final(self, unit: Unit) -> None:
+        pass
+
+    def partition_ready(self, unit: Unit, part: torch.Tensor) -> None:
         self.calls += 1
         for s in unit.slices():
             g = part[s.part_lo : s.part_hi].clone()
@@ -42,9 +49,8 @@ class GradCollector:
 
 
 def attach(model: nn.Module, cfg: dict) -> tuple:
-    part = Stage3Partitioner(cfg)
     col = GradCollector()
-    part.grad_callback = col
+    part = Stage3Partitioner(cfg, grad_sink=col)
     part.attach(model)
     return part, col
 

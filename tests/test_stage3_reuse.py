@@ -31,13 +31,13 @@ def fetch_counts(model_fn, loss_fn, tier: str, tmp_path, distance: int, **extra)
     (tmp_path / f"d{distance}").mkdir(exist_ok=True)
     losses, grads, part = run_steps(model, cfg, loss_fn)
     # the first pass only records the order; count the fetches of the last one
-    part.gathers = 0
-    reads_before = part.store.stats.reads
+    part.take_io_report()
     part.peak_live_numel = part._live_numel
     loss = loss_fn(model)
     loss.backward()
     losses.append(loss.detach().clone())
-    out = (losses, grads, part.gathers, part.store.stats.reads - reads_before, part.peak_live_numel, part)
+    io = part.take_io_report()
+    out = (losses, grads, io.gathers, io.param_reads, part.peak_live_numel, part)
     assert part.live_full_bytes == 0  # whatever was kept for reuse is freed when backward ends
     part.close()
     return out
@@ -81,12 +81,12 @@ def test_distance_counts_elements_between_uses(tmp_path):
     x = torch.arange(32).view(2, 16) % 64
     for _ in range(2):
         model(x, x).backward()
-    part.gathers = 0
+    part.take_io_report()
     model(x, x).backward()
     # distance 1: only a unit used again with nothing in between is kept: the head (forward, then its own
     # backward next); every other unit is gathered twice (forward and backward)
     assert part.trace[len(part.units) - 1 : len(part.units) + 1] == [part.units[-1].index] * 2
-    assert part.gathers == 2 * len(part.units) - 1
+    assert part.take_io_report().gathers == 2 * len(part.units) - 1
     part.close()
 
 

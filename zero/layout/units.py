@@ -98,11 +98,9 @@ class UnitLayout:
         self.module = model
         self._sink = _UnitGrads(on_grad)
         self.partitioner = Stage3Partitioner.for_model(
-            model, config, grad_callback=self._sink.partition_ready, device=place.device, pool=pool
+            model, config, grad_sink=self._sink, device=place.device, pool=pool
         )
         part = self.partitioner
-        part.on_grad_final = self._sink.unit_final  # OLD-API SHIM
-        part.grad_accumulator = self._sink.accumulator
         self.pool = part.store.pool  # built under zero.Init: one pinned budget, the Init's
 
         # -- the optimizer's partition: trainable units back to back
@@ -236,21 +234,9 @@ class UnitLayout:
 
     def take_param_io(self) -> Optional[Dict[str, int]]:
         """The parameter tier's counts since the last call (and the gradients' device-to-host bytes)."""
-        part = self.partitioner  # OLD-API SHIM
-        st = part.store.stats
-        io = {
-            "param_nvme_read_bytes": st.bytes_read,
-            "param_nvme_write_bytes": st.bytes_written,
-            "param_reads": st.reads,
-            "param_prefetches": st.prefetches,
-            "param_prefetch_hits": st.prefetch_hits,
-            "gathers": part.gathers,
-            "peak_full_bytes": part.peak_full_bytes,
-        }
-        st.bytes_read = st.bytes_written = st.reads = st.prefetches = st.prefetch_hits = 0
-        part.gathers = 0
-        io["device_to_host_bytes"] = part.device_to_host_bytes + self._sink.device_to_host_bytes
-        part.device_to_host_bytes = 0
+        io = self.partitioner.take_io_report().as_dict()
+        io["device_to_host_bytes"] += self._sink.device_to_host_bytes
+        self._sink.device_to_host_bytes = 0
         self._sink.device_to_host_bytes = 0
         return io
 

@@ -20,7 +20,6 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from zero.stage3.partitioner import Stage3Partitioner
 from zero.stage3.unit import PartitionStatus, Unit, is_partitioned
 
 __all__ = ["Stage3Hooks", "register_external_parameter", "unregister_external_parameter"]
@@ -61,7 +60,8 @@ class _FetchOnAccess(OrderedDict):
 class Stage3Hooks:
     """Installs the fetch/release hooks on every module of `model`; `remove()` takes them all away."""
 
-    def __init__(self, partitioner: Stage3Partitioner, model: nn.Module) -> None:
+    def __init__(self, partitioner: Any, model: nn.Module) -> None:
+        """`partitioner`: the Stage3Partitioner whose units the hooks gather and release."""
         self.p = partitioner
         self.model = model
         self.stack: List[Tuple[nn.Module, List[Unit]]] = []

@@ -1,12 +1,16 @@
 """Stage3Partitioner: owns the 16-bit (or fp32) parameter partitions and gathers / frees whole units.
 
+(Longer than most modules: gathering, freeing, prefetch and reuse share one piece of state - which units are
+whole, in flight or kept, and where the recorded use order stands - and are kept together so that state has
+one owner. Hooks, the gradient sink, state dicts and GatheredParameters live in modules of their own.)
+
 This is the object the engine constructs for stage 3 (see docs/stage3.md, "The seam"):
 
 * it owns each rank's partitions in their tier (`store`: device memory, host memory, NVMe files);
 * `fetch(unit)` / `release(unit)` make a unit's parameters whole on the compute device or empty again
   (reference counted: a module called twice, a tied weight, a GatheredParameters block all hold it);
 * after a unit's gradients are all in, it reduce-scatters them and hands this rank's gradient partition to
-  `grad_callback(unit, grad_partition)`; the full gradient is freed at once;
+  its `grad_sink` (zero.stage3.grads); the full gradient is freed at once;
 * `read_partition` / `write_partition` and `memory_segments` give the optimizer its flat partitions and
   a way to write updated values back to memory or the swap file.
 
@@ -24,9 +28,11 @@ as long as everything gathered stays within stage3_max_live_parameters.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -37,12 +43,14 @@ from offload.config.zero import OffloadParamConfig
 from offload.pinned import PinnedPool, default_pinned_budget
 from zero.accelerator import compute_device
 from zero.stage3.comm import all_gather_flat, dist_info, reduce_scatter_flat
+from zero.stage3.grads import GradSink, SummingSink
+from zero.stage3.hooks import Stage3Hooks
+from zero.stage3.state_dict import gathered_state_dict, load_shard
 from zero.stage3.store import PartitionStore, UnitSize
 from zero.stage3.unit import PartitionStatus, Unit, is_partitioned, set_param_attributes
 
-__all__ = ["GradCallback", "Stage3Partitioner", "default_pinned_pool"]
+__all__ = ["ParamIOReport", "Stage3Partitioner", "default_pinned_pool", "load_stage3_config"]
 
-GradCallback = Callable[[Unit, torch.Tensor], None]
 PREFETCH_LOOKAHEAD = 64  # trace entries inspected per gather: bounds the bookkeeping on the hot path
 
 
@@ -52,10 +60,28 @@ def default_pinned_pool(config: Any = None) -> PinnedPool:
     return PinnedPool(default_pinned_budget(configured))
 
 
-def _load(config: Any) -> Any:
+def load_stage3_config(config: Any) -> Any:
+    """A loaded config (ZeroOffloadConfig) from a dict, a JSON path, None (defaults) or a loaded one."""
     if config is None or isinstance(config, (dict, str, os.PathLike)):
         return load_config(config)
     return config
+
+
+@dataclass
+class ParamIOReport:
+    """The parameter tier's counts over one interval (`Stage3Partitioner.take_io_report`)."""
+
+    param_nvme_read_bytes: int = 0
+    param_nvme_write_bytes: int = 0
+    param_reads: int = 0  # partition reads from NVMe (prefetched or on demand)
+    param_prefetches: int = 0
+    param_prefetch_hits: int = 0  # gathers that found their prefetch done or in flight
+    gathers: int = 0  # units made whole
+    peak_full_bytes: int = 0  # most bytes of whole (gathered) units alive at once, over the interval
+    device_to_host_bytes: int = 0  # gradients copied to the host partition parameter by parameter
+
+    def as_dict(self) -> Dict[str, int]:
+        return dataclasses.asdict(self)
 
 
 class Stage3Partitioner:
@@ -68,9 +94,9 @@ class Stage3Partitioner:
         device: Optional[Union[str, torch.device]] = None,
         group: Optional[dist.ProcessGroup] = None,
         pool: Optional[PinnedPool] = None,
-        grad_callback: Optional[GradCallback] = None,
+        grad_sink: Optional[GradSink] = None,
     ) -> None:
-        self.config = _load(config)
+        self.config = load_stage3_config(config)
         z = self.config.zero_optimization
         off: OffloadParamConfig = z.offload_param or OffloadParamConfig()
         self.group = group
@@ -86,30 +112,22 @@ class Stage3Partitioner:
         self._persistent_numel = 0
         self.offload_param = off
         self.store = PartitionStore(
-            tier=off.device,
+            off,
             device=self.device,
             rank=self.rank,
-            pin_memory=off.pin_memory,
             pool=pool if pool is not None else default_pinned_pool(self.config),
-            nvme_path=off.nvme_path,
-            buffer_count=off.buffer_count,
-            buffer_size=off.buffer_size,
-            max_in_cpu=off.max_in_cpu,
-            aio=getattr(self.config, "aio", None),
+            aio=self.config.aio,
         )
         self.units: List[Unit] = []
-        self.grad_callback: GradCallback = grad_callback or self._accumulate_grad
-        # Called once a unit's gradient went to grad_callback and its gathered weights were released: from
-        # then on this backward neither reads nor writes the unit, so an optimizer may update it.
-        self.on_grad_final: Optional[Callable[[Unit], None]] = None
-        # The engine's gradient partition of a unit, when each parameter's gradient may be summed straight
-        # into it (one rank, same dtype): no flat gradient buffer, no callback for that unit. On a GPU each
-        # parameter's gradient is copied to the host partition on its own (counted in device_to_host_bytes),
-        # so a unit's gradient never exists twice in device memory.
-        self.grad_accumulator: Optional[Callable[[Unit], Optional[torch.Tensor]]] = None
+        # Where each unit's gradient goes (zero.stage3.grads). When the sink offers an accumulator (one rank,
+        # same dtype) each parameter's gradient is summed straight into it: no flat gradient buffer; on a GPU
+        # each parameter's gradient is copied to the host partition on its own (counted in
+        # device_to_host_bytes), so a unit's gradient never exists twice in device memory.
+        default = SummingSink()
+        self.grad_sink: GradSink = grad_sink if grad_sink is not None else default
+        self.grad_partitions: Dict[int, torch.Tensor] = default.partitions  # the default sink's sums
         self.device_to_host_bytes = 0
-        self._summed: set = set()  # units whose gradients went to grad_accumulator this backward
-        self.grad_partitions: Dict[int, torch.Tensor] = {}
+        self._summed: set = set()  # units whose gradients went to the sink's accumulator this backward
         self.live_full_bytes = 0
         self.peak_full_bytes = 0
         self.gathers = 0
@@ -134,10 +152,11 @@ class Stage3Partitioner:
 
     @classmethod
     def for_model(
-        cls, model: nn.Module, config: Any = None, grad_callback: Optional[GradCallback] = None, **kwargs: Any
+        cls, model: nn.Module, config: Any = None, *, grad_sink: Optional[GradSink] = None, **kwargs: Any
     ) -> Stage3Partitioner:
-        """The partitioner to train `model` with, attached: the one its parameters were partitioned by under
-        `Init` (config and kwargs are then ignored), else a new one from `config`."""
+        """The partitioner to train `model` with, attached, its gradients going to `grad_sink`: the one its
+        parameters were partitioned by under `Init` (config and kwargs are then ignored), else a new one
+        from `config`."""
         owners = {}
         for p in model.parameters():
             unit = getattr(p, "ds_unit", None)
@@ -148,9 +167,12 @@ class Stage3Partitioner:
                 f"the model's parameters were partitioned by {len(owners)} different partitioners (nested "
                 "zero.Init blocks with different configs?); build it under one Init"
             )
-        part = next(iter(owners.values())) if owners else cls(config, **kwargs)
-        if grad_callback is not None:
-            part.grad_callback = grad_callback
+        if owners:
+            part = next(iter(owners.values()))
+            if grad_sink is not None:
+                part.grad_sink = grad_sink  # taken over from the Init, before any backward
+        else:
+            part = cls(config, grad_sink=grad_sink, **kwargs)
         part.attach(model)
         return part
 
@@ -428,7 +450,7 @@ class Stage3Partitioner:
         grad = p.grad
         if grad is None:
             return
-        target = self.grad_accumulator(unit) if self.grad_accumulator is not None else None
+        target = self.grad_sink.accumulator(unit)
         if target is not None:
             a, z = unit.param_range(p.ds_index)
             if grad.device != target.device:  # GPU gradient, host partition: blocking, the add reads it now
@@ -460,14 +482,13 @@ class Stage3Partitioner:
             else:
                 part = torch.empty(unit.part_numel, dtype=flat.dtype, device=flat.device)
                 reduce_scatter_flat(part, flat, self.group)
-            self.grad_callback(unit, part)
+            self.grad_sink.partition_ready(unit, part)
         unit.grad_flat = None
         unit.grads_seen = 0
         self._reduced.add(unit.index)
         unit.bwd_hold = False
         self._maybe_free(unit, keep_for_reuse=True)
-        if self.on_grad_final is not None:
-            self.on_grad_final(unit)
+        self.grad_sink.unit_final(unit)
 
     def end_backward(self) -> None:
         """End of a backward: reduce what no hook reduced (unused parameters: zeros), free held units."""
@@ -489,14 +510,6 @@ class Stage3Partitioner:
         self._reduced.clear()
         self._summed.clear()
         self.in_backward = False
-
-    def _accumulate_grad(self, unit: Unit, grad_partition: torch.Tensor) -> None:
-        """Default callback: sum gradient partitions per unit in `grad_partitions` (engines set theirs)."""
-        acc = self.grad_partitions.get(unit.index)
-        if acc is None:
-            self.grad_partitions[unit.index] = grad_partition.clone()
-        else:
-            acc.add_(grad_partition)
 
     # ---------------------------------------------------------------------------------- the engine's seam
     def memory_segments(self) -> List[torch.Tensor]:
@@ -529,35 +542,12 @@ class Stage3Partitioner:
             self._free(unit)
 
     def load_state_dict_shard(self, shard: Dict[str, torch.Tensor]) -> List[str]:
-        """Write full tensors of some parameters (by qualified name) into their partitions; returns the
-        names used. For a model built on the meta device and loaded file by file: only one unit is ever
-        materialized at a time (read-modify-write of its partition)."""
-        by_name = {n: (u, i) for u in self.units for i, n in enumerate(u.param_names)}
-        touched: Dict[int, List[tuple]] = {}
-        for name, value in shard.items():
-            if name not in by_name:
-                continue
-            u, i = by_name[name]
-            if tuple(value.shape) != tuple(u.shapes[i]):
-                raise ValueError(
-                    f"{name}: shape {tuple(value.shape)} does not match the parameter's {tuple(u.shapes[i])}"
-                )
-            touched.setdefault(u.index, []).append((i, value))
-        for index, items in touched.items():
-            u = self.units[index]
-            part = self.read_partition(u, torch.empty(u.part_numel, dtype=u.dtype))
-            for i, value in items:
-                a, z = u.param_range(i)
-                lo, hi = max(a, u.lo), min(z, u.hi)
-                if lo < hi:
-                    part[lo - u.lo : hi - u.lo].copy_(value.reshape(-1)[lo - a : hi - a])
-            self.write_partition(u, part)
-        return [n for n in shard if n in by_name]
+        """Write full tensors of some parameters (by qualified name) into their partitions, one unit in
+        memory at a time; returns the names used (zero.stage3.state_dict.load_shard)."""
+        return load_shard(self, shard)
 
     def attach(self, model: nn.Module) -> Any:
         """Partition what is not partitioned yet, install module and gradient hooks; returns the hooks."""
-        from zero.stage3.hooks import Stage3Hooks
-
         if self.hooks is not None:
             raise RuntimeError("this Stage3Partitioner is already attached to a model")
         self.partition_model(model)
@@ -577,25 +567,9 @@ class Stage3Partitioner:
     def gathered_state_dict(
         self, model: nn.Module, device: Union[str, torch.device] = "cpu"
     ) -> Dict[str, Any]:
-        """`model.state_dict()` with whole parameters (copied to `device`), gathering one unit at a time.
-        Collective for world_size > 1: every rank must call it."""
-        from zero.stage3.init import GatheredParameters
-
-        out: Dict[str, Any] = {}
-        by_unit: Dict[int, List[tuple]] = {}
-        for name, p in model.named_parameters(remove_duplicate=False):
-            u = getattr(p, "ds_unit", None)
-            if u is None or u.owner is not self:
-                out[name] = p.detach().to(device).clone()
-            else:
-                by_unit.setdefault(u.index, []).append((name, p))
-        for index in sorted(by_unit):  # the same order on every rank
-            with GatheredParameters([p for _, p in by_unit[index]]):
-                for name, p in by_unit[index]:
-                    out[name] = p.detach().to(device).clone()
-        for name, b in model.named_buffers():
-            out[name] = b.detach().to(device).clone()
-        return {k: out[k] for k in model.state_dict(keep_vars=True) if k in out}
+        """`model.state_dict()` with whole parameters, gathering one unit at a time (collective;
+        zero.stage3.state_dict.gathered_state_dict)."""
+        return gathered_state_dict(self, model, device)
 
     def close(self) -> None:
         if self._closed:
@@ -610,7 +584,26 @@ class Stage3Partitioner:
         self.release_all()
         self.store.close()
 
+    def take_io_report(self) -> ParamIOReport:
+        """The counts since the last call (or since construction), and start counting afresh."""
+        st = self.store.stats
+        report = ParamIOReport(
+            param_nvme_read_bytes=st.bytes_read,
+            param_nvme_write_bytes=st.bytes_written,
+            param_reads=st.reads,
+            param_prefetches=st.prefetches,
+            param_prefetch_hits=st.prefetch_hits,
+            gathers=self.gathers,
+            peak_full_bytes=self.peak_full_bytes,
+            device_to_host_bytes=self.device_to_host_bytes,
+        )
+        st.bytes_read = st.bytes_written = st.reads = st.prefetches = st.prefetch_hits = 0
+        self.gathers = self.device_to_host_bytes = 0
+        self.peak_full_bytes = self.live_full_bytes
+        return report
+
     def units_of(self, params: Iterable[nn.Parameter]) -> List[Unit]:
+        """The units (of this partitioner) holding `params`, each once, in order of first appearance."""
         out, seen = [], set()
         for p in params:
             u = getattr(p, "ds_unit", None)

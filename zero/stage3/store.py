@@ -18,6 +18,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 import torch
 
 from offload.config.aio import AioConfig
+from offload.config.zero import OffloadParamConfig
 from offload.pinned import PinnedMemoryBudgetError, PinnedPool
 from offload.swap.space import SwapFile, SwapSpace, check_nvme_path
 from zero.stage3.unit import Unit, safe_file_name
@@ -90,31 +91,30 @@ class PartitionStore:
 
     def __init__(
         self,
+        offload: OffloadParamConfig,
         *,
-        tier: str,
         device: torch.device,
-        rank: int = 0,
-        pin_memory: bool = False,
-        pool: Optional[PinnedPool] = None,
-        nvme_path: Optional[str] = None,
-        buffer_count: int = 5,
-        buffer_size: int = 100_000_000,
-        max_in_cpu: int = 0,
-        aio: Optional[AioConfig] = None,
+        rank: int,
+        pool: PinnedPool,
+        aio: AioConfig,
     ) -> None:
+        """`offload`: the config's offload_param section (tier, pin_memory, nvme_path, buffer_count,
+        buffer_size, max_in_cpu: the config holds their defaults); `pool`: the capped pinned pool."""
+        tier, pin_memory, nvme_path = offload.device, offload.pin_memory, offload.nvme_path
+        buffer_count, buffer_size, max_in_cpu = offload.buffer_count, offload.buffer_size, offload.max_in_cpu
         if tier not in ("none", "cpu", "nvme"):
             raise ValueError(f"offload_param.device must be 'none', 'cpu' or 'nvme', got {tier!r}")
         self.tier = tier
         self.device = device
         self.rank = rank
         self.pin_memory = pin_memory and tier != "none"
-        self.pool = pool if pool is not None else PinnedPool(1 << 62)
+        self.pool = pool
         self.buffer_count = max(1, int(buffer_count))
         self.buffer_size = max(1, int(buffer_size))
         self.max_in_cpu = int(max_in_cpu) if tier == "nvme" else 0
         self.in_cpu_numel = 0
         self.stats = StoreStats()
-        self._aio = aio or AioConfig()
+        self._aio = aio
         self._nvme_path = check_nvme_path(nvme_path or "") if tier == "nvme" else None
         self._space: Optional[SwapSpace] = None
         self._files: Dict[int, SwapFile] = {}

@@ -11,13 +11,10 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
-
-if TYPE_CHECKING:
-    from zero.stage3.partitioner import Stage3Partitioner
 
 __all__ = ["ParamSlice", "PartitionStatus", "Unit", "safe_file_name"]
 
@@ -94,7 +91,7 @@ class Unit:
         self.hi = self.lo + self.part_numel
         self.element_size = torch.empty((), dtype=self.dtype).element_size()
         # state owned by the partitioner
-        self.owner: Optional[Stage3Partitioner] = None
+        self.owner: Any = None  # the Stage3Partitioner that holds it
         self.full: Optional[torch.Tensor] = None  # the gathered flat buffer while fetched
         self.refs = 0  # forward fetches (module invocations) and GatheredParameters holding it
         self.bwd_hold = False  # fetched by a pre-backward; freed when its gradients are in

@@ -1,0 +1,83 @@
+"""GatheredParameters: DeepSpeed's `zero.GatheredParameters` - stage-3 parameters made whole in a block.
+
+Inside the block each listed parameter's unit is gathered (by the partitioner that owns it, `unit.owner`);
+with `modifier_rank` set, the values that rank holds on exit are broadcast and written back to every rank's
+partition (how weights are initialised or loaded into a partitioned model).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, List, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zero.comm import settle
+from zero.stage3.unit import Unit
+
+__all__ = ["GatheredParameters"]
+
+
+class GatheredParameters:
+    """Make `params` whole inside the block. With `modifier_rank` set, the values that rank holds on exit
+    (modified in place or assigned to `.data`) are broadcast and written back to every rank's partition."""
+
+    def __init__(
+        self,
+        params: Union[nn.Parameter, Iterable[nn.Parameter]],
+        modifier_rank: Optional[int] = None,
+        fwd_module: Optional[nn.Module] = None,
+        enabled: bool = True,
+    ) -> None:
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        self.params = [p for p in params if p is not None]
+        self.modifier_rank = modifier_rank
+        self.enabled = enabled
+        self.units: List[Unit] = []
+        seen = set()
+        for p in self.params:
+            u = getattr(p, "ds_unit", None)
+            if u is not None and id(u) not in seen:
+                seen.add(id(u))
+                self.units.append(u)
+
+    def __enter__(self) -> GatheredParameters:
+        if self.enabled:
+            for u in self.units:
+                u.owner.fetch(u)
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: object) -> None:
+        if not self.enabled:
+            return
+        try:
+            if self.modifier_rank is not None and exc_type is None:
+                for u in self.units:
+                    self._write_back(u)
+        finally:
+            for u in self.units:
+                u.owner.release(u)
+
+    def _write_back(self, u: Unit) -> None:
+        owner = u.owner  # the Stage3Partitioner that holds the unit
+        full = u.full
+        assert full is not None
+        with torch.no_grad():
+            for i, p in enumerate(u.params):
+                a, z = u.param_range(i)
+                view = full[a:z]
+                if p.data.data_ptr() != view.data_ptr():  # `.data` was replaced: take the new values
+                    if p.data.numel() != z - a:
+                        raise ValueError(
+                            f"GatheredParameters: {u.param_names[i]} was given {p.data.numel()} elements, "
+                            f"its shape {tuple(u.shapes[i])} needs {z - a}"
+                        )
+                    view.copy_(p.data.reshape(-1))
+                    p.data = view.view(u.shapes[i])
+            if owner.world_size > 1:
+                settle(dist.broadcast(full, src=self.modifier_rank, group=owner.group, async_op=True))
+            owner.write_partition(
+                u, full[u.lo : u.hi].clone() if owner._aliased(u) is None else full[u.lo : u.hi]
+            )
