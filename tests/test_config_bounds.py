@@ -16,8 +16,8 @@ from offload.config import (
     load_config,
     validate_aio_section,
 )
-from offload.estimate.formulas import swap_chunk
 from offload.swap.optimizer_swapper import slot_bytes
+from offload.swap.slots import swap_chunk
 from offload.swap.space import DEFAULT_ALIGNMENT
 
 
@@ -177,3 +177,19 @@ def test_max_in_cpu_zero_still_puts_every_partition_on_nvme(tmp_path) -> None:
     assert load_config(
         {"zero_optimization": {"stage": 3, "offload_param": off}}
     ).zero_optimization.offload_param
+
+
+def test_slot_plan_fits_shrinks_or_refuses() -> None:
+    """The engine's and the estimator's slot sizing: DeepSpeed's staging memory when the budget allows,
+    a smaller multiple of 1024 when not, a clear error when not even MIN_SLOT_NUMEL fits."""
+    from offload.swap.slots import MIN_SLOT_NUMEL, plan_slot_numel, slot_bytes
+
+    want = swap_chunk(1_000_000, 10**8, 8)
+    roomy = plan_slot_numel(1_000_000, 10**8, 2, 4, cap_bytes=1 << 40, in_use_bytes=0)
+    assert roomy == want
+    budget = 4 * slot_bytes(want, 2, 4096) // 2
+    tight = plan_slot_numel(1_000_000, 10**8, 2, 4, cap_bytes=budget, in_use_bytes=0)
+    assert MIN_SLOT_NUMEL <= tight < want and tight % 1024 == 0
+    assert 4 * slot_bytes(tight, 2, 4096) <= budget
+    with pytest.raises(ValueError, match=r"buffer_count=4 .*sub_group_size=1000000"):
+        plan_slot_numel(1_000_000, 10**8, 2, 4, cap_bytes=100_000, in_use_bytes=50_000)

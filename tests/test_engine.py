@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import zero
-from offload.estimate.formulas import swap_chunk
 from offload.swap import SwapSpaceError
+from offload.swap.slots import swap_chunk
 from zero.models import GPT, GPTConfig, corpus_bytes, get_batch
 
 TINY = GPTConfig(vocab_size=256, seq_len=16, n_layer=2, n_head=2, d_model=32)

@@ -19,7 +19,7 @@ from offload.estimate import (
     activation_bytes,
     estimate,
 )
-from offload.estimate.formulas import swap_chunk
+from offload.swap.slots import swap_chunk
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROW_KEYS = {

@@ -25,7 +25,7 @@ from offload.estimate import (  # noqa: E402
     count_parameters,
     estimate,
 )
-from offload.estimate.formulas import swap_chunk  # noqa: E402
+from offload.swap.slots import swap_chunk  # noqa: E402
 
 PADDING_ALLOWANCE = 64 * 1024  # 4 KiB alignment of a few slots and a few dozen regions
 

@@ -23,9 +23,9 @@ import torch
 from torch import nn
 
 from offload.config import AioConfig
-from offload.estimate.formulas import MIN_SLOT_NUMEL, swap_chunk
 from offload.pinned import PINNED_BUDGET_ENV, PinnedPool
-from offload.swap.optimizer_swapper import OptimizerSwapper, SwapStats, slot_bytes
+from offload.swap.optimizer_swapper import OptimizerSwapper, SwapStats
+from offload.swap.slots import plan_slot_numel
 from offload.swap.space import SwapSpace, check_nvme_path
 from zero.integrity import StateGuard
 from zero.optimizer_offload import DeviceState, UpdateRule, ZeroOptimizer
@@ -161,8 +161,17 @@ def _nvme_tier(
 ) -> tuple[StateTier, Optional[SwapSpace]]:
     nvme_path = check_nvme_path(off.nvme_path or "")
     buffer_count = max(1, int(off.buffer_count))
-    free = pool.cap_bytes - pool.bytes_in_use - device_staging_bytes
-    chunk = plan_slot_numel(sub_group, numel, n_states, buffer_count, free, SWAP_ALIGNMENT)
+    chunk = plan_slot_numel(
+        sub_group,
+        numel,
+        n_states,
+        buffer_count,
+        cap_bytes=pool.cap_bytes,
+        in_use_bytes=pool.bytes_in_use,
+        reserved_bytes=device_staging_bytes,
+        alignment=SWAP_ALIGNMENT,
+        budget_source=f"zero_offload.pinned_budget_bytes / {PINNED_BUDGET_ENV}",
+    )
     space = SwapSpace(nvme_path, alignment=SWAP_ALIGNMENT, prefix=f"zero-offload-r{rank}-")
     try:
         swapper = OptimizerSwapper(
@@ -194,26 +203,6 @@ def _nvme_tier(
         raise
     swapper.stats.reset()  # the initial write is not part of any step's report
     return swapper, space
-
-
-def plan_slot_numel(
-    sub_group: int, part_numel: int, n_states: int, buffer_count: int, free: int, alignment: int
-) -> int:
-    """Elements per staging slot: DeepSpeed's staging memory for the config if `free` pinned bytes allow,
-    else a smaller piece of a sub-group (TEMPORARY copy until offload.swap.slots lands)."""
-    want = swap_chunk(sub_group, part_numel, n_states * 4)
-    if buffer_count * slot_bytes(want, n_states, alignment) <= free:
-        return want
-    numel = (free // buffer_count // ((1 + n_states) * 4)) // 1024 * 1024
-    floor = min(MIN_SLOT_NUMEL, want)
-    if numel < floor:
-        raise ValueError(
-            f"pinned memory budget too small for NVMe staging: {free} bytes free (zero_offload."
-            f"pinned_budget_bytes / {PINNED_BUDGET_ENV}); "
-            f"offload_optimizer.buffer_count={buffer_count} slots of {want} elements "
-            f"(sub_group_size={sub_group}) need {buffer_count * slot_bytes(want, n_states, alignment)} bytes"
-        )
-    return numel
 
 
 class FusedDeviceStep:

@@ -16,9 +16,9 @@ OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 
 # Smallest zero_optimization.sub_group_size, in elements. A sub-group is the unit of the offloaded optimizer
 # step and of NVMe swapping: the engine cuts the partition into chunks of at most sub_group_size elements
-# (zero/engine.py `_slot_numel`, via offload/estimate/formulas.py `swap_chunk`); each chunk is one I/O
+# (offload/swap/slots.py `plan_slot_numel` and `swap_chunk`); each chunk is one I/O
 # request per pass and one region [master | states] of its swap file, padded to whole 4 KiB blocks (the
-# swap alignment, offload/swap/optimizer_swapper.py `slot_bytes`). 1024 fp32 elements per array make every
+# swap alignment, offload/swap/slots.py `slot_bytes`). 1024 fp32 elements per array make every
 # region a whole number of blocks for any number of states; a sub-group of 1 element would cost one request
 # per element and, for Adam, 341x the disk space (4096 bytes for 12 bytes of state). DeepSpeed's default
 # is 1e9.

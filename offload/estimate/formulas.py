@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 
+from offload.swap.slots import MIN_SLOT_NUMEL, swap_chunk  # noqa: F401 - the engine's slot sizing
+
 from .activations import ActivationSettings, activation_bytes
 from .errors import EstimateInputError
 
@@ -75,7 +77,7 @@ class EnginePlacement:
     # staging slots of one sub-group each (compute dtype). Stages 0-2 only: stage 3 writes updated weights
     # into the parameter partitions through one pageable chunk (below).
     param_copy_back_slots: int
-    # Stage 3 (zero/stage3_engine.py): the gradient partition is accumulated in the compute dtype (16-bit
+    # Stage 3 (zero/layout/units.py): the gradient partition is accumulated in the compute dtype (16-bit
     # for mixed precision, no fp32 copy) in the optimizer's tier (pinned host memory when offloaded).
     stage3_grad_partition_in_compute_dtype: bool
     # Stage 3: the fp32 master is always its own copy (the parameter partitions live in their own tier,
@@ -118,8 +120,6 @@ ENGINE_PLACEMENT = EnginePlacement(
     stage3_writer_chunks=1,
 )
 
-# Below this many elements a staging slot is mostly per-request overhead (zero/engine.py's floor too).
-MIN_SLOT_NUMEL = 4096
 
 # DeepSpeed's defaults for the swap-buffer settings (our config schema is DeepSpeed-compatible).
 DEFAULT_OPTIMIZER_BUFFER_COUNT = 4
@@ -341,15 +341,6 @@ def _host_tier(pinned: bool) -> str:
     return "cpu_pinned" if pinned else "cpu_pageable"
 
 
-def swap_chunk(sub_group: int, part: int, state_bytes: int) -> int:
-    """Elements per optimizer staging slot, sized as the engine sizes them (zero/engine.py `_slot_numel`):
-    DeepSpeed's buffer_count x sub_group x 4 bytes of staging, split into buffer_count slots that each hold
-    master + states of one chunk of sub_group / (1 + states) elements."""
-    sub = min(sub_group, part)
-    arrays = 1 + state_bytes // FP32_BYTES
-    return min(sub, max(MIN_SLOT_NUMEL, sub // arrays // 1024 * 1024))
-
-
 def _stage3(
     setup: TrainingSetup,
     offload_optimizer: str,
@@ -358,8 +349,9 @@ def _stage3(
     ledger: _Ledger,
     notes: List[str],
 ) -> Tuple[int, int, int]:
-    """Stage 3 as zero/stage3_engine.py allocates it, per rank. Returns (NVMe read bytes per step, NVMe
-    write bytes per step, NVMe bytes the optimizer state would shrink by with one copy instead of two)."""
+    """Stage 3 as the engine allocates it (zero/layout/units.py), per rank. Returns (NVMe read bytes per
+    step, NVMe write bytes per step, NVMe bytes the optimizer state would shrink by with one copy instead of
+    two)."""
     plan = ENGINE_PLACEMENT
     n, bufs, cb = setup.world_size, setup.buffers, setup.compute_bytes
     mixed, state_bytes = setup.mixed_precision, setup.optimizer_state_bytes

@@ -7,6 +7,7 @@ The swappers (and torch with them) are imported on first use, so the swap-space 
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from offload.swap.slots import MIN_SLOT_NUMEL, plan_slot_numel, slot_bytes, swap_chunk
 from offload.swap.space import (
     ReclaimedSpace,
     SwapFile,
@@ -22,12 +23,12 @@ if TYPE_CHECKING:
         DeferredWriteError,
         OptimizerSwapper,
         SwapStats,
-        slot_bytes,
     )
 
-_SWAPPER_NAMES = ("DeferredWriteError", "OptimizerSwapper", "SwapStats", "slot_bytes")
+_SWAPPER_NAMES = ("DeferredWriteError", "OptimizerSwapper", "SwapStats")
 
 __all__ = [
+    "MIN_SLOT_NUMEL",
     "DeferredWriteError",
     "OptimizerSwapper",
     "ReclaimedSpace",
@@ -37,8 +38,10 @@ __all__ = [
     "SwapStats",
     "align_up",
     "check_nvme_path",
+    "plan_slot_numel",
     "reclaim_stale",
     "slot_bytes",
+    "swap_chunk",
 ]
 
 

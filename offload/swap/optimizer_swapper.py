@@ -39,11 +39,11 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 
 from offload.config.aio import AioConfig
+from offload.swap.slots import FP32_BYTES, slot_bytes
 from offload.swap.space import SwapFile, SwapSpace, align_up
 
 __all__ = ["ChunkFn", "DeferredWriteError", "OptimizerSwapper", "ReadyFn", "SwapStats"]
 
-FP32_BYTES = 4
 
 # (start element within the partition, numel, master view, state views) -> all values finite
 ChunkFn = Callable[[int, int, torch.Tensor, List[torch.Tensor]], bool]
@@ -78,11 +78,6 @@ class DeferredWriteError(OSError):
     """
 
     steps_lost = 1
-
-
-def slot_bytes(chunk_numel: int, n_states: int, alignment: int) -> int:
-    """Pinned bytes one staging slot needs for a chunk of `chunk_numel` elements."""
-    return align_up((1 + n_states) * chunk_numel * FP32_BYTES, alignment)
 
 
 class OptimizerSwapper:
