@@ -436,12 +436,12 @@ def test_nvme_device_requires_nvme_path() -> None:
     assert "zero_optimization.offload_optimizer.nvme_path" in msg
 
 
-def test_partial_offload_needs_stage_3() -> None:
-    assert "needs stage 3" in errmsg({"zero_optimization": {"stage": 2, "offload_optimizer": {"ratio": 0.5}}})
-    cfg = load_config(
-        {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}}
-    )
-    assert cfg.zero_optimization.offload_optimizer.ratio == 0.5
+def test_partial_offload_is_refused_at_every_stage() -> None:
+    for stage in (2, 3):
+        msg = errmsg({"zero_optimization": {"stage": stage, "offload_optimizer": {"ratio": 0.5}}})
+        assert "zero_optimization.offload_optimizer.ratio" in msg and "not supported" in msg
+    cfg = load_config({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 1}}})
+    assert cfg.zero_optimization.offload_optimizer.ratio == 1.0
 
 
 def test_fp16_and_bf16_both_enabled() -> None:

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Dict, Optional
 
 from ._reader import Context, Section, is_off_value
+from .usage import warn_ignored
 
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 
@@ -202,7 +203,14 @@ def parse_offload_optimizer(raw: Any, ctx: Context, path: str) -> OffloadOptimiz
     # Only read by DeepSpeed's SuperOffload, which is refused above; still checked for type and range.
     s.bool("convert_grad_on_cpu", True)
     s.float("cpuadam_cores_perc", 0.8, min=0.0, max=1.0)
-    return OffloadOptimizerConfig(
+    ratio = s.float("ratio", 1.0, min=0.0, max=1.0)
+    if ratio != 1.0:
+        raise s.fail(
+            "ratio",
+            f"= {ratio}: partial optimizer offload (keeping part of the optimizer state on the GPU) is not "
+            "supported; use 1.0 (DeepSpeed's default)",
+        )
+    out = OffloadOptimizerConfig(
         device=device,
         nvme_path=_nvme_path(s, device),
         pin_memory=s.bool("pin_memory", False),
@@ -210,8 +218,10 @@ def parse_offload_optimizer(raw: Any, ctx: Context, path: str) -> OffloadOptimiz
         pipeline_read=s.bool("pipeline_read", False),
         pipeline_write=s.bool("pipeline_write", False),
         fast_init=s.bool("fast_init", False),
-        ratio=s.float("ratio", 1.0, min=0.0, max=1.0),
+        ratio=ratio,
     )
+    warn_ignored(s, "zero_optimization.offload_optimizer.", out)
+    return out
 
 
 def parse_offload_param(raw: Any, ctx: Context, path: str) -> OffloadParamConfig:
@@ -270,8 +280,6 @@ def parse_zero(raw: Any, ctx: Context, *, legacy_allgather_size: Any = None) -> 
             " or 'cpu_offload_param'; set pin_memory inside offload_optimizer / offload_param instead",
         )
 
-    if offload_optimizer is not None and offload_optimizer.ratio < 1.0 and stage != 3:
-        raise s.fail("offload_optimizer", f"ratio < 1.0 (partial offload) needs stage 3, got stage {stage}")
     if offload_param is not None and offload_param.device != "none" and stage != 3:
         ctx.warn_once(
             s.key("offload_param"),
@@ -287,7 +295,7 @@ def parse_zero(raw: Any, ctx: Context, *, legacy_allgather_size: Any = None) -> 
     if overlap_comm is None:
         overlap_comm = stage == 3
 
-    return ZeroConfig(
+    out = ZeroConfig(
         stage=stage,
         contiguous_gradients=s.bool("contiguous_gradients", True),
         overlap_comm=overlap_comm,
@@ -314,6 +322,8 @@ def parse_zero(raw: Any, ctx: Context, *, legacy_allgather_size: Any = None) -> 
         memory_efficient_linear=s.bool("memory_efficient_linear", True),
         override_module_apply=s.bool("override_module_apply", True),
     )
+    warn_ignored(s, "zero_optimization.", out)
+    return out
 
 
 def _offload_section(s: Section, name: str, legacy: str, legacy_pin: Optional[bool], parse: Any) -> Any:
@@ -321,7 +331,9 @@ def _offload_section(s: Section, name: str, legacy: str, legacy_pin: Optional[bo
         # "cpu_offload": true is DeepSpeed's old spelling of {"device": "cpu"}.
         if not s.bool(legacy, False):
             return None
-        raw: Mapping[str, Any] = {"device": "cpu", "pin_memory": bool(legacy_pin)}
+        raw: Dict[str, Any] = {"device": "cpu"}
+        if legacy_pin is not None:
+            raw["pin_memory"] = bool(legacy_pin)
         return parse(raw, s.ctx, s.key(name))
     raw_section = s.mapping(name)
     if raw_section is None:

@@ -1,0 +1,108 @@
+"""Every config key is read by the engine, or accepted-and-ignored with a warning, or refused.
+
+The walk covers every field of every config dataclass (nested sections included): a field missing from
+offload.config.usage.FIELD_USAGE, or listed there but not a field, fails. A READ field must be read by code
+outside offload/config; an IGNORED field warns when given with a value the engine does not honour.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+import typing
+from typing import Any, Dict, List
+
+import pytest
+
+from offload.config import ZeroOffloadConfig, load_config
+from offload.config.usage import FIELD_USAGE, IGNORED, READ
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# READ fields reached through another name, or checked where they are parsed (refused values)
+READ_VIA: Dict[str, str] = {
+    "zero_optimization.offload_optimizer.pipeline_read": "pipeline",
+    "zero_optimization.offload_optimizer.pipeline_write": "pipeline",
+    "zero_optimization.offload_optimizer.ratio": "",  # any value but 1.0 is refused while parsing
+    "aio.use_gds": "",  # true is refused while parsing
+}
+
+
+def _dataclass_of(tp: Any) -> Any:
+    for arg in typing.get_args(tp) or (tp,):
+        if dataclasses.is_dataclass(arg):
+            return arg
+    return None
+
+
+def _paths(cls: Any, prefix: str = "") -> List[str]:
+    out = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        path = prefix + f.name
+        out.append(path)
+        inner = _dataclass_of(hints[f.name])
+        if inner is not None:
+            out.extend(_paths(inner, path + "."))
+    return out
+
+
+def _source() -> str:
+    chunks = []
+    for top in ("zero", "offload"):
+        for root, _, files in os.walk(os.path.join(REPO, top)):
+            if os.path.join("offload", "config") in root:
+                continue
+            chunks += [open(os.path.join(root, f)).read() for f in files if f.endswith(".py")]
+    return "\n".join(chunks)
+
+
+def test_every_field_is_classified() -> None:
+    fields = set(_paths(ZeroOffloadConfig))
+    assert fields - set(FIELD_USAGE) == set(), "config fields with no READ/IGNORED entry"
+    assert set(FIELD_USAGE) - fields == set(), "FIELD_USAGE lists paths that are not config fields"
+    assert {u.kind for u in FIELD_USAGE.values()} <= {READ, IGNORED}
+    assert all(u.honoured for u in FIELD_USAGE.values() if u.kind == IGNORED)
+
+
+def test_read_fields_are_read_outside_the_config_package() -> None:
+    source = _source()
+    unread = []
+    for path, usage in FIELD_USAGE.items():
+        if usage.kind != READ:
+            continue
+        name = READ_VIA.get(path, path.rsplit(".", 1)[-1])
+        if name and not re.search(rf"\.{name}\b|\"{name}\"", source):
+            unread.append(path)
+    assert unread == []
+
+
+def _config_with(path: str, value: Any) -> Dict[str, Any]:
+    cfg: Dict[str, Any] = {"zero_optimization": {"stage": 2}}
+    node = cfg
+    parts = path.split(".")
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+    if parts[1:2] == ["offload_optimizer"]:
+        node.setdefault("device", "cpu")
+    node[parts[-1]] = value
+    return cfg
+
+
+IGNORED_PATHS = sorted(p for p, u in FIELD_USAGE.items() if u.kind == IGNORED)
+
+
+@pytest.mark.parametrize("path", IGNORED_PATHS)
+def test_ignored_key_warns_only_when_its_value_is_not_honoured(path: str, caplog) -> None:
+    usage = FIELD_USAGE[path]
+    honoured = usage.honoured[0]
+    other = (not honoured) if isinstance(honoured, bool) else honoured + 1
+    with caplog.at_level(logging.WARNING, logger="offload.config"):
+        load_config(_config_with(path, other))
+    assert f"'{path}' = {other!r} is accepted but ignored" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="offload.config"):
+        load_config(_config_with(path, honoured))
+        load_config({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
+    assert path not in caplog.text
