@@ -105,7 +105,7 @@ def parse_aio(raw: Any, ctx: Context, path: str = "aio") -> AioConfig:
         )
     intra = parallelism if parallelism is not None else (threads if threads is not None else 1)
 
-    backend = s.choice("backend", "auto", AIO_BACKENDS)
+    backend = s.choice("backend", AioConfig.backend, AIO_BACKENDS)
     if s.has("io_backend"):
         io_backend = s.choice("io_backend", "async_io", tuple(_DS_IO_BACKEND))
         if s.has("backend"):
@@ -115,16 +115,16 @@ def parse_aio(raw: Any, ctx: Context, path: str = "aio") -> AioConfig:
             )
         backend = _DS_IO_BACKEND[io_backend]
 
-    use_gds = s.bool("use_gds", False)
+    use_gds = s.bool("use_gds", AioConfig.use_gds)
     if use_gds:
         raise s.not_supported("use_gds", "GPUDirect Storage (use_gds: true)")
 
     return AioConfig(
-        block_size=_limited(s, "block_size", 1048576),
-        queue_depth=_limited(s, "queue_depth", 8),
+        block_size=_limited(s, "block_size", AioConfig.block_size),
+        queue_depth=_limited(s, "queue_depth", AioConfig.queue_depth),
         intra_op_parallelism=intra,
-        single_submit=s.bool("single_submit", False),
-        overlap_events=s.bool("overlap_events", True),
+        single_submit=s.bool("single_submit", AioConfig.single_submit),
+        overlap_events=s.bool("overlap_events", AioConfig.overlap_events),
         use_gds=use_gds,
         backend=backend,
     )

@@ -210,16 +210,16 @@ def _parse(raw: Any, ctx: Context, world_size: int) -> ZeroOffloadConfig:
     zero = parse_zero(top.get("zero_optimization"), ctx, legacy_allgather_size=top.get("allgather_size"))
 
     train, micro, acc = _resolve_batch(top, world_size)
-    steps_per_print = top.int("steps_per_print", 10, min=1, allow_none=True)
+    steps_per_print = top.int("steps_per_print", ZeroOffloadConfig.steps_per_print, min=1, allow_none=True)
 
     return ZeroOffloadConfig(
         train_batch_size=train,
         train_micro_batch_size_per_gpu=micro,
         gradient_accumulation_steps=acc,
-        gradient_clipping=top.float("gradient_clipping", 0.0, min=0.0),
+        gradient_clipping=top.float("gradient_clipping", ZeroOffloadConfig.gradient_clipping, min=0.0),
         # DeepSpeed's newest releases let null mean "never print"; 10 is its documented default.
-        steps_per_print=10 if steps_per_print is None else steps_per_print,
-        wall_clock_breakdown=top.bool("wall_clock_breakdown", False),
+        steps_per_print=ZeroOffloadConfig.steps_per_print if steps_per_print is None else steps_per_print,
+        wall_clock_breakdown=top.bool("wall_clock_breakdown", ZeroOffloadConfig.wall_clock_breakdown),
         optimizer=parse_optimizer(top.get("optimizer"), ctx),
         scheduler=parse_scheduler(top.get("scheduler"), ctx),
         fp16=fp16,
@@ -233,8 +233,8 @@ def _parse(raw: Any, ctx: Context, world_size: int) -> ZeroOffloadConfig:
 def _parse_zero_offload(raw: Any, ctx: Context) -> ZeroOffloadSection:
     s = Section(raw, "zero_offload", ctx, ("report", "report_every", "pinned_budget_bytes"))
     return ZeroOffloadSection(
-        report=s.bool("report", False),
-        report_every=s.int("report_every", 1, min=1),
+        report=s.bool("report", ZeroOffloadSection.report),
+        report_every=s.int("report_every", ZeroOffloadSection.report_every, min=1),
         pinned_budget_bytes=s.int("pinned_budget_bytes", None, min=0, allow_none=True),
     )
 

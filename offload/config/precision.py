@@ -67,15 +67,15 @@ def parse_fp16(raw: Any, ctx: Context) -> FP16Config:
     # fused_mode picks between two DeepSpeed implementations of the same non-ZeRO fp16 optimizer.
     s.bool("fused_mode", True)
     return FP16Config(
-        enabled=s.bool("enabled", False),
-        auto_cast=s.bool("auto_cast", False),
-        loss_scale=s.float("loss_scale", 0.0, min=0.0),
+        enabled=s.bool("enabled", FP16Config.enabled),
+        auto_cast=s.bool("auto_cast", FP16Config.auto_cast),
+        loss_scale=s.float("loss_scale", FP16Config.loss_scale, min=0.0),
         # 2**64 already exceeds fp32's exponent range for a useful scale; larger powers are typos.
-        initial_scale_power=s.int("initial_scale_power", 16, min=0, max=64),
-        loss_scale_window=s.int("loss_scale_window", 1000, min=1),
-        hysteresis=s.int("hysteresis", 2, min=1),
-        consecutive_hysteresis=s.bool("consecutive_hysteresis", False),
-        min_loss_scale=s.float("min_loss_scale", 1.0, min=0.0, min_exclusive=True),
+        initial_scale_power=s.int("initial_scale_power", FP16Config.initial_scale_power, min=0, max=64),
+        loss_scale_window=s.int("loss_scale_window", FP16Config.loss_scale_window, min=1),
+        hysteresis=s.int("hysteresis", FP16Config.hysteresis, min=1),
+        consecutive_hysteresis=s.bool("consecutive_hysteresis", FP16Config.consecutive_hysteresis),
+        min_loss_scale=s.float("min_loss_scale", FP16Config.min_loss_scale, min=0.0, min_exclusive=True),
     )
 
 
@@ -88,5 +88,6 @@ def parse_bf16(raw: Any, ctx: Context, path: str = "bf16") -> BF16Config:
     # Ordering detail of DeepSpeed's non-ZeRO bf16 optimizer; the update is the same either way.
     s.bool("immediate_grad_update", False)
     return BF16Config(
-        enabled=s.bool("enabled", False), check_grad_overflow=s.bool("check_grad_overflow", False)
+        enabled=s.bool("enabled", BF16Config.enabled),
+        check_grad_overflow=s.bool("check_grad_overflow", BF16Config.check_grad_overflow),
     )

@@ -198,12 +198,12 @@ def _nvme_min(device: str) -> int:
 
 def parse_offload_optimizer(raw: Any, ctx: Context, path: str) -> OffloadOptimizerConfig:
     s = Section(raw, path, ctx, _OFFLOAD_OPTIMIZER_KEYS)
-    device = s.choice("device", "none", OFFLOAD_DEVICES)
+    device = s.choice("device", OffloadOptimizerConfig.device, OFFLOAD_DEVICES)
     s.off_only("super_offload", lambda v: v is False, "SuperOffload for superchips (true)")
     # Only read by DeepSpeed's SuperOffload, which is refused above; still checked for type and range.
     s.bool("convert_grad_on_cpu", True)
     s.float("cpuadam_cores_perc", 0.8, min=0.0, max=1.0)
-    ratio = s.float("ratio", 1.0, min=0.0, max=1.0)
+    ratio = s.float("ratio", OffloadOptimizerConfig.ratio, min=0.0, max=1.0)
     if ratio != 1.0:
         raise s.fail(
             "ratio",
@@ -213,11 +213,13 @@ def parse_offload_optimizer(raw: Any, ctx: Context, path: str) -> OffloadOptimiz
     out = OffloadOptimizerConfig(
         device=device,
         nvme_path=_nvme_path(s, device),
-        pin_memory=s.bool("pin_memory", False),
-        buffer_count=s.int("buffer_count", 4, min=_nvme_min(device), why=_NVME_BUFFER_WHY),
-        pipeline_read=s.bool("pipeline_read", False),
-        pipeline_write=s.bool("pipeline_write", False),
-        fast_init=s.bool("fast_init", False),
+        pin_memory=s.bool("pin_memory", OffloadOptimizerConfig.pin_memory),
+        buffer_count=s.int(
+            "buffer_count", OffloadOptimizerConfig.buffer_count, min=_nvme_min(device), why=_NVME_BUFFER_WHY
+        ),
+        pipeline_read=s.bool("pipeline_read", OffloadOptimizerConfig.pipeline_read),
+        pipeline_write=s.bool("pipeline_write", OffloadOptimizerConfig.pipeline_write),
+        fast_init=s.bool("fast_init", OffloadOptimizerConfig.fast_init),
         ratio=ratio,
     )
     warn_ignored(s, "zero_optimization.offload_optimizer.", out)
@@ -226,14 +228,18 @@ def parse_offload_optimizer(raw: Any, ctx: Context, path: str) -> OffloadOptimiz
 
 def parse_offload_param(raw: Any, ctx: Context, path: str) -> OffloadParamConfig:
     s = Section(raw, path, ctx, _OFFLOAD_PARAM_KEYS)
-    device = s.choice("device", "none", OFFLOAD_DEVICES)
+    device = s.choice("device", OffloadParamConfig.device, OFFLOAD_DEVICES)
     return OffloadParamConfig(
         device=device,
         nvme_path=_nvme_path(s, device),
-        pin_memory=s.bool("pin_memory", False),
-        buffer_count=s.int("buffer_count", 5, min=_nvme_min(device), why=_NVME_BUFFER_WHY),
-        buffer_size=s.int("buffer_size", 100_000_000, min=_nvme_min(device), why=_NVME_BUFFER_SIZE_WHY),
-        max_in_cpu=s.int("max_in_cpu", 1_000_000_000, min=0),
+        pin_memory=s.bool("pin_memory", OffloadParamConfig.pin_memory),
+        buffer_count=s.int(
+            "buffer_count", OffloadParamConfig.buffer_count, min=_nvme_min(device), why=_NVME_BUFFER_WHY
+        ),
+        buffer_size=s.int(
+            "buffer_size", OffloadParamConfig.buffer_size, min=_nvme_min(device), why=_NVME_BUFFER_SIZE_WHY
+        ),
+        max_in_cpu=s.int("max_in_cpu", OffloadParamConfig.max_in_cpu, min=0),
     )
 
 
@@ -260,7 +266,7 @@ def parse_zero(raw: Any, ctx: Context, *, legacy_allgather_size: Any = None) -> 
     for name, reason in _IGNORED.items():
         s.ignored(name, reason)
 
-    stage = s.int("stage", 0, min=0, max=3)
+    stage = s.int("stage", ZeroConfig.stage, min=0, max=3)
 
     _legacy_replacing(s, "cpu_offload", "offload_optimizer")
     _legacy_replacing(s, "cpu_offload_param", "offload_param")
@@ -297,30 +303,52 @@ def parse_zero(raw: Any, ctx: Context, *, legacy_allgather_size: Any = None) -> 
 
     out = ZeroConfig(
         stage=stage,
-        contiguous_gradients=s.bool("contiguous_gradients", True),
+        contiguous_gradients=s.bool("contiguous_gradients", ZeroConfig.contiguous_gradients),
         overlap_comm=overlap_comm,
-        reduce_scatter=s.bool("reduce_scatter", True),
-        reduce_bucket_size=s.int("reduce_bucket_size", 500_000_000, min=0),
-        use_multi_rank_bucket_allreduce=s.bool("use_multi_rank_bucket_allreduce", True),
-        allgather_partitions=s.bool("allgather_partitions", True),
-        allgather_bucket_size=s.int("allgather_bucket_size", 500_000_000, min=0),
-        load_from_fp32_weights=s.bool("load_from_fp32_weights", True),
-        ignore_unused_parameters=s.bool("ignore_unused_parameters", True),
-        round_robin_gradients=s.bool("round_robin_gradients", False),
-        sub_group_size=s.int("sub_group_size", 1_000_000_000, min=MIN_SUB_GROUP_SIZE, why=_SUB_GROUP_WHY),
+        reduce_scatter=s.bool("reduce_scatter", ZeroConfig.reduce_scatter),
+        reduce_bucket_size=s.int("reduce_bucket_size", ZeroConfig.reduce_bucket_size, min=0),
+        use_multi_rank_bucket_allreduce=s.bool(
+            "use_multi_rank_bucket_allreduce", ZeroConfig.use_multi_rank_bucket_allreduce
+        ),
+        allgather_partitions=s.bool("allgather_partitions", ZeroConfig.allgather_partitions),
+        allgather_bucket_size=s.int("allgather_bucket_size", ZeroConfig.allgather_bucket_size, min=0),
+        load_from_fp32_weights=s.bool("load_from_fp32_weights", ZeroConfig.load_from_fp32_weights),
+        ignore_unused_parameters=s.bool("ignore_unused_parameters", ZeroConfig.ignore_unused_parameters),
+        round_robin_gradients=s.bool("round_robin_gradients", ZeroConfig.round_robin_gradients),
+        sub_group_size=s.int(
+            "sub_group_size", ZeroConfig.sub_group_size, min=MIN_SUB_GROUP_SIZE, why=_SUB_GROUP_WHY
+        ),
         offload_optimizer=offload_optimizer,
         offload_param=offload_param,
-        stage3_prefetch_bucket_size=s.int("stage3_prefetch_bucket_size", 50_000_000, min=0),
-        stage3_param_persistence_threshold=s.int("stage3_param_persistence_threshold", 100_000, min=0),
-        stage3_model_persistence_threshold=s.int("stage3_model_persistence_threshold", sys.maxsize, min=0),
-        stage3_max_live_parameters=s.int("stage3_max_live_parameters", 1_000_000_000, min=0),
-        stage3_max_reuse_distance=s.int("stage3_max_reuse_distance", 1_000_000_000, min=0),
-        stage3_gather_16bit_weights_on_model_save=s.bool(gather16_name, False),
-        stage3_module_granularity_threshold=s.int("stage3_module_granularity_threshold", 0, min=0),
-        stage3_use_all_reduce_for_fetch_params=s.bool("stage3_use_all_reduce_for_fetch_params", False),
-        stage3_allgather_sequential=s.bool("stage3_allgather_sequential", False),
-        memory_efficient_linear=s.bool("memory_efficient_linear", True),
-        override_module_apply=s.bool("override_module_apply", True),
+        stage3_prefetch_bucket_size=s.int(
+            "stage3_prefetch_bucket_size", ZeroConfig.stage3_prefetch_bucket_size, min=0
+        ),
+        stage3_param_persistence_threshold=s.int(
+            "stage3_param_persistence_threshold", ZeroConfig.stage3_param_persistence_threshold, min=0
+        ),
+        stage3_model_persistence_threshold=s.int(
+            "stage3_model_persistence_threshold", ZeroConfig.stage3_model_persistence_threshold, min=0
+        ),
+        stage3_max_live_parameters=s.int(
+            "stage3_max_live_parameters", ZeroConfig.stage3_max_live_parameters, min=0
+        ),
+        stage3_max_reuse_distance=s.int(
+            "stage3_max_reuse_distance", ZeroConfig.stage3_max_reuse_distance, min=0
+        ),
+        stage3_gather_16bit_weights_on_model_save=s.bool(
+            gather16_name, ZeroConfig.stage3_gather_16bit_weights_on_model_save
+        ),
+        stage3_module_granularity_threshold=s.int(
+            "stage3_module_granularity_threshold", ZeroConfig.stage3_module_granularity_threshold, min=0
+        ),
+        stage3_use_all_reduce_for_fetch_params=s.bool(
+            "stage3_use_all_reduce_for_fetch_params", ZeroConfig.stage3_use_all_reduce_for_fetch_params
+        ),
+        stage3_allgather_sequential=s.bool(
+            "stage3_allgather_sequential", ZeroConfig.stage3_allgather_sequential
+        ),
+        memory_efficient_linear=s.bool("memory_efficient_linear", ZeroConfig.memory_efficient_linear),
+        override_module_apply=s.bool("override_module_apply", ZeroConfig.override_module_apply),
     )
     warn_ignored(s, "zero_optimization.", out)
     return out
