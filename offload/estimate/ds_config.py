@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, Optional
 
+from offload.config.zero import MIN_SUB_GROUP_SIZE
+
 from .counting import read_json_file
 from .errors import EstimateInputError
 from .formulas import OFFLOAD_DEVICES
@@ -125,6 +127,11 @@ def read_ds_config(path: str) -> ConfigChoices:
 
     sub_group = _positive_int(zero, "sub_group_size", where, "zero_optimization.")
     if sub_group is not None:
+        if sub_group < MIN_SUB_GROUP_SIZE:  # the engine's config refuses it with the same bound
+            raise EstimateInputError(
+                f"{where}: zero_optimization.sub_group_size must be >= {MIN_SUB_GROUP_SIZE} (the engine's "
+                f"minimum: a sub-group is at least one I/O request and whole 4 KiB blocks), got {sub_group}"
+            )
         buffers["sub_group_size"] = sub_group
 
     precision = None
