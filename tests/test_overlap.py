@@ -78,7 +78,7 @@ def _same(a: dict, b: dict) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_overlapped_steps_match_steps_after_backward(tmp_path, dtype):
+def test_overlapped_steps_match_steps_after_backward(tmp_path, dtype, device):
     plain = _train(_config(str(tmp_path), False, dtype), steps=3)
     overlapped = _train(_config(str(tmp_path), True, dtype), steps=3)
     assert not plain["early"] and overlapped["early"]
@@ -91,13 +91,13 @@ def test_overlapped_steps_match_steps_after_backward(tmp_path, dtype):
     assert overlapped["state"]["step"] == 3
 
 
-def test_overlap_with_gradient_accumulation(tmp_path):
+def test_overlap_with_gradient_accumulation(tmp_path, device):
     plain = _train(_config(str(tmp_path), False), steps=2, gas=2)
     overlapped = _train(_config(str(tmp_path), True), steps=2, gas=2)
     _same(plain, overlapped)
 
 
-def test_overflow_in_overlapped_pass_is_undone(tmp_path):
+def test_overflow_in_overlapped_pass_is_undone(tmp_path, device):
     """fp16: the fused finite check stops the speculative pass; nothing is committed, params restored."""
     plain = _train(_config(str(tmp_path), False, "fp16"), steps=8)
     overlapped = _train(_config(str(tmp_path), True, "fp16"), steps=8)
@@ -113,7 +113,7 @@ def test_clipping_falls_back_to_stepping_after_backward(tmp_path):
     _same(plain, clipped)
 
 
-def test_state_dict_between_backward_and_step_sees_committed_state(tmp_path):
+def test_state_dict_between_backward_and_step_sees_committed_state(tmp_path, device):
     torch.manual_seed(0)
     engine = zero.initialize(model=GPT(MODEL), config=_config(str(tmp_path), True))[0]
     data = corpus_bytes()
@@ -130,7 +130,7 @@ def test_state_dict_between_backward_and_step_sees_committed_state(tmp_path):
     engine.close()
 
 
-def test_failed_backward_cancels_the_pass(tmp_path):
+def test_failed_backward_cancels_the_pass(tmp_path, device):
     torch.manual_seed(0)
     engine = zero.initialize(model=GPT(MODEL), config=_config(str(tmp_path), True))[0]
     data = corpus_bytes()

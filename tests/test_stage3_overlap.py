@@ -56,7 +56,7 @@ def assert_same(a, b):
 
 
 @pytest.mark.parametrize("param", ["none", "cpu", "nvme"])
-def test_overlapped_steps_match_steps_after_backward(tmp_path, param):
+def test_overlapped_steps_match_steps_after_backward(tmp_path, param, device):
     plain = run(config(param, tmp_path, False), steps=3)
     overlapped = run(config(param, tmp_path, True), steps=3)
     assert not plain["early"] and overlapped["early"]
@@ -66,7 +66,7 @@ def test_overlapped_steps_match_steps_after_backward(tmp_path, param):
         assert overlapped["param_io"]["param_nvme_write_bytes"] == plain["param_io"]["param_nvme_write_bytes"]
 
 
-def test_bf16_and_a_partly_frozen_unit_on_nvme(tmp_path):
+def test_bf16_and_a_partly_frozen_unit_on_nvme(tmp_path, device):
     cfg_plain = config("nvme", tmp_path, False, bf16={"enabled": True})
     cfg_over = config("nvme", tmp_path, True, bf16={"enabled": True})
     plain = run(cfg_plain, steps=3, freeze=True)
@@ -77,14 +77,14 @@ def test_bf16_and_a_partly_frozen_unit_on_nvme(tmp_path):
     assert torch.equal(overlapped["params"]["blocks.0.qkv.bias"], first)  # frozen: never rewritten
 
 
-def test_with_gradient_accumulation(tmp_path):
+def test_with_gradient_accumulation(tmp_path, device):
     kw = {"train_micro_batch_size_per_gpu": 2}
     plain = run(config("nvme", tmp_path, False, **kw), steps=2, gas=2)
     overlapped = run(config("nvme", tmp_path, True, **kw), steps=2, gas=2)
     assert_same(plain, overlapped)
 
 
-def test_fp16_overflow_in_the_overlapped_pass_is_undone(tmp_path):
+def test_fp16_overflow_in_the_overlapped_pass_is_undone(tmp_path, device):
     fp16 = {"enabled": True, "initial_scale_power": 20, "loss_scale_window": 2}
     plain = run(config("nvme", tmp_path, False, fp16=fp16), steps=8)
     overlapped = run(config("nvme", tmp_path, True, fp16=fp16), steps=8)
@@ -92,7 +92,7 @@ def test_fp16_overflow_in_the_overlapped_pass_is_undone(tmp_path):
     assert_same(plain, overlapped)
 
 
-def test_sub_groups_are_stepped_while_backward_runs(tmp_path):
+def test_sub_groups_are_stepped_while_backward_runs(tmp_path, device):
     """The gate opens chunks as units finish, not only when backward returns: a hook on the position
     embedding (its gradient comes last) holds backward until the pass reports an updated chunk."""
     engine = zero.initialize(model=make_model(), config=config("nvme", tmp_path, True))[0]
@@ -114,7 +114,7 @@ def test_sub_groups_are_stepped_while_backward_runs(tmp_path):
     engine.close()
 
 
-def test_forward_between_backward_and_step_sees_the_committed_weights(tmp_path):
+def test_forward_between_backward_and_step_sees_the_committed_weights(tmp_path, device):
     engine = zero.initialize(model=make_model(), config=config("nvme", tmp_path, True))[0]
     before = zero.consolidated_state_dict(engine)
     x, y = (t.to(engine.device) for t in get_batch(DATA, 4, TINY.seq_len, 0))
@@ -132,7 +132,7 @@ def test_forward_between_backward_and_step_sees_the_committed_weights(tmp_path):
     engine.close()
 
 
-def test_failed_backward_cancels_the_pass(tmp_path):
+def test_failed_backward_cancels_the_pass(tmp_path, device):
     engine = zero.initialize(model=make_model(), config=config("nvme", tmp_path, True))[0]
     before = zero.consolidated_state_dict(engine)
     x, y = (t.to(engine.device) for t in get_batch(DATA, 4, TINY.seq_len, 0))
