@@ -56,6 +56,7 @@ def _fill_random(buf: np.ndarray, seed: int) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    """Run the tiers demo with `argv`; returns the process exit code."""
     parser = argparse.ArgumentParser(prog="python -m offload.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=parse_size, default=1 << 30, help="bytes to move (default 1GiB)")
     parser.add_argument(

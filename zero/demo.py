@@ -26,6 +26,7 @@ from zero.report import format_bytes
 def build_config(
     offload: str, nvme_dir: str, batch: int, sub_group: int, stage: int = 2, offload_param: str = "none"
 ) -> dict:
+    """The DeepSpeed config the demo trains with, for the chosen stage and offload tiers."""
     zo: dict = {"stage": stage, "sub_group_size": sub_group}
     if offload != "none":
         zo["offload_optimizer"] = {"device": offload, "nvme_path": nvme_dir, "buffer_count": 4}
@@ -45,6 +46,7 @@ def build_config(
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    """Run the training demo (`python -m zero.demo`) with `argv`; returns the process exit code."""
     ap = argparse.ArgumentParser(prog="python -m zero.demo", description=__doc__.splitlines()[0])
     ap.add_argument(
         "--offload", choices=("none", "cpu", "nvme"), default="nvme", help="where optimizer state lives"

@@ -19,6 +19,8 @@ __all__ = ["GPT", "GPTConfig", "config_for_params", "corpus_bytes", "get_batch"]
 
 @dataclass(frozen=True)
 class GPTConfig:
+    """Sizes of the small GPT: vocabulary, sequence length, layers, heads and width."""
+
     vocab_size: int = 256  # byte-level: any text trains without a tokenizer
     seq_len: int = 64
     n_layer: int = 2
@@ -47,6 +49,8 @@ class Embedding(nn.Embedding):
 
 
 class Block(nn.Module):
+    """One pre-norm transformer block: causal self-attention and an MLP, each with a residual."""
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.n_head = cfg.n_head
@@ -93,6 +97,7 @@ class GPT(nn.Module):
 
 
 def num_params(cfg: GPTConfig) -> int:
+    """The number of parameters of a GPT built from `cfg`."""
     d, v = cfg.d_model, cfg.vocab_size
     per_block = 12 * d * d + 13 * d
     return v * d + cfg.seq_len * d + cfg.n_layer * per_block + 2 * d + d * v

@@ -16,6 +16,7 @@ __all__ = ["PhaseClock", "StepReport", "format_bytes"]
 
 
 def format_bytes(n: float) -> str:
+    """`n` bytes with a binary unit (B, KiB, MiB, GiB, TiB)."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"

@@ -12,6 +12,8 @@ GB = 1e9
 
 @dataclass
 class CopyResults:
+    """Measured copy bandwidths in GB/s (None where not measured: no GPU), the GPU's memory size, notes."""
+
     host_copy_gbps: Optional[float] = None
     h2d_gbps: Optional[float] = None
     d2h_gbps: Optional[float] = None
@@ -118,6 +120,8 @@ def measure_cuda_copies(nbytes: int, repeats: int, results: CopyResults) -> None
 
 
 def measure_copies(nbytes: int, repeats: int) -> CopyResults:
+    """Host-to-host and, with a GPU, pinned and pageable host<->device copy bandwidths of `nbytes`, best of
+    `repeats`."""
     results = CopyResults()
     results.host_copy_gbps = measure_host_copy(nbytes, repeats)
     measure_cuda_copies(nbytes, repeats, results)

@@ -35,10 +35,13 @@ NR_HUGEPAGES_ENV = "DS_NVME_BENCH_NR_HUGEPAGES"
 
 
 class FioError(RuntimeError):
+    """fio failed to run or its output could not be read; the message says which."""
+
     pass
 
 
 def fio_executable() -> Optional[str]:
+    """The path of the `fio` executable on PATH, or None when it is not installed."""
     return shutil.which("fio")
 
 
@@ -70,6 +73,7 @@ def _write_count(path: str, value: int) -> None:
 
 
 def hugepage_bytes() -> int:
+    """Bytes of the system's default huge page (from /proc/meminfo; 2 MiB when unknown)."""
     return _meminfo("Hugepagesize") * 1024 or (2 << 20)
 
 
@@ -157,6 +161,8 @@ class HugePages:
 
 @dataclass
 class FioSample:
+    """One fio run: bandwidth and CPU time per GB of the job."""
+
     gbps: float
     cpu_s_per_gb: float
 
@@ -164,6 +170,8 @@ class FioSample:
 def fio_command(
     fio: str, params: AioParams, op: str, path: str, size: int, direct: bool, iomem: str
 ) -> List[str]:
+    """The fio command line that does what our bench does for these parameters (file, size, block size,
+    queue depth, O_DIRECT)."""
     jobs = params.intra_op_parallelism
     per_job = max(params.block_size, size // jobs // params.block_size * params.block_size)
     cmd = [
@@ -199,6 +207,8 @@ def _kill(proc: subprocess.Popen) -> None:
 
 
 def run_fio(cmd: List[str], op: str, timeout: float = 600.0) -> FioSample:
+    """Run one fio command for `op` (read or write) and parse its JSON output; FioError on failure or
+    timeout."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     # A SIGTERM to the bench must not leave fio writing the test file (or recreating it after its removal).
@@ -243,6 +253,8 @@ def run_fio(cmd: List[str], op: str, timeout: float = 600.0) -> FioSample:
 
 @dataclass
 class Comparison:
+    """Ours against fio for one operation and parameter set: bandwidths and CPU seconds per GB of each run."""
+
     op: str
     params: AioParams
     iomem: str

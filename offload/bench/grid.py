@@ -47,6 +47,7 @@ def parse_size(text: Any, what: str = "size") -> int:
 
 
 def format_size(nbytes: int) -> str:
+    """`nbytes` as a short size with a binary unit (e.g. 1M, 256K), as the grid labels use."""
     for unit, scale in (("G", GiB), ("M", MiB), ("K", KiB)):
         if nbytes >= scale and nbytes % scale == 0:
             return f"{nbytes // scale}{unit}"
@@ -81,6 +82,7 @@ class AioParams:
 def default_grid(backends: Sequence[str]) -> Dict[str, List[Any]]:
     # Block sizes around DeepSpeed's usual 1 MiB; queue depths from shallow to deep; one and two threads
     # (more rarely helps a single NVMe and this tool must stay usable on small machines).
+    """The full grid of aio parameters the bench sweeps for `backends`."""
     return {
         "block_size": [128 * KiB, 512 * KiB, 1 * MiB, 4 * MiB],
         "queue_depth": [8, 32, 128],
@@ -92,6 +94,7 @@ def default_grid(backends: Sequence[str]) -> Dict[str, List[Any]]:
 
 
 def quick_grid(backends: Sequence[str]) -> Dict[str, List[Any]]:
+    """A small grid of aio parameters for `backends` (the --quick run)."""
     return {
         "block_size": [256 * KiB, 1 * MiB, 4 * MiB],
         "queue_depth": [8, 32],

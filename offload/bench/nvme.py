@@ -30,6 +30,8 @@ LAYOUT_PARAMS = AioParams(1 * MiB, 32, 1, False, True, "auto")
 
 @dataclass
 class Sample:
+    """One timed pass: wall seconds, CPU seconds and bytes moved."""
+
     seconds: float
     cpu_seconds: float
     nbytes: int
@@ -45,6 +47,8 @@ class Sample:
 
 @dataclass
 class Measurement:
+    """The read and write samples of one parameter set."""
+
     params: AioParams
     read: List[Sample] = field(default_factory=list)
     write: List[Sample] = field(default_factory=list)
@@ -309,6 +313,7 @@ def _step_text(m: Measurement) -> str:
 def best(
     measurements: Sequence[Measurement], key: Callable[[Measurement], Optional[float]]
 ) -> Optional[Measurement]:
+    """The measurement with the highest `key` (None values skipped), or None if none has one."""
     scored = [(key(m), i) for i, m in enumerate(measurements) if key(m) is not None]
     if not scored:
         return None

@@ -20,6 +20,9 @@ _POISON = 0xA5
 
 
 class Pattern:
+    """A reproducible pseudo-random data pattern, page by page, so reads can be verified without keeping
+    the written data."""
+
     def __init__(self, seed: int) -> None:
         self.seed = seed
         rng = np.random.default_rng(seed)

@@ -16,6 +16,7 @@ _LINESTYLES = {"io_uring": ("-", "o"), "aio": ("--", "s"), "psync": (":", "^")}
 
 
 def plot_available() -> bool:
+    """Whether matplotlib can be imported (plots are skipped without it)."""
     try:
         import matplotlib  # noqa: F401
     except ImportError:

@@ -53,11 +53,13 @@ def filesystem_of(path: str) -> Tuple[str, str]:
 
 
 def free_bytes(path: str) -> int:
+    """Free bytes on the file system holding `path`."""
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize  # what an unprivileged writer may use, not the root reserve
 
 
 def ram_bytes() -> int:
+    """Total RAM of the machine in bytes."""
     try:
         import psutil
 
@@ -67,6 +69,7 @@ def ram_bytes() -> int:
 
 
 def utc_now() -> str:
+    """The current UTC time as an ISO 8601 string."""
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
@@ -131,6 +134,8 @@ def build_profile(
     notes: Any,
     buffer: Dict[str, Any],
 ) -> Dict[str, Any]:
+    """The machine profile the bench writes: the best read and write parameters with their bandwidths, plus
+    machine facts."""
     mount, fstype = filesystem_of(nvme_path)
     return {
         "profile_version": PROFILE_VERSION,

@@ -8,6 +8,8 @@ from typing import Optional, TextIO
 
 
 class Progress:
+    """A progress bar on stderr: redrawn in place on a terminal, a line per tenth of the work otherwise."""
+
     def __init__(self, total: int, title: str, stream: Optional[TextIO] = None, width: int = 30) -> None:
         self.total = max(1, total)
         self.title = title

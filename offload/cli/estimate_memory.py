@@ -107,6 +107,7 @@ def _positive_float(what: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of `ds-estimate-memory`."""
     parser = _OneLineParser(
         prog=PROG,
         description="Estimate training memory per GPU, per node's CPU memory and per node's NVMe for "
@@ -375,6 +376,7 @@ def run(argv: Optional[Sequence[str]] = None) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run `ds-estimate-memory` with `argv`; returns the process exit code."""
     try:
         text = run(argv)
     except EstimateInputError as exc:

@@ -39,6 +39,7 @@ FREE_SPACE_SHARE = 0.95  # never fill a disk others are using to the last block
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of `ds-nvme-bench`."""
     p = argparse.ArgumentParser(
         prog=PROG,
         description="Measure NVMe read/write bandwidth over a grid of aio settings (O_DIRECT, verified "
@@ -84,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 # -- argument checks (all before the first byte is written) -----------------------------------------------
 def check_directory(path: str) -> str:
+    """The directory to bench in (absolute), checked to exist and be writable; BenchError naming the reason
+    (and errno) otherwise."""
     if not os.path.exists(path):
         raise BenchError(f"--path {path}: does not exist")
     if not os.path.isdir(path):
@@ -119,6 +122,8 @@ def write_output(option: str, path: str, write: Any) -> None:
 
 
 def choose_size(text: Optional[str], quick: bool, free: int, ram: int) -> int:
+    """The test file size in bytes: `text` if given, else a default bounded by free disk (`free`) and RAM
+    (`ram`)."""
     limit = int(free * FREE_SPACE_SHARE)
     if text is not None:
         size = parse_size(text, "--size")
@@ -137,6 +142,7 @@ def choose_size(text: Optional[str], quick: bool, free: int, ram: int) -> int:
 
 
 def grid_points(args: argparse.Namespace, backends: Sequence[str]) -> List[AioParams]:
+    """The aio parameter sets to measure, from the command line or the default/quick grid."""
     if not backends:
         raise BenchError(
             "no I/O backend is usable on this system (offload._aio.available_backends() is empty)"
@@ -160,6 +166,7 @@ def _fmt(value: Optional[float], digits: int = 2) -> str:
 
 
 def summary_table(rows: Sequence[tuple]) -> str:
+    """The results as a plain-text table, one row per parameter set."""
     headers = (
         "best for",
         "backend",
@@ -198,6 +205,7 @@ def summary_table(rows: Sequence[tuple]) -> str:
 
 
 def fio_lines(comparisons: Sequence[Dict[str, Any]], repeats: int) -> List[str]:
+    """Report lines comparing our bandwidths with fio's for the same parameters."""
     lines = [f"fio comparison (same file and parameters, interleaved ours/fio, medians of {repeats}):"]
     for c in comparisons:
         params = AioParams(**c["aio"])
@@ -211,11 +219,13 @@ def fio_lines(comparisons: Sequence[Dict[str, Any]], repeats: int) -> List[str]:
 
 
 def note(text: str) -> None:
+    """Print a status line to stderr, prefixed with the program name."""
     print(f"{PROG}: {text}", file=sys.stderr)
 
 
 # -- the run --------------------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
+    """The whole bench for parsed `args`; returns the exit code."""
     from offload.bench import nvme
     from offload.bench.copies import measure_copies
     from offload.bench.plot import plot_available, plot_results
@@ -362,6 +372,7 @@ def run_fio_comparisons(
     progress: Any,
     notes: List[str],
 ) -> List[Dict[str, Any]]:
+    """Run fio with the best parameter sets and compare its bandwidths with ours."""
     from offload.bench.fio import FioError, HugePages, compare_with_fio, fio_hugepages_needed
 
     comparisons: List[Dict[str, Any]] = []
@@ -389,6 +400,7 @@ def run_fio_comparisons(
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run `ds-nvme-bench` with `argv`; returns the process exit code."""
     args = build_parser().parse_args(argv)
     try:
         return run(args)

@@ -93,6 +93,8 @@ class AioConfig:
 
 
 def parse_aio(raw: Any, ctx: Context, path: str = "aio") -> AioConfig:
+    """Validate the `aio` section (`raw`, at `path`) into an AioConfig; ConfigError naming the key
+    otherwise."""
     s = Section(raw, path, ctx, _AIO_KEYS)
     # "thread_count" is DeepSpeed's old name for intra_op_parallelism; DeepSpeed lets the new key win when
     # both are given, which hides typos, so a disagreement is an error here.

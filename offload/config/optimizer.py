@@ -155,6 +155,7 @@ _PARAM_PARSERS: Dict[str, Callable[[Section, str], Dict[str, Any]]] = {
 
 
 def parse_optimizer(raw: Any, ctx: Context) -> Optional[OptimizerConfig]:
+    """Validate the `optimizer` section into an OptimizerConfig (None when absent)."""
     if raw is None:
         return None
     s = Section(raw, "optimizer", ctx, ("type", "params", "legacy_fusion"))
@@ -319,6 +320,7 @@ _SCHEDULER_PARSERS: Dict[str, Callable[[Section], Dict[str, Any]]] = {
 
 
 def parse_scheduler(raw: Any, ctx: Context, path: str = "scheduler") -> Optional[SchedulerConfig]:
+    """Validate the `scheduler` section into a SchedulerConfig (None when absent)."""
     if raw is None:
         return None
     s = Section(raw, path, ctx, ("type", "params"))

@@ -60,6 +60,7 @@ class BF16Config:
 
 
 def parse_fp16(raw: Any, ctx: Context) -> FP16Config:
+    """Validate the `fp16` section into an FP16Config."""
     s = Section(raw, "fp16", ctx, _FP16_KEYS)
     s.off_only(
         "fp16_master_weights_and_grads", lambda v: v is False, "keeping fp16 master weights and grads (true)"
@@ -80,6 +81,7 @@ def parse_fp16(raw: Any, ctx: Context) -> FP16Config:
 
 
 def parse_bf16(raw: Any, ctx: Context, path: str = "bf16") -> BF16Config:
+    """Validate the `bf16` (or `bfloat16`) section into a BF16Config."""
     s = Section(raw, path, ctx, _BF16_KEYS)
     s.off_only(
         "bf16_master_weights_and_grads", lambda v: v is False, "keeping bf16 master weights and grads (true)"

@@ -197,6 +197,7 @@ def _nvme_min(device: str) -> int:
 
 
 def parse_offload_optimizer(raw: Any, ctx: Context, path: str) -> OffloadOptimizerConfig:
+    """Validate an `offload_optimizer` section; refuses ratio below 1.0 and warns about ignored keys."""
     s = Section(raw, path, ctx, _OFFLOAD_OPTIMIZER_KEYS)
     device = s.choice("device", OffloadOptimizerConfig.device, OFFLOAD_DEVICES)
     s.off_only("super_offload", lambda v: v is False, "SuperOffload for superchips (true)")
@@ -227,6 +228,7 @@ def parse_offload_optimizer(raw: Any, ctx: Context, path: str) -> OffloadOptimiz
 
 
 def parse_offload_param(raw: Any, ctx: Context, path: str) -> OffloadParamConfig:
+    """Validate an `offload_param` section."""
     s = Section(raw, path, ctx, _OFFLOAD_PARAM_KEYS)
     device = s.choice("device", OffloadParamConfig.device, OFFLOAD_DEVICES)
     return OffloadParamConfig(
@@ -250,6 +252,7 @@ def _legacy_replacing(s: Section, old: str, new: str) -> None:
 
 
 def parse_zero(raw: Any, ctx: Context, *, legacy_allgather_size: Any = None) -> ZeroConfig:
+    """Validate the `zero_optimization` section (legacy spellings mapped, ignored keys warned about)."""
     if isinstance(raw, bool):
         # DeepSpeed's oldest format: "zero_optimization": true means stage 1.
         ctx.warn_once(

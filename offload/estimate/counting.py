@@ -21,6 +21,8 @@ if TYPE_CHECKING:  # torch is imported only when a model is built: --params alon
 
 @dataclass(frozen=True)
 class ParamCount:
+    """Parameter counts of a model: total, trainable, largest layer and where they came from."""
+
     params: int
     largest_layer_params: int
     largest_layer_name: str  # "" for the root module

@@ -19,6 +19,8 @@ DEFAULT_ADDITIONAL_BUFFER_FACTOR = 1.5
 
 @dataclass(frozen=True)
 class DeepSpeedRow:
+    """One row of DeepSpeed's estimate_zero*_model_states_mem_needs tables, computed with its formulas."""
+
     stage: int
     offload_optimizer: str
     offload_param: str

@@ -47,6 +47,8 @@ FP32_BYTES = 4
 @dataclass(frozen=True)
 class EnginePlacement:
     # ZeRO stage from which each state is split over the data-parallel ranks (below it: a full copy).
+    """Where the engine keeps each state, per stage and offload setting: what the estimate follows."""
+
     partitioned_from_stage: Mapping[str, int]
     # offload_optimizer -> home of the fp32 master, the optimizer states and the fp32 gradient partition.
     optimizer_homes: Mapping[str, Mapping[str, str]]

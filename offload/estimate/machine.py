@@ -23,6 +23,8 @@ _PROFILE_FIELDS = ("ram_bytes", "gpu_bytes", "nvme_free_bytes", "nvme_read_gbps"
 
 @dataclass(frozen=True)
 class MachineProfile:
+    """The machine the estimate is checked against: RAM, GPU memory, disk and NVMe bandwidth."""
+
     gpu_bytes: Optional[int] = None  # memory of one GPU
     ram_bytes: Optional[int] = None  # host memory of one node usable for training
     nvme_free_bytes: Optional[int] = None  # free space where the swap files go
@@ -142,6 +144,7 @@ def _within(need: int, have: Optional[int]) -> Optional[bool]:
 
 
 def check_fit(estimate: MemoryEstimate, machine: MachineProfile) -> FitCheck:
+    """Whether `estimate` fits on `machine`, tier by tier, with the margin left or missing."""
     return FitCheck(
         gpu=_within(estimate.per_gpu_bytes, machine.gpu_bytes),
         cpu=_within(estimate.per_cpu_bytes, machine.ram_bytes),

@@ -23,6 +23,7 @@ def _render(header: Sequence[str], rows: Sequence[Sequence[str]], right: Sequenc
 
 
 def describe_setup(setup: TrainingSetup, largest_layer_source: str) -> List[str]:
+    """Lines describing the training setup an estimate is for."""
     gpus = f"{setup.nodes} node(s) x {setup.gpus_per_node} GPU(s) = {setup.world_size} data-parallel ranks"
     model = (
         f"{format_count(setup.params)} params ({setup.params}), largest layer "
@@ -53,6 +54,7 @@ def render_estimates(
     machine: Optional[MachineProfile] = None,
     recommended: Optional[MemoryEstimate] = None,
 ) -> str:
+    """The estimates as a text report (a table per configuration)."""
     lines = describe_setup(setup, largest_layer_source)
     lines.append("Per GPU: each GPU; per CPU and NVMe: each node (all its ranks together).")
     lines.append("")
@@ -121,6 +123,7 @@ def estimates_json(
     machine: Optional[MachineProfile] = None,
     recommended: Optional[MemoryEstimate] = None,
 ) -> Dict[str, object]:
+    """The estimates as a JSON-ready dict."""
     rows = []
     for i, est in enumerate(estimates):
         row = est.to_dict()
@@ -155,6 +158,7 @@ def estimates_json(
 def render_deepspeed(
     rows: Sequence[DeepSpeedRow], params: int, largest: int, gpus_per_node: int, nodes: int, factor: float
 ) -> str:
+    """DeepSpeed's own estimate tables, as text."""
     lines = [
         "DeepSpeed's estimate (estimate_zero2/zero3_model_states_mem_needs_all_cold): model states only,",
         f"host memory x additional_buffer_factor {factor:g}; GiB = 2**30 bytes (DeepSpeed prints 'GB').",
@@ -170,6 +174,7 @@ def render_deepspeed(
 def deepspeed_json(
     rows: Sequence[DeepSpeedRow], params: int, largest: int, factor: float
 ) -> Dict[str, object]:
+    """DeepSpeed's own estimate tables, as a JSON-ready dict."""
     return {
         "params": params,
         "largest_layer_params": largest,

@@ -65,11 +65,14 @@ class SwapSpaceError(OSError):
 
 
 def align_up(n: int, alignment: int) -> int:
+    """`n` rounded up to a multiple of `alignment`."""
     return (n + alignment - 1) // alignment * alignment
 
 
 @dataclass(frozen=True)
 class SwapFile:
+    """One preallocated 0600 file of a SwapSpace: its path and size in bytes."""
+
     path: str
     nbytes: int
 

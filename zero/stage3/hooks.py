@@ -174,6 +174,7 @@ def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> N
 
 
 def unregister_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """Undo `register_external_parameter(module, parameter)`."""
     hooks = getattr(getattr(getattr(parameter, "ds_unit", None), "owner", None), "hooks", None)
     if hooks is not None and parameter.ds_unit in hooks.externals.get(module, []):
         hooks.externals[module].remove(parameter.ds_unit)

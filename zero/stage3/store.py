@@ -47,6 +47,8 @@ class UnitSize(NamedTuple):
 
 @dataclass
 class StoreStats:
+    """The store's I/O counters (bytes read and written, reads, prefetches and prefetch hits)."""
+
     bytes_read: int = 0
     bytes_written: int = 0
     reads: int = 0

@@ -148,4 +148,5 @@ def set_param_attributes(unit: Unit, released: torch.Tensor) -> None:
 
 
 def is_partitioned(p: Any) -> bool:
+    """Whether `p` is a parameter partitioned by stage 3 (it carries its unit)."""
     return getattr(p, "ds_unit", None) is not None
