@@ -23,6 +23,9 @@ then steps on the GPU; bf16 autocasts on "cuda"), ours gets ZO_ACCELERATOR=cuda 
 this mode. The GPU is synchronised at every phase boundary so the forward / backward / optimizer split
 holds, and the table gains a "peak GPU GiB" column (torch.cuda.max_memory_allocated over the process).
 Output names get a `_cuda` suffix (e2e_cuda.json) so GPU results never overwrite CPU ones.
+
+The script is long because it carries the whole comparison protocol (both engines, A B A B rounds,
+medians, JSON and table) so that one command reproduces the RESULTS.md table.
 """
 
 from __future__ import annotations

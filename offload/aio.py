@@ -10,6 +10,9 @@ to one contiguous host region, refuses what would need a hidden copy (non-contig
 buffers for reads), and holds a reference to every buffer until `wait()` has seen its request finish.
 Device memory (CUDA tensors, CuPy arrays) is staged through a pinned host buffer: a read lands there and is
 copied to the device when the request completes; a write copies device -> pinned before it is queued.
+
+The module is long because it is the whole Python face of the I/O core: DeepSpeed's aio_handle API for
+tensors, numpy arrays and raw buffers, with the buffer-lifetime rules above in one place.
 """
 
 from __future__ import annotations

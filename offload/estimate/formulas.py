@@ -6,6 +6,9 @@ fp32 master 4 + momentum 4 + variance 4); stage 1 partitions the optimizer state
 ranks, stage 2 also the gradients, stage 3 also the parameters. On top of that we count what our engine
 really keeps: an fp32 gradient partition for the optimizer, pinned staging buffers for NVMe swapping,
 the gathered layers of stage 3, and activations. Where each piece lives is ENGINE_PLACEMENT below.
+
+The module is long because it holds every formula of the estimate in one place, per stage and tier, so a
+change of the engine's placement is made (and reviewed) against all of them at once.
 """
 
 from __future__ import annotations

@@ -28,6 +28,9 @@ where the engine could not undo anything); `load` replaces the state and drops i
 hands a kept failure to a caller that undoes the lost step itself (the engine, before a checkpoint reads
 the state); `keep_lost` puts back one a discarded step had taken. `rewrite` changes every chunk in place
 through the pipeline (the engine rebuilds the master from the module's weights with it).
+
+The module is long because the pipeline, the two-copy commit and the deferred write-back share one set
+of slots and files; splitting them would spread that state over several owners.
 """
 
 from __future__ import annotations
