@@ -106,3 +106,35 @@ def test_ignored_key_warns_only_when_its_value_is_not_honoured(path: str, caplog
         load_config(_config_with(path, honoured))
         load_config({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
     assert path not in caplog.text
+
+
+# Section keys that are not dataclass fields: parsed for type and range, not acted on.
+SECTION_KEYS = [
+    ({"fp16": {"enabled": True, "fused_mode": False}}, "fp16.fused_mode"),
+    ({"bf16": {"enabled": True, "immediate_grad_update": True}}, "bf16.immediate_grad_update"),
+    ({"optimizer": {"type": "AdamW", "params": {}, "legacy_fusion": True}}, "optimizer.legacy_fusion"),
+    (
+        {"zero_optimization": {"offload_optimizer": {"device": "cpu", "convert_grad_on_cpu": False}}},
+        "zero_optimization.offload_optimizer.convert_grad_on_cpu",
+    ),
+    (
+        {"zero_optimization": {"offload_optimizer": {"device": "cpu", "cpuadam_cores_perc": 0.5}}},
+        "zero_optimization.offload_optimizer.cpuadam_cores_perc",
+    ),
+]
+
+
+@pytest.mark.parametrize("cfg,path", SECTION_KEYS)
+def test_parsed_section_keys_warn_when_they_ask_for_something(cfg, path, caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="offload.config"):
+        load_config(cfg)
+    assert f"'{path}'" in caplog.text and "accepted but ignored" in caplog.text
+
+
+def test_16bit_optimizer_states_are_refused_while_parsing() -> None:
+    from offload.config import ConfigError
+
+    for kind in ("AdamW", "Adagrad", "Lion"):
+        with pytest.raises(ConfigError, match="optimizer.params.fp32_optimizer_states"):
+            load_config({"optimizer": {"type": kind, "params": {"fp32_optimizer_states": False}}})
+        load_config({"optimizer": {"type": kind, "params": {"fp32_optimizer_states": True}}})

@@ -247,6 +247,16 @@ class Section:
                 self.key(name), f"config key '{self.key(name)}' is accepted but ignored: {reason}"
             )
 
+    def ignored_unless(self, name: str, value: Any, honoured: Any, reason: str) -> None:
+        """Warn once when ``name`` is given with a ``value`` other than ``honoured`` (what the engine does
+        anyway): accepted, but not acted on."""
+        if name in self.raw and value != honoured:
+            self.ctx.warn_once(
+                self.key(name),
+                f"config key '{self.key(name)}' = {value!r} is accepted but ignored: {reason} (the engine "
+                f"behaves as with {honoured!r})",
+            )
+
 
 def is_off_value(value: Any) -> bool:
     """True for values that mean "feature not used": false, null, {}, or an object with enabled=false."""

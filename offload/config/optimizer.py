@@ -90,7 +90,7 @@ def _adam_params(s: Section, kind: str) -> Dict[str, Any]:
         "bias_correction": s.bool("bias_correction", True),
         "amsgrad": False,
         "torch_adam": torch_adam,
-        "fp32_optimizer_states": s.bool("fp32_optimizer_states", True),
+        "fp32_optimizer_states": _fp32_states(s),
     }
 
 
@@ -106,7 +106,7 @@ def _adagrad_params(s: Section, kind: str) -> Dict[str, Any]:
         "eps": s.float("eps", 1e-10, min=0.0),
         "weight_decay": s.float("weight_decay", 0.0, min=0.0),
         "amsgrad": False,
-        "fp32_optimizer_states": s.bool("fp32_optimizer_states", True),
+        "fp32_optimizer_states": _fp32_states(s),
     }
 
 
@@ -115,7 +115,7 @@ def _lion_params(s: Section, kind: str) -> Dict[str, Any]:
         "lr": s.float("lr", 1e-3, min=0.0),
         "betas": s.float_pair("betas", (0.9, 0.999)),
         "weight_decay": s.float("weight_decay", 0.0, min=0.0),
-        "fp32_optimizer_states": s.bool("fp32_optimizer_states", True),
+        "fp32_optimizer_states": _fp32_states(s),
     }
 
 
@@ -160,7 +160,9 @@ def parse_optimizer(raw: Any, ctx: Context) -> Optional[OptimizerConfig]:
         return None
     s = Section(raw, "optimizer", ctx, ("type", "params", "legacy_fusion"))
     # legacy_fusion selects between two implementations of DeepSpeed's non-ZeRO fp16 optimizer.
-    s.bool("legacy_fusion", False)
+    s.ignored_unless(
+        "legacy_fusion", s.bool("legacy_fusion", False), False, "DeepSpeed's non-ZeRO fp16 optimizer choice"
+    )
     if not s.has("type"):
         raise ConfigError(
             f"optimizer in {ctx.source}: 'type' is required (one of {', '.join(OPTIMIZER_TYPES.values())})"
@@ -329,3 +331,10 @@ def parse_scheduler(raw: Any, ctx: Context, path: str = "scheduler") -> Optional
     kind = s.choice("type", "WarmupLR", SCHEDULER_TYPES)
     p = Section(s.get("params"), f"{path}.params", ctx, _SCHEDULER_KEYS[kind])
     return SchedulerConfig(type=kind, params=_SCHEDULER_PARSERS[kind](p))
+
+
+def _fp32_states(s: Section) -> bool:
+    """`fp32_optimizer_states`: only true (fp32 states) is supported by the engine."""
+    value = s.bool("fp32_optimizer_states", True)
+    s.off_only("fp32_optimizer_states", lambda v: v is True, "16-bit optimizer states (false)")
+    return value

@@ -66,7 +66,9 @@ def parse_fp16(raw: Any, ctx: Context) -> FP16Config:
         "fp16_master_weights_and_grads", lambda v: v is False, "keeping fp16 master weights and grads (true)"
     )
     # fused_mode picks between two DeepSpeed implementations of the same non-ZeRO fp16 optimizer.
-    s.bool("fused_mode", True)
+    s.ignored_unless(
+        "fused_mode", s.bool("fused_mode", True), True, "the engine has one fp16 path (fused with the update)"
+    )
     return FP16Config(
         enabled=s.bool("enabled", FP16Config.enabled),
         auto_cast=s.bool("auto_cast", FP16Config.auto_cast),
@@ -88,7 +90,12 @@ def parse_bf16(raw: Any, ctx: Context, path: str = "bf16") -> BF16Config:
     )
     s.off_only("bf16_optimizer_states", lambda v: v is False, "keeping optimizer states in bf16 (true)")
     # Ordering detail of DeepSpeed's non-ZeRO bf16 optimizer; the update is the same either way.
-    s.bool("immediate_grad_update", False)
+    s.ignored_unless(
+        "immediate_grad_update",
+        s.bool("immediate_grad_update", False),
+        False,
+        "an ordering detail of DeepSpeed's non-ZeRO bf16 optimizer",
+    )
     return BF16Config(
         enabled=s.bool("enabled", BF16Config.enabled),
         check_grad_overflow=s.bool("check_grad_overflow", BF16Config.check_grad_overflow),

@@ -202,8 +202,18 @@ def parse_offload_optimizer(raw: Any, ctx: Context, path: str) -> OffloadOptimiz
     device = s.choice("device", OffloadOptimizerConfig.device, OFFLOAD_DEVICES)
     s.off_only("super_offload", lambda v: v is False, "SuperOffload for superchips (true)")
     # Only read by DeepSpeed's SuperOffload, which is refused above; still checked for type and range.
-    s.bool("convert_grad_on_cpu", True)
-    s.float("cpuadam_cores_perc", 0.8, min=0.0, max=1.0)
+    s.ignored_unless(
+        "convert_grad_on_cpu",
+        s.bool("convert_grad_on_cpu", True),
+        True,
+        "read only by DeepSpeed's SuperOffload",
+    )
+    s.ignored_unless(
+        "cpuadam_cores_perc",
+        s.float("cpuadam_cores_perc", 0.8, min=0.0, max=1.0),
+        0.8,
+        "read only by DeepSpeed's SuperOffload; the CPU optimizer uses torch's thread count",
+    )
     ratio = s.float("ratio", OffloadOptimizerConfig.ratio, min=0.0, max=1.0)
     if ratio != 1.0:
         raise s.fail(

@@ -106,7 +106,7 @@ def read_ds_config(path: str) -> ConfigChoices:
     par_section = _section(zero, "offload_param", where, "zero_optimization.")
     prefix = "zero_optimization.offload_param."
     offload_param = _device(par_section, where, prefix)
-    if offload_param is None and zero.get("cpu_offload_params") is True:
+    if offload_param is None and zero.get("cpu_offload_param") is True:
         offload_param = "cpu"
     for key, name in (("buffer_count", "param_buffer_count"), ("buffer_size", "param_buffer_size")):
         value = _positive_int(par_section, key, where, prefix)
