@@ -1,7 +1,10 @@
-"""Run a test body on two (or more) gloo ranks in spawned processes and collect each rank's result."""
+"""The harness of every multi-rank test: run a test body on two (or more) gloo ranks in spawned processes
+and collect each rank's result. (tests/test_engine_dist.py::test_under_torchrun launches through torchrun
+instead: that launch is what it tests.)"""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any, Callable, List, Tuple
 
@@ -11,6 +14,10 @@ import torch.multiprocessing as mp
 
 # fn(rank, world_size, nvme_dir, out_dir) -> a picklable result; it must be a module-level function.
 RankFn = Callable[[int, int, str, str], Any]
+
+# The slowest caller finishes in about a minute on a CPU; a rank blocked in a collective that a failed
+# peer never joins would otherwise wait for gloo's 30-minute timeout.
+TIMEOUT_S = 600.0
 
 
 def _worker(rank: int, fn: RankFn, world_size: int, init_file: str, nvme_dir: str, out_dir: str) -> None:
@@ -22,22 +29,14 @@ def _worker(rank: int, fn: RankFn, world_size: int, init_file: str, nvme_dir: st
         dist.destroy_process_group()
 
 
-def run_on_ranks(fn: RankFn, tmp: Path, world_size: int = 2) -> Tuple[List[Any], Path]:
-    """Run `fn` on `world_size` ranks; returns their results in rank order and the shared nvme dir."""
-    nvme = tmp / "nvme"
-    nvme.mkdir()
-    args = (fn, world_size, str(tmp / "init"), str(nvme), str(tmp))
-    mp.spawn(_worker, args=args, nprocs=world_size, join=True)
-    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(world_size)], nvme
-
-
-def run_on_ranks_within(
-    fn: RankFn, tmp: Path, timeout_s: float, world_size: int = 2
+def run_on_ranks(
+    fn: RankFn, tmp: Path, world_size: int = 2, timeout_s: float = TIMEOUT_S
 ) -> Tuple[List[Any], Path]:
-    """As run_on_ranks, but a rank still running after `timeout_s` (e.g. blocked in a collective that a
-    failed peer never joins) kills them all and raises TimeoutError instead of hanging the test run."""
-    import time
+    """Run `fn` on `world_size` ranks; returns their results in rank order and the shared nvme dir.
 
+    A rank that raises fails the call with its traceback (torch.multiprocessing.ProcessRaisedException). A
+    rank still running after `timeout_s` (e.g. blocked in a collective that a failed peer never joins) kills
+    them all and raises TimeoutError instead of hanging the test run."""
     nvme = tmp / "nvme"
     nvme.mkdir()
     args = (fn, world_size, str(tmp / "init"), str(nvme), str(tmp))

@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from dist_helpers import run_on_ranks_within
+from dist_helpers import run_on_ranks
 from test_engine_dist import TINY, make_config, rank_steps
 
 import zero
@@ -133,7 +133,7 @@ def _rank_main(rank, world_size, nvme_dir, out_dir):
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    res, nvme = run_on_ranks_within(_rank_main, tmp_path_factory.mktemp("ckdist"), TIMEOUT_S)
+    res, nvme = run_on_ranks(_rank_main, tmp_path_factory.mktemp("ckdist"), timeout_s=TIMEOUT_S)
     assert os.listdir(nvme) == []
     return res
 

@@ -8,6 +8,7 @@ device memory, and the stage-2 device-resident optimizer. Skipped on machines wi
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -18,10 +19,9 @@ from test_stage3_engine import s3_config
 import zero
 from zero.models import get_batch
 
-pytestmark = [
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-    pytest.mark.usefixtures("on_cuda"),  # tests/conftest.py: engines compute on the GPU, TF32 off
-]
+# tests/conftest.py: the GPU case of the `device` fixture only (engines compute there, TF32 off; skipped
+# without CUDA).
+pytestmark = pytest.mark.parametrize("device", ["cuda"], indirect=True)
 
 TIERS = ["none", "cpu", "nvme"]
 # The GPU's fp32 matmuls and AdamW round differently from the CPU kernel: a few ulps per step, far below
@@ -35,10 +35,9 @@ def batch(step: int, device: torch.device, size: int = 4):
     return x.to(device), y.to(device)
 
 
-@pytest.fixture(scope="module")
-def cuda_reference():
-    """torch AdamW on the GPU: per-step losses and the final weights (on the CPU)."""
-    device = torch.device("cuda", 0)
+@functools.cache
+def _torch_adamw(device: torch.device):
+    """torch AdamW on `device`: per-step losses and the final weights (on the CPU). Run once per device."""
     model = make_model().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     losses = []
@@ -49,6 +48,12 @@ def cuda_reference():
         opt.zero_grad()
         losses.append(loss.item())
     return losses, {k: v.detach().cpu() for k, v in model.named_parameters()}
+
+
+@pytest.fixture
+def cuda_reference(device):
+    """The reference on the test's device, computed with its settings (TF32 off)."""
+    return _torch_adamw(device)
 
 
 def train(engine, steps: int, start: int = 0):
@@ -72,9 +77,9 @@ def assert_matches(losses, params, reference):
 
 @pytest.mark.parametrize("offload", TIERS)
 @pytest.mark.parametrize("stage", [0, 2])
-def test_stage_0_2_on_cuda_matches_torch(tmp_path, cuda_reference, stage, offload):
+def test_stage_0_2_on_cuda_matches_torch(tmp_path, cuda_reference, stage, offload, device):
     engine, *_ = zero.initialize(model=make_model(), config=base_config(offload, tmp_path, stage=stage))
-    assert engine.device.type == "cuda"
+    assert engine.device.type == device.type
     assert all(p.is_cuda for p in engine.module.parameters())
     losses = train(engine, STEPS)
     assert_matches(losses, dict(engine.module.named_parameters()), cuda_reference)
@@ -89,9 +94,9 @@ def test_stage_0_2_on_cuda_matches_torch(tmp_path, cuda_reference, stage, offloa
 
 @pytest.mark.parametrize("optim", ["cpu", "nvme"])
 @pytest.mark.parametrize("param", TIERS)
-def test_stage3_on_cuda_matches_torch(tmp_path, cuda_reference, param, optim):
+def test_stage3_on_cuda_matches_torch(tmp_path, cuda_reference, param, optim, device):
     engine, *_ = zero.initialize(model=make_model(), config=s3_config(param, optim, tmp_path))
-    assert engine.device.type == "cuda"
+    assert engine.device.type == device.type
     losses = train(engine, STEPS)
     assert_matches(losses, zero.consolidated_state_dict(engine), cuda_reference)
     if param == "nvme":
@@ -103,7 +108,7 @@ def test_stage3_on_cuda_matches_torch(tmp_path, cuda_reference, param, optim):
     assert not any(os.path.exists(d) for d in dirs)
 
 
-def test_stage3_gathers_into_device_memory(tmp_path):
+def test_stage3_gathers_into_device_memory(tmp_path, device):
     """Between modules nothing is whole; inside forward the gathered weights are CUDA tensors."""
     engine, *_ = zero.initialize(model=make_model(), config=s3_config("nvme", "cpu", tmp_path))
     seen = []
@@ -113,13 +118,13 @@ def test_stage3_gathers_into_device_memory(tmp_path):
     )
     engine(*batch(0, engine.device))
     hook.remove()
-    assert seen == [[("cuda", qkv.weight.ds_numel), ("cuda", qkv.bias.ds_numel)]]
+    assert seen == [[(device.type, qkv.weight.ds_numel), (device.type, qkv.bias.ds_numel)]]
     assert all(p.numel() == 0 for p in engine.module.parameters())
     engine.close()
 
 
 @pytest.mark.parametrize("offload,stage", [("cpu", 2), ("nvme", 2), ("nvme", 3)])
-def test_checkpoint_on_cuda_resumes_bit_identically(tmp_path, offload, stage):
+def test_checkpoint_on_cuda_resumes_bit_identically(tmp_path, offload, stage, device):
     def build(seed: int):
         torch.manual_seed(seed)
         cfg = (
@@ -140,7 +145,7 @@ def test_checkpoint_on_cuda_resumes_bit_identically(tmp_path, offload, stage):
     resumed.close()
 
 
-def test_bf16_stage3_on_cuda_trains_with_fp32_master(tmp_path):
+def test_bf16_stage3_on_cuda_trains_with_fp32_master(tmp_path, device):
     cfg = s3_config("nvme", "nvme", tmp_path, bf16={"enabled": True})
     engine, *_ = zero.initialize(model=make_model(), config=cfg)
     losses = train(engine, STEPS)

@@ -18,10 +18,8 @@ import zero
 from offload.estimate import SwapBufferSettings, TrainingSetup, count_parameters, estimate
 from zero.grad_fetch import D2H_PIECE_NUMEL
 
-pytestmark = [
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-    pytest.mark.usefixtures("on_cuda"),  # tests/conftest.py: engines compute on the GPU
-]
+# tests/conftest.py: the GPU case of the `device` fixture only (engines compute there; skipped without CUDA).
+pytestmark = pytest.mark.parametrize("device", ["cuda"], indirect=True)
 
 WIDTH = 2048
 SUB_GROUP = 4_000_000
@@ -59,8 +57,7 @@ def _config(tmp_path, stage: int, optim: str, param: str) -> dict:
     }
 
 
-def _measure(tmp_path, stage: int, optim: str, param: str):
-    device = torch.device("cuda", 0)
+def _measure(tmp_path, device: torch.device, stage: int, optim: str, param: str):
     a = torch.randn(64, 64, device=device, requires_grad=True)
     (a @ a).sum().backward()  # cuBLAS's workspace exists before the baseline, not inside the engine's bytes
     del a
@@ -97,8 +94,8 @@ def _measure(tmp_path, stage: int, optim: str, param: str):
 
 
 @pytest.mark.parametrize("optim", ["none", "cpu", "nvme"])
-def test_stage2_gpu_and_pinned_bytes(tmp_path, optim):
-    count, steady, peak, pinned, est = _measure(tmp_path, 2, optim, "none")
+def test_stage2_gpu_and_pinned_bytes(tmp_path, device, optim):
+    count, steady, peak, pinned, est = _measure(tmp_path, device, 2, optim, "none")
     # Stages 0-2 keep the whole model's 16-bit weights and one flat 16-bit gradient buffer on the GPU.
     assert abs(steady - est.per_gpu_bytes) <= PADDING, (steady, est.gpu)
     # Transients the estimate leaves out, at different moments: during backward autograd's new gradient of
@@ -112,8 +109,8 @@ def test_stage2_gpu_and_pinned_bytes(tmp_path, optim):
 
 
 @pytest.mark.parametrize("param, optim", [(p, o) for p in ("none", "cpu", "nvme") for o in ("cpu", "nvme")])
-def test_stage3_gpu_bytes(tmp_path, param, optim):
-    count, steady, peak, pinned, est = _measure(tmp_path, 3, optim, param)
+def test_stage3_gpu_bytes(tmp_path, device, param, optim):
+    count, steady, peak, pinned, est = _measure(tmp_path, device, 3, optim, param)
     # The estimate is the step's peak: resident partitions plus the working set. Between steps the
     # working set may be released, so what stays lies between the resident part and the peak.
     assert peak <= est.per_gpu_bytes + PADDING, (peak, est.gpu)

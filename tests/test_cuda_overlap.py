@@ -2,7 +2,7 @@
 to pinned host memory after an event recorded on backward's stream, chunk by chunk.
 
 The engine-level overlap tests themselves (tests/test_overlap.py, tests/test_stage3_overlap.py) run on
-the CPU and the GPU through the `device` fixture. Skipped on machines without CUDA.
+the CPU and the GPU through the `device` fixture (tests/conftest.py). Skipped on machines without CUDA.
 """
 
 from __future__ import annotations
@@ -14,32 +14,36 @@ from test_overlap import MODEL, _config, _train
 import zero
 from zero.models import GPT, corpus_bytes, get_batch
 
-pytestmark = [
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-    pytest.mark.usefixtures("on_cuda"),  # tests/conftest.py: engines compute on the GPU, TF32 off
-]
+pytestmark = pytest.mark.parametrize("device", ["cuda"], indirect=True)  # tests/conftest.py: GPU only
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_stage2_gradients_leave_the_gpu_chunk_by_chunk_during_backward(tmp_path, dtype):
-    """Every chunk completed by a gradient hook (not by the end of backward), each copied once."""
+def test_stage2_gradients_leave_the_gpu_chunk_by_chunk_during_backward(tmp_path, dtype, device):
+    """Every chunk's gradients are fetched once a gradient hook completed it, not at the end of backward;
+    each chunk is copied once."""
     torch.manual_seed(0)
     engine = zero.initialize(model=GPT(MODEL), config=_config(str(tmp_path), True, dtype))[0]
-    assert engine.device.type == "cuda"
+    assert engine.device.type == device.type
     fetch = engine.overlap.fetch
     assert fetch is not None
-    completed_in_backward = []
+    chunks = engine.optimizer_state_info().chunks
+    assert chunks > 1
+    # The end of backward releases the chunks no hook completed (their copy then waits for all of backward).
+    # Held just before that: the optimizer thread can fetch and update every chunk, because the hooks
+    # released them all, each with the event its copy waits for.
+    all_updated_before_the_end = []
     done = fetch.backward_done
 
-    def record_then_done() -> None:
-        completed_in_backward.append(sum(fetch._recorded))
+    def wait_then_done() -> None:
+        all_updated_before_the_end.append(engine.overlap.wait_updated(chunks, timeout=60))
         done()
 
-    fetch.backward_done = record_then_done
+    fetch.backward_done = wait_then_done
     x, y = (t.to(engine.device) for t in get_batch(corpus_bytes(), 2, MODEL.seq_len, 0))
     engine.backward(engine(x, y))
     engine.step()
-    assert completed_in_backward == [engine.optimizer_state_info().chunks]
+    assert all_updated_before_the_end == [True]
+    assert engine.last_report.optimizer_chunks == chunks
     grad_bytes = engine.part_numel * engine.layout.flat.grad_buffer.element_size()
     assert engine.last_report.device_to_host_bytes == grad_bytes
     engine.close()
