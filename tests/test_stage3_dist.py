@@ -39,10 +39,8 @@ def _rank_main(rank: int, world: int, nvme: str, out_dir: str) -> dict:
         if tier == "nvme":
             with Init(config=_config(tier, nvme)) as zi:
                 model = GPT(TINY)
-            part = zi.partitioner
         else:
             model = GPT(TINY)
-            part = Stage3Partitioner(_config(tier, nvme))
         shares = {}
 
         class Collect(SummingSink):
@@ -50,8 +48,10 @@ def _rank_main(rank: int, world: int, nvme: str, out_dir: str) -> dict:
                 for s in unit.slices():
                     shares[s.name] = (s.param_lo, s.param_hi, g[s.part_lo : s.part_hi].clone())
 
-        part.grad_sink = Collect()
-        part.attach(model)
+        # under Init: the Init's partitioner, taken over with the sink; else a new one
+        part = Stage3Partitioner.for_model(model, _config(tier, nvme), grad_sink=Collect())
+        if tier == "nvme":
+            assert part is zi.partitioner
         losses = []
         for _ in range(2):
             shares.clear()

@@ -28,10 +28,9 @@ def test_gpt_built_under_init_equals_plain_and_trains_bit_exact(tier, tmp_path):
     with Init(config=s3_config(tier, tmp_path)) as zi:
         model = GPT(TINY_GPT)
     assert all(p.numel() == 0 for p in model.parameters())
-    part = zi.partitioner
     col = GradCollector()
-    part.grad_sink = col  # taking over the Init's partitioner, before any backward
-    part.attach(model)
+    part = Stage3Partitioner.for_model(model, grad_sink=col)  # takes the Init's partitioner over
+    assert part is zi.partitioner and part.grad_sink is col
     assert part.units[0].param_names == ["tok.weight"] and part.units[0].name == "tok"
     x, y = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))
     ref_loss = ref(x, y)

@@ -32,7 +32,7 @@ def fetch_counts(model_fn, loss_fn, tier: str, tmp_path, distance: int, **extra)
     losses, grads, part = run_steps(model, cfg, loss_fn)
     # the first pass only records the order; count the fetches of the last one
     part.take_io_report()
-    part.peak_live_numel = part._live_numel
+    part.peak_live_numel = part.live_numel
     loss = loss_fn(model)
     loss.backward()
     losses.append(loss.detach().clone())
@@ -64,7 +64,7 @@ def test_large_reuse_distance_fetches_less_with_identical_results(case, tier, tm
     assert gathers1 < gathers0
     if tier == "nvme":
         assert reads1 < reads0  # every gather saved is an NVMe read saved
-    assert part1.reuse_keeps > 0
+    assert part1.use_trace.reuse_keeps > 0
     # the kept units are the same values: losses and gradients bit-exact
     assert all(torch.equal(a, b) for a, b in zip(losses0, losses1))
     for g0, g1 in zip(grads0, grads1):
@@ -85,7 +85,7 @@ def test_distance_counts_elements_between_uses(tmp_path):
     model(x, x).backward()
     # distance 1: only a unit used again with nothing in between is kept: the head (forward, then its own
     # backward next); every other unit is gathered twice (forward and backward)
-    assert part.trace[len(part.units) - 1 : len(part.units) + 1] == [part.units[-1].index] * 2
+    assert part.use_trace.order[len(part.units) - 1 : len(part.units) + 1] == [part.units[-1].index] * 2
     assert part.take_io_report().gathers == 2 * len(part.units) - 1
     part.close()
 
@@ -137,11 +137,11 @@ def test_changed_order_frees_what_was_kept(tmp_path):
     x = torch.ones(4, 8)
     for _ in range(2):
         model(x).sum().backward()
-    assert part.reuse_keeps > 0  # a, between its two calls
+    assert part.use_trace.reuse_keeps > 0  # a, between its two calls
     model.twice = False
     model.a_present_in_b.clear()
     with torch.no_grad():
         model(x)  # a was kept after its call for the second one that does not come: b's fetch frees it
     assert model.a_present_in_b == [False]
-    assert not part._kept and part.live_full_bytes == 0
+    assert not part.use_trace.kept and part.live_full_bytes == 0
     part.close()

@@ -237,7 +237,6 @@ class UnitLayout:
         io = self.partitioner.take_io_report().as_dict()
         io["device_to_host_bytes"] += self._sink.device_to_host_bytes
         self._sink.device_to_host_bytes = 0
-        self._sink.device_to_host_bytes = 0
         return io
 
     @property

@@ -63,7 +63,7 @@ class GatheredParameters:
     def _write_back(self, u: Unit) -> None:
         owner = u.owner  # the Stage3Partitioner that holds the unit
         full = u.full
-        assert full is not None
+        assert owner is not None and full is not None
         with torch.no_grad():
             for i, p in enumerate(u.params):
                 a, z = u.param_range(i)
@@ -79,5 +79,5 @@ class GatheredParameters:
             if owner.world_size > 1:
                 settle(dist.broadcast(full, src=self.modifier_rank, group=owner.group, async_op=True))
             owner.write_partition(
-                u, full[u.lo : u.hi].clone() if owner._aliased(u) is None else full[u.lo : u.hi]
+                u, full[u.lo : u.hi].clone() if owner.partition_as_full(u) is None else full[u.lo : u.hi]
             )

@@ -44,9 +44,11 @@ class SummingSink:
         self.partitions: Dict[int, torch.Tensor] = {}
 
     def accumulator(self, unit: Unit) -> Optional[torch.Tensor]:
+        """None: every unit's gradient comes as a reduced partition."""
         return None
 
     def partition_ready(self, unit: Unit, grad_partition: torch.Tensor) -> None:
+        """Add `grad_partition` to the unit's sum (a copy of it for the first one)."""
         acc = self.partitions.get(unit.index)
         if acc is None:
             self.partitions[unit.index] = grad_partition.clone()
@@ -54,4 +56,4 @@ class SummingSink:
             acc.add_(grad_partition)
 
     def unit_final(self, unit: Unit) -> None:
-        pass
+        """Nothing to do."""

@@ -83,11 +83,13 @@ class Stage3Hooks:
 
     # -------------------------------------------------------------------------------------------- forward
     def units_for(self, module: nn.Module) -> List[Unit]:
+        """The units `module` needs whole: those of its own parameters, then those external to it."""
         ext = self.externals.get(module)
         own = self.module_units.get(module, [])
         return own + [u for u in ext if u not in own] if ext else own
 
     def pre_forward(self, module: nn.Module, args: Any) -> None:
+        """Forward pre-hook: fetch the module's units (the root's also starts a pass of the use trace)."""
         if module is self.model:
             if self.stack:  # an earlier forward raised half way: drop what it held
                 self.stack.clear()
@@ -99,6 +101,8 @@ class Stage3Hooks:
         self.stack.append((module, frame))
 
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        """Forward hook: release the module's units; with grad enabled, route its outputs through
+        `_PreBackward` so that its backward gathers them again."""
         if not self.stack or self.stack[-1][0] is not module:
             return output  # an exception unwound past this module; the root's next forward cleans up
         _, frame = self.stack.pop()
@@ -132,6 +136,7 @@ class Stage3Hooks:
         frame.append(unit)
 
     def register_external(self, module: nn.Module, param: nn.Parameter) -> None:
+        """Gather `param`'s unit whenever `module` runs (see `register_external_parameter`)."""
         if not is_partitioned(param):
             raise ValueError(f"parameter of shape {tuple(param.shape)} is not partitioned by stage 3")
         ext = self.externals.setdefault(module, [])
@@ -140,13 +145,16 @@ class Stage3Hooks:
 
     # ------------------------------------------------------------------------------------------- backward
     def pre_backward(self, module: nn.Module) -> None:
+        """Just before `module`'s backward: hold its units (the first call of a backward also queues the
+        partitioner's `end_backward` on the autograd engine)."""
         if not self.p.in_backward:
-            self.p.in_backward = True
+            self.p.begin_backward()
             torch.autograd.Variable._execution_engine.queue_callback(self.p.end_backward)
         for u in self.units_for(module):
             self.p.hold_for_backward(u)
 
     def remove(self) -> None:
+        """Take every hook away and give the modules plain `_parameters` dicts back."""
         for h in self._handles:
             h.remove()
         self._handles = []

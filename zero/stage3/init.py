@@ -19,8 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zero.stage3.config import load_stage3_config
 from zero.stage3.gathered import GatheredParameters
-from zero.stage3.partitioner import Stage3Partitioner, load_stage3_config
+from zero.stage3.partitioner import Stage3Partitioner
 from zero.stage3.unit import is_partitioned
 
 __all__ = ["GatheredParameters", "Init"]

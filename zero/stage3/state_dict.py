@@ -12,12 +12,13 @@ import torch
 from torch import nn
 
 from zero.stage3.gathered import GatheredParameters
+from zero.stage3.unit import UnitOwner
 
 __all__ = ["gathered_state_dict", "load_shard"]
 
 
 def gathered_state_dict(
-    part: Any, model: nn.Module, device: Union[str, torch.device] = "cpu"
+    part: UnitOwner, model: nn.Module, device: Union[str, torch.device] = "cpu"
 ) -> Dict[str, Any]:
     """`model.state_dict()` with whole parameters (copied to `device`), gathering one unit at a time.
     Collective for world_size > 1: every rank must call it."""
@@ -38,7 +39,7 @@ def gathered_state_dict(
     return {k: out[k] for k in model.state_dict(keep_vars=True) if k in out}
 
 
-def load_shard(part: Any, shard: Dict[str, torch.Tensor]) -> List[str]:
+def load_shard(part: UnitOwner, shard: Dict[str, torch.Tensor]) -> List[str]:
     """Write full tensors of some parameters (by qualified name) into their partitions; returns the
     names used. For a model built on the meta device and loaded file by file: only one unit is ever
     materialized at a time (read-modify-write of its partition)."""

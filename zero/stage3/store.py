@@ -212,6 +212,7 @@ class PartitionStore:
         return self._space.create(name, unit.part_nbytes)
 
     def on_nvme(self, unit: Unit) -> bool:
+        """Whether the unit's partition lives in a swap file."""
         return unit.index in self._files
 
     def memory_partition(self, unit: Unit) -> Optional[torch.Tensor]:
@@ -225,11 +226,13 @@ class PartitionStore:
         return (entry[0], entry[1]) if entry is not None else None
 
     def swap_file(self, unit: Unit) -> Optional[str]:
+        """The path of the unit's swap file, or None (memory tier)."""
         f = self._files.get(unit.index)
         return f.path if f is not None else None
 
     @property
     def swap_dir(self) -> Optional[str]:
+        """The private directory of this store's swap files (None until the first one exists)."""
         return self._space.dir if self._space is not None else None
 
     @property
@@ -322,6 +325,7 @@ class PartitionStore:
         return True
 
     def prefetching(self, unit: Unit) -> bool:
+        """Whether a prefetch of the unit's partition is queued or done, and not consumed yet."""
         return unit.index in self._inflight
 
     def read(self, unit: Unit, dst: torch.Tensor) -> None:
@@ -399,6 +403,7 @@ class PartitionStore:
 
     # ---------------------------------------------------------------------------------------------- close
     def close(self) -> None:
+        """Drop prefetches, give slots and pinned segments back to the pool, remove the swap files."""
         for index in list(self._inflight):
             self._drop_inflight(index)
         for s in self._slots:

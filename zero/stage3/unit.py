@@ -11,12 +11,22 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
+from typing import Iterator, List, Optional, Protocol, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-__all__ = ["ParamSlice", "PartitionStatus", "Unit", "safe_file_name"]
+__all__ = [
+    "ParamSlice",
+    "PartitionStatus",
+    "Unit",
+    "UnitOwner",
+    "fill_partition",
+    "is_partitioned",
+    "safe_file_name",
+    "set_param_attributes",
+]
 
 
 class PartitionStatus(enum.Enum):
@@ -91,7 +101,7 @@ class Unit:
         self.hi = self.lo + self.part_numel
         self.element_size = torch.empty((), dtype=self.dtype).element_size()
         # state owned by the partitioner
-        self.owner: Any = None  # the Stage3Partitioner that holds it
+        self.owner: Optional[UnitOwner] = None  # the Stage3Partitioner that holds it
         self.full: Optional[torch.Tensor] = None  # the gathered flat buffer while fetched
         self.refs = 0  # forward fetches (module invocations) and GatheredParameters holding it
         self.bwd_hold = False  # fetched by a pre-backward; freed when its gradients are in
@@ -99,18 +109,20 @@ class Unit:
         self.trainable = [i for i, p in enumerate(self.params) if p.requires_grad]
         self.grad_flat: Optional[torch.Tensor] = None
         self.grads_seen = 0
-        self.trace_pos: Optional[int] = None  # position of its latest use in the partitioner's trace
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the whole unit (all ranks' shares, no padding)."""
         return self.numel * self.element_size
 
     @property
     def part_nbytes(self) -> int:
+        """Bytes of this rank's partition."""
         return self.part_numel * self.element_size
 
     @property
     def present(self) -> bool:
+        """Whether the unit is gathered (whole on the compute device) right now."""
         return self.full is not None
 
     def slices(self) -> Iterator[ParamSlice]:
@@ -131,6 +143,50 @@ class Unit:
         )
 
 
+class UnitOwner(Protocol):
+    """What a unit's partitioner (zero.stage3.partitioner.Stage3Partitioner) offers the modules that
+    only hold units: GatheredParameters, the state-dict functions, the unit builder."""
+
+    world_size: int
+    rank: int
+    group: Optional[dist.ProcessGroup]
+    units: List[Unit]
+
+    def fetch(self, unit: Unit) -> None:
+        """Hold `unit` whole on the compute device until the matching `release`."""
+        ...
+
+    def release(self, unit: Unit) -> None:
+        """Undo one `fetch`."""
+        ...
+
+    def read_partition(self, unit: Unit, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """This rank's partition of `unit`."""
+        ...
+
+    def write_partition(self, unit: Unit, values: torch.Tensor) -> None:
+        """Replace this rank's partition of `unit`."""
+        ...
+
+    def partition_as_full(self, unit: Unit) -> Optional[torch.Tensor]:
+        """The partition itself when it serves as the unit's full buffer, else None."""
+        ...
+
+
+def fill_partition(unit: Unit, dst: torch.Tensor) -> None:
+    """Write this rank's share of the unit's parameters into `dst` (part_numel elements), zeros elsewhere.
+
+    Straight into the partition's final place: a temporary would cost one more pass over every weight."""
+    covered = 0
+    for s in sorted(unit.slices(), key=lambda s: s.part_lo):
+        if s.part_lo > covered:
+            dst[covered : s.part_lo].zero_()
+        dst[s.part_lo : s.part_hi].copy_(s.param.detach().reshape(-1)[s.param_lo : s.param_hi])
+        covered = max(covered, s.part_hi)
+    if covered < dst.numel():
+        dst[covered:].zero_()
+
+
 def set_param_attributes(unit: Unit, released: torch.Tensor) -> None:
     """Attach the DeepSpeed-style metadata to every parameter and point its data at `released`."""
     for i, (p, name) in enumerate(zip(unit.params, unit.param_names)):
@@ -147,6 +203,6 @@ def set_param_attributes(unit: Unit, released: torch.Tensor) -> None:
         p.data = released
 
 
-def is_partitioned(p: Any) -> bool:
+def is_partitioned(p: object) -> bool:
     """Whether `p` is a parameter partitioned by stage 3 (it carries its unit)."""
     return getattr(p, "ds_unit", None) is not None
