@@ -143,8 +143,4 @@ def warn_ignored(s: Section, prefix: str, values: Any) -> None:
             continue
         value = getattr(values, name)
         if value not in usage.honoured:
-            s.ctx.warn_once(
-                path,
-                f"config key '{path}' = {value!r} is accepted but ignored: {usage.note} (the engine "
-                f"behaves as with {usage.honoured[0]!r})",
-            )
+            s.ignored_unless(name, value, usage.honoured[0], usage.note)
