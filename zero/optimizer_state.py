@@ -291,7 +291,7 @@ class OptimizerState:
             chunk_numel=t.chunk_numel,
             chunks=chunks,
             copies=t.copies if swap else 1,
-            pass_read_bytes=sum(t._io_bytes(n) for _, n in t.chunks) if swap else 0,
+            pass_read_bytes=t.pass_bytes if swap else 0,
             disk_bytes=self.space.bytes_allocated if self.space is not None else 0,
         )
 

@@ -185,6 +185,11 @@ class OptimizerSwapper:
         return self.numel * self.n_tensors * FP32_BYTES
 
     # ------------------------------------------------------------------------------------------------- I/O
+    @property
+    def pass_bytes(self) -> int:
+        """Bytes one full pass reads (and, committing, writes): every chunk's aligned region."""
+        return sum(self._io_bytes(n) for _, n in self.chunks)
+
     def _io_bytes(self, n: int) -> int:
         return align_up(self.n_tensors * n * FP32_BYTES, self.alignment)
 
