@@ -342,3 +342,17 @@ def test_consolidated_state_dict_at_stage_2(tmp_path):
         assert torch.equal(sd16[name], p.detach())
         assert sd32[name].dtype == torch.float32 and torch.equal(sd32[name].bfloat16(), p.detach())
     engine.close()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_failed_initialize_leaves_no_swap_space(tmp_path, stage):
+    """A construction that fails after the parts were built (here: the client scheduler raises) frees
+    them: no swap directory or lock file of the optimizer or the parameters is left in nvme_path."""
+
+    def broken_scheduler(optimizer):
+        raise RuntimeError("scheduler construction failed")
+
+    cfg = s3_config("nvme", "nvme", tmp_path) if stage == 3 else base_config("nvme", tmp_path, stage=stage)
+    with pytest.raises(RuntimeError, match="scheduler construction failed"):
+        zero.initialize(model=make_model(), config=cfg, lr_scheduler=broken_scheduler)
+    assert os.listdir(tmp_path) == []
