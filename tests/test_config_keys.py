@@ -26,6 +26,7 @@ READ_VIA: Dict[str, str] = {
     "zero_optimization.offload_optimizer.pipeline_write": "pipeline",
     "zero_optimization.offload_optimizer.ratio": "",  # any value but 1.0 is refused while parsing
     "aio.use_gds": "",  # true is refused while parsing
+    "activation_checkpointing.cpu_checkpointing": "",  # resolved into offload_device while parsing
 }
 
 

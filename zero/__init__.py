@@ -42,6 +42,10 @@ def __getattr__(name: str) -> Any:
         value = getattr(stage3, name)
         globals()[name] = value
         return value
+    if name == "checkpointing":  # activation checkpointing, DeepSpeed's `deepspeed.checkpointing`
+        import zero.checkpointing as checkpointing
+
+        return checkpointing
     if name == "consolidated_state_dict":
         from zero.engine import consolidated_state_dict
 

@@ -31,7 +31,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from offload.config.activation import ActivationCheckpointingConfig
 from offload.pinned import PINNED_BUDGET_ENV, PinnedPool, default_pinned_budget, pinned_bytes_in_use
+from zero import checkpointing
 from zero.accelerator import compute_device, dist_backend
 from zero.integrity import StateGuard
 from zero.layout.base import Layout, Placement, allocate_pinned, trainable_params
@@ -122,10 +124,18 @@ class ZeroEngine:
         self.rule, hyper = self._rule(cfg, optimizer, params)
 
         # -- the parts: layout, optimizer state on its tier, overlap with backward
+        self._checkpointing = None  # activation checkpointing this engine configured from its config
         pool = PinnedPool(default_pinned_budget(cfg.zero_offload.pinned_budget_bytes))
         place = Placement(self.device, self.dtype, rank, world_size, self.stage, self.offload_device)
         self.overlap = OverlapPass()  # the optimizer pass during backward (enabled below when it can run)
         try:
+            if cfg.activation_checkpointing != ActivationCheckpointingConfig():
+                # as if zero.checkpointing.configure had been called with this config (DeepSpeed needs that)
+                self._checkpointing = checkpointing.configure(
+                    deepspeed_config=cfg.activation_checkpointing,
+                    aio=cfg.aio,
+                    pinned_budget_bytes=cfg.zero_offload.pinned_budget_bytes,
+                )
             self._build(model, params, hyper, place, pool, off, lr_scheduler)
         except BaseException:
             self.close()  # no hooks, pinned buffers or swap directories left behind
@@ -414,6 +424,14 @@ class ZeroEngine:
         if io is not None:
             rep.device_to_host_bytes += io.pop("device_to_host_bytes", 0)  # gradients summed per parameter
             self.last_param_io = io
+        activations = checkpointing.take_report()
+        if activations.checkpoints:
+            rep.activations = activations.as_dict()
+        elif self._checkpointing is not None and self.global_steps == 1:
+            logger.warning(
+                "activation_checkpointing is configured but the first step checkpointed no block: call"
+                " zero.checkpointing.apply(model) (or checkpoint blocks with zero.checkpointing.checkpoint)"
+            )
         self.last_report = rep
         return rep
 
@@ -646,6 +664,8 @@ class ZeroEngine:
         self._closed = True
         overlap, unused = getattr(self, "overlap", None), getattr(self, "_unused", None)
         opt, layout = getattr(self, "_opt", None), getattr(self, "layout", None)
+        if getattr(self, "_checkpointing", None) is not None:
+            checkpointing.close(self._checkpointing)  # its scratch files and pinned buffers
         if overlap is not None:
             overlap.cancel()  # nothing may touch the slots once they are freed
         if unused is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, Iterator, Optional
 
 __all__ = ["PhaseClock", "StepReport", "format_bytes"]
@@ -50,6 +50,8 @@ class StepReport:
     nvme_bytes_in_use: int = 0
     loss_scale: float = 1.0
     skipped: bool = False
+    # activation checkpointing in this window (zero.checkpointing.CheckpointingReport fields); empty if none
+    activations: Dict[str, Any] = field(default_factory=dict)
 
     @property
     def step_s(self) -> float:
@@ -85,6 +87,15 @@ class StepReport:
         parts.append(f"pinned {format_bytes(self.pinned_bytes_in_use)}")
         if self.nvme_bytes_in_use:
             parts.append(f"nvme files {format_bytes(self.nvme_bytes_in_use)}")
+        if self.activations:
+            a = self.activations
+            text = (
+                f"ckpt {a['checkpoints']} (off {format_bytes(a['offloaded_bytes'])}, "
+                f"back {format_bytes(a['restored_bytes'])}"
+            )
+            if a["offload_s"] or a["restore_wait_s"]:  # activation_checkpointing.profile
+                text += f", offload {a['offload_s'] * 1e3:.1f} ms, wait {a['restore_wait_s'] * 1e3:.1f} ms"
+            parts.append(text + ")")
         if self.skipped:
             parts.append(f"SKIPPED (overflow, loss scale now {self.loss_scale:g})")
         return " | ".join(parts)

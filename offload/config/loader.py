@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 from ._reader import ConfigError, Context, Section, is_off_value, read_json_file
+from .activation import ActivationCheckpointingConfig, parse_activation_checkpointing
 from .aio import AioConfig, parse_aio
 from .optimizer import OptimizerConfig, SchedulerConfig, parse_optimizer, parse_scheduler
 from .precision import BF16Config, FP16Config, parse_bf16, parse_fp16
@@ -27,6 +28,7 @@ _MODELLED = (
     "zero_optimization",
     "aio",
     "zero_offload",
+    "activation_checkpointing",
 )
 
 # Legacy spellings DeepSpeed still reads.
@@ -45,9 +47,6 @@ IGNORED_TOP_LEVEL: Dict[str, str] = {
     "memory_breakdown": "DeepSpeed's memory printout; use zero_offload.report",
     "dump_state": "DeepSpeed's debug dump of its own state",
     "autotuning": "read by DeepSpeed's autotuner launcher, not by the engine",
-    "activation_checkpointing": (
-        "only read by deepspeed.checkpointing, which zero-offload lacks; use torch.utils.checkpoint"
-    ),
     "pipeline": "only read by DeepSpeed's PipelineEngine (pipeline parallelism)",
     "dataloader_drop_last": "only read by DeepSpeed's own data loader, which zero-offload does not provide",
     "zero_allow_untested_optimizer": "zero-offload builds the optimizer from the 'optimizer' section",
@@ -139,6 +138,9 @@ class ZeroOffloadConfig:
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
     aio: AioConfig = field(default_factory=AioConfig)
     zero_offload: ZeroOffloadSection = field(default_factory=ZeroOffloadSection)
+    activation_checkpointing: ActivationCheckpointingConfig = field(
+        default_factory=ActivationCheckpointingConfig
+    )
 
     def to_dict(self) -> Dict[str, Any]:
         """Every modelled key with its resolved value, as JSON-ready dicts and lists; loads back equal."""
@@ -181,6 +183,14 @@ def load_config(
 
 
 def _parse(raw: Any, ctx: Context, world_size: int) -> ZeroOffloadConfig:
+    if isinstance(raw, Mapping) and "checkpoint_activations" in raw:
+        # Megatron's --checkpoint-activations flag, as DeepSpeed tutorials write it; not a DeepSpeed key.
+        raise ConfigError(
+            f"checkpoint_activations in {ctx.source}: is not a config key; activation checkpointing is"
+            " configured by the 'activation_checkpointing' section (e.g. {\"activation_checkpointing\":"
+            ' {"cpu_checkpointing": true}}) and applied with zero.checkpointing.apply(model) or'
+            " model.gradient_checkpointing_enable()"
+        )
     top = Section(raw, "", ctx, TOP_LEVEL_KEYS)
 
     for name, (is_off, what) in OFF_ONLY_TOP_LEVEL.items():
@@ -227,6 +237,7 @@ def _parse(raw: Any, ctx: Context, world_size: int) -> ZeroOffloadConfig:
         zero_optimization=zero,
         aio=parse_aio(top.get("aio"), ctx),
         zero_offload=_parse_zero_offload(top.get("zero_offload"), ctx),
+        activation_checkpointing=parse_activation_checkpointing(top.get("activation_checkpointing"), ctx),
     )
 
 

@@ -126,6 +126,17 @@ FIELD_USAGE: Dict[str, Usage] = {
     "aio.overlap_events": _r("offload/config/aio.py AioConfig.handle()"),
     "aio.use_gds": _r("refused when true at parse time (GPUDirect Storage is not supported)"),
     "aio.backend": _r("offload/config/aio.py AioConfig.handle()"),
+    "activation_checkpointing": _r("zero/engine.py (configures zero.checkpointing)"),
+    "activation_checkpointing.partition_activations": _i(
+        "one model-parallel rank holds whole activations: there is nothing to partition", False
+    ),
+    "activation_checkpointing.cpu_checkpointing": _r("offload/config/activation.py (offload_device 'cpu')"),
+    "activation_checkpointing.contiguous_memory_optimization": _r("zero/checkpointing/tiers.py (slots)"),
+    "activation_checkpointing.number_checkpoints": _r("zero/checkpointing/tiers.py (slot count)"),
+    "activation_checkpointing.synchronize_checkpoint_boundary": _r("zero/checkpointing/__init__.py"),
+    "activation_checkpointing.profile": _r("zero/checkpointing/stash.py (timings in the step report)"),
+    "activation_checkpointing.offload_device": _r("zero/checkpointing/tiers.py (the tier)"),
+    "activation_checkpointing.nvme_path": _r("zero/checkpointing/tiers.py (NvmeTier scratch files)"),
     "zero_offload.report": _r("zero/engine.py (prints the step report)"),
     "zero_offload.report_every": _r("zero/engine.py"),
     "zero_offload.pinned_budget_bytes": _r("zero/engine.py, zero/stage3 (pinned pool cap)"),

@@ -164,6 +164,33 @@ class SwapSpace:
             self._files[name] = f
         return f
 
+    def grow(self, name: str, nbytes: int) -> SwapFile:
+        """Extend file `name` to at least `nbytes` (rounded up to the alignment), allocated on disk; a full
+        disk raises SwapSpaceError naming the file, the size asked for and the space left."""
+        with self._lock:
+            f = self._files.get(name)
+        if f is None:
+            raise SwapSpaceError(errno.ENOENT, f"no swap file named {name!r} in this swap space", self.dir)
+        nbytes = align_up(max(int(nbytes), 1), self.alignment)
+        if nbytes <= f.nbytes:
+            return f
+        fd = os.open(f.path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+        try:
+            _preallocate(fd, nbytes, f.path)
+        finally:
+            os.close(fd)
+        grown = SwapFile(f.path, nbytes)
+        with self._lock:
+            self._files[name] = grown
+        return grown
+
+    def remove(self, name: str) -> None:
+        """Delete file `name` (its space returns to the disk); unknown names are ignored."""
+        with self._lock:
+            f = self._files.pop(name, None)
+        if f is not None:
+            _unlink_quietly(f.path)
+
     def close(self) -> None:
         """Remove every swap file, the directory and its lock file. Safe to call more than once."""
         self._finalizer()
@@ -453,8 +480,12 @@ def _preallocate(fd: int, nbytes: int, path: str) -> None:
         return
     except OSError as e:
         if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)):
+            try:
+                free = f" ({_human_bytes(shutil.disk_usage(os.path.dirname(path)).free)} free)"
+            except OSError:
+                free = ""
             raise SwapSpaceError(
-                e.errno, f"cannot allocate {nbytes} bytes for swap file: {e.strerror}", path
+                e.errno, f"cannot allocate {nbytes} bytes for swap file: {e.strerror}{free}", path
             ) from e
     # Filesystems without fallocate: extend by writing the last byte, so the size is at least right.
     try:

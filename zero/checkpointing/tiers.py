@@ -1,0 +1,516 @@
+"""Where a checkpointed block's saved inputs wait for the backward: the tiers of the activation stash.
+
+A tier moves one saved input (an `Entry`) away after the block's forward and brings it back before the
+recompute that needs it:
+
+* `DeviceTier` (offload_device "none"): the tensor stays where it is. With contiguous_memory_optimization
+  it is copied into one of `number_checkpoints` buffers preallocated on its device and reused every pass.
+* `HostTier` ("cpu"): a device tensor goes to pinned host memory on a side stream and comes back on that
+  stream when prefetched; the compute stream waits only for the copy it needs. A tensor already in host
+  memory stays (there is nothing to move), or, with contiguous_memory_optimization, goes into a
+  preallocated pinned slot.
+* `NvmeTier` ("nvme"): through pinned staging memory into a scratch file of the swap space, written and read
+  by one I/O thread with the aio core (O_DIRECT), so the compute thread never blocks on the disk except to
+  wait for a read it needs now. One scratch file per pass (a forward and its backward): 0600 in the swap
+  space's private directory, grown on the compute thread (a full disk fails in the forward, naming the file
+  and the size), removed once the pass's last checkpoint is released; an I/O error fails the pass and the
+  next pass writes a new file.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from concurrent.futures import Future
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from offload.pinned import PinnedPool
+from offload.swap.space import SwapSpace, align_up
+
+__all__ = ["CheckpointBufferError", "DeviceTier", "Entry", "HostTier", "NvmeTier", "Tier", "make_tier"]
+
+
+class CheckpointBufferError(RuntimeError):
+    """A checkpoint did not fit the preallocated buffers (contiguous_memory_optimization)."""
+
+
+def _bytes_view(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s storage as a flat uint8 tensor (no copy; `t` must be contiguous)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+class Entry:
+    """One saved input of a checkpointed block, from the block's forward until autograd releases it."""
+
+    __slots__ = ("tensor", "shape", "dtype", "device", "nbytes", "version", "block", "token", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor, block: int) -> None:
+        self.tensor: Optional[torch.Tensor] = tensor
+        self.shape = tensor.shape
+        self.dtype = tensor.dtype
+        self.device = tensor.device
+        self.nbytes = tensor.numel() * tensor.element_size()
+        self.version = tensor._version
+        self.block = block
+        self.token: Any = None  # the tier's record of where the bytes are while the tensor is away
+
+    @property
+    def away(self) -> bool:
+        """Whether the tensor is held by the tier rather than in `tensor`."""
+        return self.tensor is None
+
+    def from_bytes(self, flat: torch.Tensor) -> torch.Tensor:
+        """The entry's tensor viewed from `flat`, a uint8 buffer of at least `nbytes`."""
+        return flat[: self.nbytes].view(self.dtype).view(self.shape)
+
+
+class Tier:
+    """The interface the stash uses; `DeviceTier` keeps everything in place."""
+
+    name = "none"
+
+    def moves(self, t: torch.Tensor) -> bool:
+        """Whether `offload` would take a tensor like `t` away at all."""
+        return False
+
+    def begin_pass(self) -> Any:
+        """Per-pass state for the offloads of a new pass (given back to `offload` and `end_pass`)."""
+        return None
+
+    def offload(self, entry: Entry, pass_token: Any) -> int:
+        """Start moving `entry.tensor` away (it is contiguous); returns the bytes moved."""
+        return 0
+
+    def prefetch(self, entry: Entry) -> bool:
+        """Start bringing an away entry back; False if that is under way already (or needs no start)."""
+        return False
+
+    def restore(self, entry: Entry) -> torch.Tensor:
+        """The entry's tensor on its own device, ready for the compute stream; frees the tier's copy."""
+        raise AssertionError("restore of an entry that was never offloaded")
+
+    def release(self, entry: Entry) -> None:
+        """Autograd dropped an entry that may still be away: free what holds it."""
+
+    def end_pass(self, pass_token: Any) -> None:
+        """No entry of that pass is alive any more."""
+
+    def take_io(self) -> Dict[str, int]:
+        """Bytes written to and read from NVMe since the last call."""
+        return {"nvme_write_bytes": 0, "nvme_read_bytes": 0}
+
+    def close(self) -> None:
+        """Free every buffer and file; the tier is not used again."""
+
+
+class _Slots:
+    """`count` preallocated byte buffers of one size on one device (pinned when in host memory)."""
+
+    def __init__(self, count: int, nbytes: int, device: torch.device, pool: Optional[PinnedPool]) -> None:
+        self.nbytes = nbytes
+        self.pool = pool if device.type == "cpu" else None
+        if self.pool is not None:
+            self.buffers = [self.pool.allocate(nbytes, torch.uint8, populate="sync") for _ in range(count)]
+        else:
+            self.buffers = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(count)]
+        self.free = list(range(count - 1, -1, -1))
+
+    def take(self, nbytes: int) -> int:
+        if nbytes > self.nbytes:
+            raise CheckpointBufferError(
+                f"a checkpoint of {nbytes} bytes does not fit the {self.nbytes}-byte buffers that"
+                " activation_checkpointing.contiguous_memory_optimization preallocated for the first"
+                " checkpoint; checkpoint blocks whose inputs are the same size, or turn the option off"
+            )
+        if not self.free:
+            raise CheckpointBufferError(
+                f"more checkpoints are alive than activation_checkpointing.number_checkpoints"
+                f" ({len(self.buffers)}): raise it to the number of checkpointed blocks of one forward"
+            )
+        return self.free.pop()
+
+    def give(self, index: int) -> None:
+        self.free.append(index)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            for b in self.buffers:
+                self.pool.free(b)
+        self.buffers = []
+
+
+class DeviceTier(Tier):
+    """offload_device "none"; with `slots` (contiguous_memory_optimization) copies into reused buffers."""
+
+    def __init__(self, slots: Optional[int] = None, pool: Optional[PinnedPool] = None) -> None:
+        self._count = slots
+        self._pool = pool
+        self._slots: Optional[_Slots] = None
+
+    def moves(self, t: torch.Tensor) -> bool:
+        return self._count is not None
+
+    def offload(self, entry: Entry, pass_token: Any) -> int:
+        if self._slots is None:
+            self._slots = _Slots(self._count, entry.nbytes, entry.device, self._pool)
+        index = self._slots.take(entry.nbytes)
+        self._slots.buffers[index][: entry.nbytes].copy_(_bytes_view(entry.tensor))
+        entry.token = index
+        entry.tensor = None
+        return 0  # the bytes stay on their device
+
+    def restore(self, entry: Entry) -> torch.Tensor:
+        # a view of the slot: it is handed back when autograd releases the entry
+        return entry.from_bytes(self._slots.buffers[entry.token])
+
+    def release(self, entry: Entry) -> None:
+        if entry.token is not None and self._slots is not None:
+            self._slots.give(entry.token)
+            entry.token = None
+
+    def close(self) -> None:
+        if self._slots is not None:
+            self._slots.close()
+
+
+class _HostBuffers:
+    """Pinned byte buffers under the pool's cap, recycled by size (or fixed slots when preallocated).
+    Sizes are rounded up to 4 KiB, so a buffer can be written to and read from files with O_DIRECT."""
+
+    def __init__(self, pool: PinnedPool, slots: Optional[int]) -> None:
+        self.pool = pool
+        self._count = slots
+        self._slots: Optional[_Slots] = None
+        self._free: Dict[int, List[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> Tuple[torch.Tensor, Any]:
+        """A buffer of at least `nbytes` and the key that gives it back."""
+        nbytes = align_up(nbytes, _HOST_ALIGN)
+        with self._lock:
+            if self._count is not None:
+                if self._slots is None:
+                    self._slots = _Slots(self._count, nbytes, torch.device("cpu"), self.pool)
+                index = self._slots.take(nbytes)
+                return self._slots.buffers[index], index
+            spare = self._free.get(nbytes)
+            if spare:
+                buf = spare.pop()
+                return buf, buf
+        buf = self.pool.allocate(nbytes, torch.uint8)
+        return buf, buf
+
+    def give(self, key: Any) -> None:
+        with self._lock:
+            if isinstance(key, int):
+                self._slots.give(key)
+            else:
+                self._free.setdefault(key.numel(), []).append(key)
+
+    def close(self) -> None:
+        with self._lock:
+            for bufs in self._free.values():
+                for b in bufs:
+                    self.pool.free(b)
+            self._free = {}
+            if self._slots is not None:
+                self._slots.close()
+
+
+_HOST_ALIGN = 4096
+
+
+class HostTier(Tier):
+    """offload_device "cpu": device tensors to pinned host memory on a side stream and back on it."""
+
+    name = "cpu"
+
+    def __init__(self, buffers: _HostBuffers) -> None:
+        self.buffers = buffers
+        self._streams: Dict[torch.device, Any] = {}
+
+    def moves(self, t: torch.Tensor) -> bool:
+        return t.device.type != "cpu" or self.buffers._count is not None
+
+    def side_stream(self, device: torch.device) -> Any:
+        """The copy stream of `device` (one per device, made on first use)."""
+        if device not in self._streams:
+            self._streams[device] = torch.Stream(device=device)
+        return self._streams[device]
+
+    def offload(self, entry: Entry, pass_token: Any) -> int:
+        t = entry.tensor
+        buf, key = self.buffers.take(entry.nbytes)
+        if t.device.type == "cpu":
+            buf[: entry.nbytes].copy_(_bytes_view(t))
+            entry.token = [buf, key, None, None]
+        else:
+            side = self.side_stream(t.device)
+            side.wait_stream(torch.accelerator.current_stream(t.device))
+            with side:
+                buf[: entry.nbytes].copy_(_bytes_view(t), non_blocking=True)
+                done = side.record_event()
+            t.record_stream(side)  # the allocator keeps t's memory until the copy has read it
+            entry.token = [buf, key, done, None]
+        entry.tensor = None
+        return entry.nbytes
+
+    def prefetch(self, entry: Entry) -> bool:
+        token = entry.token
+        if token[3] is not None or entry.device.type == "cpu":
+            return False
+        current = torch.accelerator.current_stream(entry.device)
+        out = torch.empty(entry.nbytes, dtype=torch.uint8, device=entry.device)
+        side = self.side_stream(entry.device)
+        side.wait_stream(current)  # `out` was allocated on the compute stream
+        with side:
+            out.copy_(token[0][: entry.nbytes], non_blocking=True)
+            ready = side.record_event()
+        out.record_stream(side)
+        token[3] = (out, ready)
+        return True
+
+    def restore(self, entry: Entry) -> torch.Tensor:
+        if entry.device.type == "cpu":
+            # contiguous slots: a view of the pinned slot, handed back when autograd releases the entry
+            return entry.from_bytes(entry.token[0])
+        self.prefetch(entry)
+        buf, key, _, (out, ready) = entry.token
+        torch.accelerator.current_stream(entry.device).wait_event(ready)
+        entry.token = None
+        self.buffers.give(key)  # its next use is a copy on the same side stream, ordered after this one
+        return entry.from_bytes(out)
+
+    def release(self, entry: Entry) -> None:
+        if entry.token is not None:
+            self.buffers.give(entry.token[1])
+            entry.token = None
+
+    def close(self) -> None:
+        self.buffers.close()
+
+
+class _ScratchPass:
+    """One pass's scratch file: its name, size, bytes reserved, and the first I/O error seen in it."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.path: Optional[str] = None
+        self.size = 0
+        self.cursor = 0
+        self.error: Optional[BaseException] = None
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(
+                f"activation checkpoint I/O on {self.path} failed earlier in this pass: {self.error}"
+            ) from self.error
+
+
+class NvmeTier(Tier):
+    """offload_device "nvme": a scratch file per pass, written and read on one I/O thread."""
+
+    name = "nvme"
+
+    def __init__(self, nvme_path: str, aio: Any, pool: PinnedPool, slots: Optional[int] = None) -> None:
+        self.space = SwapSpace(nvme_path, prefix="zero-offload-act-")
+        try:
+            self._aio = aio.handle()
+        except BaseException:
+            self.space.close()
+            raise
+        self._alignment = max(self.space.alignment, self._aio.get_alignment())
+        self._pool = pool
+        self._buffers = _HostBuffers(pool, None)
+        self._host = HostTier(self._buffers)  # device tensors stage through pinned memory on a side stream
+        self._slots = slots
+        self._staging: Dict[str, Optional[torch.Tensor]] = {}  # pinned, used by the I/O thread only
+        self._jobs: queue.SimpleQueue[Optional[Tuple[Callable[[], Any], Future]]] = queue.SimpleQueue()
+        self._thread: Optional[threading.Thread] = None
+        self._passes = 0
+        self._high_water = 0  # the largest pass so far: the next file is allocated at that size at once
+        self._io = {"nvme_write_bytes": 0, "nvme_read_bytes": 0}
+        self._io_lock = threading.Lock()
+        self._closed = False
+
+    # -- the I/O thread --------------------------------------------------------------------------------------
+
+    def _submit(self, fn: Callable[[], Any]) -> Future:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="zero-act-io", daemon=True)
+            self._thread.start()
+        fut: Future = Future()
+        self._jobs.put((fn, fut))
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, fut = job
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # handed to whoever waits for this job
+                fut.set_exception(e)
+
+    def _stage(self, kind: str, nbytes: int) -> torch.Tensor:
+        buf = self._staging.get(kind)
+        if buf is None or buf.numel() < nbytes:
+            if buf is not None:
+                self._staging[kind] = None
+                self._pool.free(buf)
+            buf = self._staging[kind] = self._pool.allocate(nbytes, torch.uint8, populate="sync")
+        return buf
+
+    def _count(self, key: str, n: int) -> None:
+        with self._io_lock:
+            self._io[key] += n
+
+    # -- the tier --------------------------------------------------------------------------------------------
+
+    def moves(self, t: torch.Tensor) -> bool:
+        return True
+
+    def begin_pass(self) -> _ScratchPass:
+        p = _ScratchPass(f"pass-{self._passes}.bin")
+        self._passes += 1
+        return p
+
+    def _reserve(self, p: _ScratchPass, nbytes: int) -> int:
+        """Room for `nbytes` in the pass's file, which is created or grown here, on the compute thread: a full
+        disk fails the forward at the checkpoint that did not fit."""
+        p.check()
+        offset = p.cursor
+        p.cursor = offset + align_up(nbytes, self._alignment)
+        if p.path is None:
+            first = max(p.cursor, self._high_water, (self._slots or 0) * (p.cursor - offset))
+            f = self.space.create(p.name, first)
+            p.path, p.size = f.path, f.nbytes
+            self._aio.register_file(p.path)
+        elif p.cursor > p.size:
+            p.size = self.space.grow(p.name, max(p.cursor, 2 * p.size)).nbytes
+        return offset
+
+    def offload(self, entry: Entry, pass_token: Any) -> int:
+        p: _ScratchPass = pass_token
+        offset = self._reserve(p, entry.nbytes)
+        length = align_up(entry.nbytes, self._alignment)
+        src: Optional[torch.Tensor] = None
+        staged = None
+        if entry.device.type == "cpu":
+            src, entry.tensor = entry.tensor, None
+        else:
+            self._host.offload(entry, None)  # device -> pinned on the side stream; the I/O thread waits
+            staged = entry.token
+
+        def write() -> None:
+            nonlocal src
+            if staged is not None:
+                buf, key, done, _ = staged
+                done.synchronize()
+            else:
+                buf = self._stage("write", length)
+                buf[: entry.nbytes].copy_(_bytes_view(src))
+                src = None  # the compute thread's memory goes back now
+            try:
+                p.check()
+                self._aio.sync_pwrite(buf[:length], p.path, offset)
+            except BaseException as e:
+                p.error = p.error or e
+                raise
+            finally:
+                if staged is not None:
+                    self._buffers.give(key)
+            self._count("nvme_write_bytes", length)
+
+        entry.token = [p, offset, self._submit(write), None]
+        return entry.nbytes
+
+    def prefetch(self, entry: Entry) -> bool:
+        token = entry.token
+        if token[3] is not None:
+            return False
+        p, offset, written, _ = token
+        length = align_up(entry.nbytes, self._alignment)
+        on_host = entry.device.type == "cpu"
+
+        def read() -> torch.Tensor:
+            written.result()  # a failed write fails its read
+            p.check()
+            buf = self._stage("read", length) if on_host else self._buffers.take(length)[0]
+            try:
+                self._aio.sync_pread(buf[:length], p.path, offset)
+            except BaseException as e:
+                p.error = p.error or e
+                raise
+            self._count("nvme_read_bytes", length)
+            if not on_host:
+                return buf  # the compute thread copies it to the device, then recycles it
+            out = torch.empty(entry.nbytes, dtype=torch.uint8)
+            out.copy_(buf[: entry.nbytes])
+            return out
+
+        token[3] = self._submit(read)
+        return True
+
+    def restore(self, entry: Entry) -> torch.Tensor:
+        self.prefetch(entry)
+        flat = entry.token[3].result()
+        entry.token = None
+        if entry.device.type != "cpu":
+            out = torch.empty(entry.nbytes, dtype=torch.uint8, device=entry.device)
+            out.copy_(flat[: entry.nbytes])  # synchronous: the pinned buffer is free again after it
+            self._buffers.give(flat)
+            flat = out
+        return entry.from_bytes(flat)
+
+    def release(self, entry: Entry) -> None:
+        entry.token = None  # its bytes in the scratch file go with the pass
+
+    def end_pass(self, pass_token: Any) -> None:
+        p: _ScratchPass = pass_token
+        if p.path is None:
+            return
+        self._high_water = max(self._high_water, p.cursor)
+
+        def drop() -> None:  # queued behind the pass's last write and read
+            self._aio.unregister_file(p.path)
+            self.space.remove(p.name)
+
+        self._submit(drop)
+
+    def take_io(self) -> Dict[str, int]:
+        with self._io_lock:
+            out, self._io = self._io, {"nvme_write_bytes": 0, "nvme_read_bytes": 0}
+        return out
+
+    def scratch_files(self) -> List[str]:
+        """Paths of the scratch files that exist now (one per pass whose inputs are still alive)."""
+        return [f.path for f in self.space.files]
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join()
+        self._aio.close()
+        for buf in self._staging.values():
+            if buf is not None:
+                self._pool.free(buf)
+        self._host.close()
+        self.space.close()
+
+
+def make_tier(cfg: Any, aio: Any, pool: PinnedPool) -> Tier:
+    """The tier an ActivationCheckpointingConfig asks for (`aio`: the AioConfig for NVMe handles)."""
+    slots = cfg.number_checkpoints if cfg.contiguous_memory_optimization else None
+    if cfg.offload_device == "nvme":
+        return NvmeTier(cfg.nvme_path, aio, pool, slots)
+    if cfg.offload_device == "cpu":
+        return HostTier(_HostBuffers(pool, slots))
+    return DeviceTier(slots, pool)
