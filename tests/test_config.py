@@ -558,7 +558,7 @@ def test_ignored_tooling_keys_warn_once_each(caplog: pytest.LogCaptureFixture) -
         "zero_optimization.log_trace_cache_warnings",
     ):
         assert sum(f"'{key}' is accepted but ignored" in m for m in messages) == 1, key
-    # the section itself is read; of its keys only partition_activations does nothing (one model-parallel rank)
+    # the section is read; of its keys only partition_activations does nothing (one model-parallel rank)
     assert sum("'activation_checkpointing.partition_activations' = True" in m for m in messages) == 1
     assert len(messages) == 7
 

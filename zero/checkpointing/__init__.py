@@ -78,9 +78,9 @@ class Checkpointer:
     def checkpoint(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """`function(*args, **kwargs)` checkpointed (see `zero.checkpointing.checkpoint`)."""
         kwargs.setdefault("use_reentrant", False)
-        sync = self.config.synchronize_checkpoint_boundary and torch.accelerator.is_available()
+        sync = self.config.synchronize_checkpoint_boundary
         if sync:
-            torch.accelerator.synchronize()
+            self._synchronize()
         if self.stash is None:
             with self._lock:
                 self._checkpoints += 1
@@ -90,8 +90,15 @@ class Checkpointer:
             with torch.autograd.graph.saved_tensors_hooks(self.stash.pack, self.stash.unpack):
                 out = torch_checkpoint.checkpoint(_nested(function), *args, **kwargs)
         if sync:
-            torch.accelerator.synchronize()
+            self._synchronize()
         return out
+
+    def _synchronize(self) -> None:
+        """synchronize_checkpoint_boundary: the device, and the checkpoint moves started so far."""
+        if torch.accelerator.is_available():
+            torch.accelerator.synchronize()
+        if self.stash is not None:
+            self.stash.flush()
 
     def take_report(self) -> CheckpointingReport:
         """Counts and (with `profile`) times since the last call."""

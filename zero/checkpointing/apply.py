@@ -65,7 +65,12 @@ def _hf_enable(model: nn.Module) -> List[str]:
     enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
     enable({"use_reentrant": False})  # HF's switch: flags, KV cache off in training, input grads
     model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=checkpoint)
-    return [name for name, m in model.named_modules() if getattr(m, "gradient_checkpointing", False) is True]
+    return [  # the blocks: modules with the flag set, not the models that carry one too
+        name
+        for name, m in model.named_modules()
+        if getattr(m, "gradient_checkpointing", False) is True
+        and not hasattr(m, "supports_gradient_checkpointing")
+    ]
 
 
 def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:

@@ -231,6 +231,10 @@ class ActivationStash:
                 f" {entry.dtype}) is at version {t._version}; expected version {entry.version} instead"
             )
 
+    def flush(self) -> None:
+        """Wait until every offload and restore started so far has finished."""
+        self.tier.flush()
+
     def take_report(self) -> CheckpointingReport:
         """The counts since the last call (NVMe bytes included), then start counting afresh."""
         with self._lock:

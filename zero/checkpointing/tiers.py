@@ -19,6 +19,7 @@ recompute that needs it:
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from concurrent.futures import Future
@@ -28,6 +29,8 @@ import torch
 
 from offload.pinned import PinnedPool
 from offload.swap.space import SwapSpace, align_up
+
+logger = logging.getLogger("zero")
 
 __all__ = ["CheckpointBufferError", "DeviceTier", "Entry", "HostTier", "NvmeTier", "Tier", "make_tier"]
 
@@ -96,6 +99,9 @@ class Tier:
 
     def end_pass(self, pass_token: Any) -> None:
         """No entry of that pass is alive any more."""
+
+    def flush(self) -> None:
+        """Wait until the moves started so far have finished (synchronize_checkpoint_boundary)."""
 
     def take_io(self) -> Dict[str, int]:
         """Bytes written to and read from NVMe since the last call."""
@@ -458,8 +464,15 @@ class NvmeTier(Tier):
 
     def restore(self, entry: Entry) -> torch.Tensor:
         self.prefetch(entry)
-        flat = entry.token[3].result()
+        p, read = entry.token[0], entry.token[3]
         entry.token = None
+        error = read.exception()  # not re-raised as is: the stored error must not hold the caller's frames
+        if error is not None:
+            raise RuntimeError(
+                f"restoring a checkpointed block's input from {p.path} failed: {error}; the step cannot go on"
+                " (the next pass writes a new scratch file)"
+            ) from error
+        flat = read.result()
         if entry.device.type != "cpu":
             out = torch.empty(entry.nbytes, dtype=torch.uint8, device=entry.device)
             out.copy_(flat[: entry.nbytes])  # synchronous: the pinned buffer is free again after it
@@ -477,10 +490,19 @@ class NvmeTier(Tier):
         self._high_water = max(self._high_water, p.cursor)
 
         def drop() -> None:  # queued behind the pass's last write and read
-            self._aio.unregister_file(p.path)
-            self.space.remove(p.name)
+            try:
+                self._aio.unregister_file(p.path)
+            finally:
+                self.space.remove(p.name)
 
-        self._submit(drop)
+        error = self._submit(drop).exception()  # gone when the pass is: a later listing never shows it
+        if error is not None:
+            logger.warning("could not close activation scratch file %s: %s", p.path, error)
+
+    def flush(self) -> None:
+        """Wait until every write and read started so far has finished."""
+        if self._thread is not None:
+            self._submit(lambda: None).result()
 
     def take_io(self) -> Dict[str, int]:
         with self._io_lock:
