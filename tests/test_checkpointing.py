@@ -385,3 +385,19 @@ def test_engine_warns_when_its_section_checkpoints_nothing(tmp_path, caplog):
     assert any("checkpointed no block" in r.getMessage() for r in caplog.records)
     assert engine.last_report.activations == {}
     engine.close()
+
+
+def test_estimator_checkpoint_rows_match_what_the_stash_moved(tmp_path):
+    from offload.estimate.activations import RESIDENT_CHECKPOINTS, ActivationSettings, activation_placement
+
+    layers, batch, seq = 6, 4, 64
+    act = ActivationSettings(batch, seq, D, layers, checkpointing=True, checkpoint_device="nvme")
+    place = activation_placement(act, element_bytes=4)
+    zc.configure(deepspeed_config=section("nvme", tmp_path))
+    model = Stack(n=layers)
+    model.ckpt = zc.checkpoint
+    model(torch.randn(batch, seq, D)).backward()
+    rep = zc.take_report()
+    assert rep.nvme_write_bytes == place["nvme_write"] == place["nvme"]
+    assert rep.nvme_read_bytes == place["nvme_read"]
+    assert rep.peak_resident_bytes <= RESIDENT_CHECKPOINTS * batch * seq * D * 4

@@ -361,3 +361,28 @@ def test_activation_formula_against_tensors_torch_saves(attention):
     measured = sum(n for ptr, n in saved.items() if ptr not in param_storage)
     act = ActivationSettings(b, s, h, layers, attention=attention, num_heads=heads)
     assert 0.95 <= measured / activation_bytes(act, 2) <= 1.25
+
+
+@pytest.mark.parametrize("where", ["none", "cpu", "nvme"])
+def test_activation_checkpoints_by_tier(where):
+    L, sbh = 6, 4 * 8 * 16
+    act = ActivationSettings(4, 8, 16, L, checkpointing=True, checkpoint_device=where)
+    per_layer = sbh * (16 * 2 + 2)
+    est = estimate(TrainingSetup(1000, 100, activations=act), 0)
+    if where == "none":
+        assert est.gpu["activations"] == L * sbh * 2 + per_layer
+        assert est.nvme["activations"] == 0 and est.nvme_read_bytes_per_step == 0
+    else:  # the last layer's input and the one being restored stay; the others wait elsewhere
+        assert est.gpu["activations"] == 2 * sbh * 2 + per_layer
+        host = (L - 1) * sbh * 2 if where == "cpu" else 2 * sbh * 2  # NVMe: two staging buffers
+        assert est.cpu_pinned["activations"] == host
+        nvme = (L - 1) * sbh * 2 if where == "nvme" else 0
+        assert est.nvme["activations"] == nvme
+        assert est.nvme_read_bytes_per_step == est.nvme_write_bytes_per_step == nvme
+
+
+def test_checkpoint_device_needs_checkpointing():
+    with pytest.raises(EstimateInputError, match="checkpoint_device"):
+        ActivationSettings(1, 8, 16, 2, checkpoint_device="cpu")
+    with pytest.raises(EstimateInputError, match="checkpoint_device"):
+        ActivationSettings(1, 8, 16, 2, checkpointing=True, checkpoint_device="disk")

@@ -174,6 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
     act.add_argument("--vocab-size", type=_positive_int("--vocab-size"), help="adds the logits")
     act.add_argument("--attention", choices=("flash", "eager"), default="flash")
     act.add_argument("--activation-checkpointing", action="store_true")
+    act.add_argument(
+        "--checkpoint-device",
+        choices=("none", "cpu", "nvme"),
+        help="where checkpoints wait for the backward (activation_checkpointing.offload_device; implies"
+        " --activation-checkpointing; default: the --config's section, else none)",
+    )
 
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -233,6 +239,7 @@ def _activation_settings(
             args.batch_size is not None
             or any(v is not None for v in shape_flags)
             or args.activation_checkpointing
+            or args.checkpoint_device is not None
         ):
             raise EstimateInputError("activation flags need --seq-len (and --batch-size)")
         return None
@@ -245,6 +252,7 @@ def _activation_settings(
         value = getattr(args, key)
         if value is not None:
             shape[key] = value
+    device = args.checkpoint_device or (config.checkpoint_device if config else None) or "none"
     missing = [f"--{k.replace('_', '-')}" for k in ("hidden_size", "num_layers") if k not in shape]
     if missing:
         raise EstimateInputError(f"activations need {' and '.join(missing)} (or --model with a config.json)")
@@ -253,7 +261,8 @@ def _activation_settings(
         seq_len=args.seq_len,
         hidden_size=shape["hidden_size"],
         num_layers=shape["num_layers"],
-        checkpointing=args.activation_checkpointing,
+        checkpointing=args.activation_checkpointing or device != "none",
+        checkpoint_device=device,
         attention=args.attention,
         num_heads=shape.get("num_heads"),
         vocab_size=shape.get("vocab_size"),

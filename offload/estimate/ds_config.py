@@ -1,7 +1,8 @@
 """Read the estimator's inputs from a DeepSpeed-style JSON config with plain json.
 
 Only the keys that change memory are read: zero_optimization.stage, .offload_optimizer,
-.offload_param, .sub_group_size, fp16/bf16, optimizer.type and train_micro_batch_size_per_gpu.
+.offload_param, .sub_group_size, fp16/bf16, optimizer.type, train_micro_batch_size_per_gpu and where
+activation checkpoints wait (activation_checkpointing.offload_device / cpu_checkpointing).
 Values written "auto" (the Hugging Face integration's placeholder) count as not set.
 """
 
@@ -29,6 +30,7 @@ class ConfigChoices:
     precision: Optional[str] = None
     optimizer: Optional[str] = None  # lower-cased optimizer.type, not yet checked against the known ones
     micro_batch_size: Optional[int] = None
+    checkpoint_device: Optional[str] = None  # activation_checkpointing: "none", "cpu" or "nvme"
     buffers: Dict[str, object] = field(default_factory=dict)  # SwapBufferSettings keyword arguments
 
 
@@ -154,6 +156,17 @@ def read_ds_config(path: str) -> ConfigChoices:
         optimizer = opt_type.lower()
 
     micro_batch = _positive_int(config, "train_micro_batch_size_per_gpu", where, "")
+    act = _section(config, "activation_checkpointing", where)
+    checkpoint_device = act.get("offload_device")
+    if checkpoint_device is None and act:
+        checkpoint_device = (
+            "cpu" if _bool(act, "cpu_checkpointing", where, "activation_checkpointing.") else "none"
+        )
+    if checkpoint_device not in (None, "none", "cpu", "nvme"):
+        raise EstimateInputError(
+            f"{where}: activation_checkpointing.offload_device must be none, cpu or nvme,"
+            f" got {checkpoint_device!r}"
+        )
     return ConfigChoices(
         path=path,
         stage=stage,
@@ -162,5 +175,6 @@ def read_ds_config(path: str) -> ConfigChoices:
         precision=precision,
         optimizer=optimizer,
         micro_batch_size=micro_batch,
+        checkpoint_device=checkpoint_device,
         buffers=buffers,
     )

@@ -19,7 +19,7 @@ from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 
 from offload.swap.slots import MIN_SLOT_NUMEL, swap_chunk  # noqa: F401 - the engine's slot sizing
 
-from .activations import ActivationSettings, activation_bytes
+from .activations import ActivationSettings, activation_placement
 from .errors import EstimateInputError
 
 COMPONENTS: Tuple[str, ...] = (
@@ -549,8 +549,8 @@ def estimate(
                 f"partition ({largest_param_partition} elements); raise it"
             )
 
-    if setup.activations is not None:
-        ledger.add("gpu", "activations", activation_bytes(setup.activations, cb))
+    read, write = _add_activations(ledger, setup, cb)
+    nvme_read, nvme_write = nvme_read + read, nvme_write + write
 
     return _estimate_from(
         setup, ledger, stage, offload_optimizer, offload_param, nvme_read, nvme_write, notes
@@ -604,9 +604,29 @@ def _estimate_stage3(
             f"offload_param.buffer_size {bufs.param_buffer_size} is smaller than the largest layer's "
             f"partition ({layer_part} elements): such partitions are streamed in pieces and not prefetched"
         )
-    if setup.activations is not None:
-        ledger.add("gpu", "activations", activation_bytes(setup.activations, setup.compute_bytes))
-    return _estimate_from(setup, ledger, 3, offload_optimizer, offload_param, read, write, notes, spare_copy)
+    act_read, act_write = _add_activations(ledger, setup, setup.compute_bytes)
+    return _estimate_from(
+        setup,
+        ledger,
+        3,
+        offload_optimizer,
+        offload_param,
+        read + act_read,
+        write + act_write,
+        notes,
+        spare_copy,
+    )
+
+
+def _add_activations(ledger: _Ledger, setup: TrainingSetup, element_bytes: int) -> Tuple[int, int]:
+    """Activations into the ledger, each tier its share; returns the NVMe bytes one micro-batch's
+    checkpoints read and write (with gradient accumulation, every micro-batch moves its own)."""
+    if setup.activations is None:
+        return 0, 0
+    place = activation_placement(setup.activations, element_bytes)
+    for tier in ("gpu", "cpu_pinned", "nvme"):
+        ledger.add(tier, "activations", place[tier])
+    return place["nvme_read"], place["nvme_write"]
 
 
 def estimate_all(

@@ -40,6 +40,7 @@ def describe_setup(setup: TrainingSetup, largest_layer_source: str) -> List[str]
             f"Activations: micro-batch {act.batch_size} x seq {act.seq_len}, hidden {act.hidden_size}, "
             f"{act.num_layers} layers, {act.attention} attention, "
             f"checkpointing {'on' if act.checkpointing else 'off'}"
+            + (f" (checkpoints on {act.checkpoint_device})" if act.checkpoint_device != "none" else "")
         )
     else:
         lines.append("Activations: not counted (give --batch-size and --seq-len to add them)")
