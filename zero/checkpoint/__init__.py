@@ -3,7 +3,8 @@
 Layout of `<save_dir>/<tag>/` (format 2):
 
 * `model_states.pt` (rank 0): module state_dict, step counters, scheduler and loss-scaler state, client
-  state, the config;
+  state, the config, and `master_index`: which parameter (names, shape) each element of the fp32 master
+  and of the stage-3 parameter partitions is (the layout's `master_index()`, read by `to_fp32`);
 * `rank<r>_states.pt` (every rank): RNG states (torch, CUDA, numpy, python) and the optimizer's metadata
   (rule, hyperparameters, step count, partition bounds);
 * stage 3: `param_rank<r>.bin`, the rank's parameter partitions in the model dtype, unit after unit

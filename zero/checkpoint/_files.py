@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-from typing import IO, Any, Dict, List, Optional
+from typing import IO, Any, Callable, Dict, List, Optional
 
 import torch
 import xxhash
@@ -114,22 +114,25 @@ def save_object(obj: Any, path: str) -> Entry:
     return digest.entry()
 
 
-def save_atomic(obj: Any, path: str) -> None:
-    """torch.save `obj` as `path` (directory created if needed): written to a temporary file, fsynced and
-    renamed, so `path` is either the old file or the whole new one."""
+def write_atomic(path: str, write: Callable[[str], None]) -> None:
+    """`write(tmp)` writes the file that becomes `path` (directory created if needed): written to a
+    temporary file, fsynced and renamed, so `path` is either the old file or the whole new one."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp"
     try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
+        write(tmp)
+        fsync_path(tmp)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
     fsync_path(os.path.dirname(os.path.abspath(path)), directory=True)
+
+
+def save_atomic(obj: Any, path: str) -> None:
+    """torch.save `obj` as `path` atomically (`write_atomic`)."""
+    write_atomic(path, lambda tmp: torch.save(obj, tmp))
 
 
 def write_bytes(path: str, data: bytes) -> Entry:

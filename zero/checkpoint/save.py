@@ -105,6 +105,7 @@ def _write_rank_files(
         "numel": st.trainable_numel(engine),
         "padded_numel": engine.layout.padded_numel,
         "dtype": str(engine.dtype),
+        "master_index": engine.layout.master_index(),  # which parameter each master element is (to_fp32)
         "lr_scheduler": _needs_pickle(scheduler, "lr scheduler's state", pickled, "lr_scheduler"),
         "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
         "client_state": _needs_pickle(client_state or {}, "client_state", pickled, "client_state"),

@@ -28,7 +28,7 @@ from zero.grad_fetch import DeviceGradFetch
 from zero.param_writer import ParamWriter
 from zero.partition import GradReadiness
 
-__all__ = ["Fill", "Layout", "Placement", "allocate_pinned", "trainable_params"]
+__all__ = ["Fill", "Layout", "Placement", "allocate_pinned", "index_names", "trainable_params"]
 
 Fill = Callable[[int, int, torch.Tensor], None]  # fill(start, n, out): fp32 values of [start, start + n)
 
@@ -88,6 +88,17 @@ def trainable_params(model: nn.Module, model_parameters: Optional[Any]) -> List[
     return params
 
 
+def index_names(model: nn.Module) -> Tuple[Dict[int, List[str]], List[str], List[str]]:
+    """For `master_index`: every parameter's state-dict names (id -> [name, *tied aliases]), the state
+    dict's keys in order, and the names of its buffers."""
+    names: Dict[int, List[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    keys = list(model.state_dict(keep_vars=True))
+    params = {n for ns in names.values() for n in ns}
+    return names, keys, [k for k in keys if k not in params]
+
+
 class Layout(Protocol):
     """The layout strategy the engine composes (see the module doc)."""
 
@@ -128,6 +139,8 @@ class Layout(Protocol):
     def module_state_dict(self) -> Dict[str, torch.Tensor]: ...
 
     def master_state_dict(self, master: torch.Tensor) -> Dict[str, torch.Tensor]: ...
+
+    def master_index(self) -> Dict[str, Any]: ...
 
     def zero_grads(self) -> None: ...
 

@@ -20,7 +20,7 @@ from torch import nn
 from offload.pinned import PinnedPool
 from zero.comm import settle
 from zero.grad_fetch import DeviceGradFetch, copy_to_host
-from zero.layout.base import Fill, Placement, allocate_pinned
+from zero.layout.base import Fill, Placement, allocate_pinned, index_names
 from zero.param_writer import FlatParamWriter, ParamWriter
 from zero.partition import FlatParams, GradReadiness, GradReducer, partition_range
 
@@ -216,6 +216,14 @@ class FlatLayout:
             names[id(p)]: master[a : a + n].view(p.shape).clone()
             for p, a, n in zip(self.flat.params, self.flat.offsets, self.flat.numels)
         }
+
+    def master_index(self) -> Dict[str, Any]:
+        """What each element of the master is, for readers of checkpoints (zero.checkpoint.to_fp32): the
+        trainable parameters in flat-buffer order as `[[name, *tied aliases], shape]`, back to back from
+        element 0 (ranks' partitions [lo, hi) of it); the state dict's keys and buffers. Plain types only."""
+        names, keys, buffers = index_names(self.module)
+        params = [[names[id(p)], list(p.shape)] for p in self.flat.params]
+        return {"kind": "flat", "keys": keys, "buffers": buffers, "params": params}
 
     # ------------------------------------------------------------------------------------ lifetime
     def close(self) -> None:

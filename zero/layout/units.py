@@ -23,7 +23,7 @@ from torch import nn
 from offload.pinned import PinnedPool
 from zero.comm import settle
 from zero.grad_fetch import DeviceGradFetch
-from zero.layout.base import Fill, Placement, allocate_pinned
+from zero.layout.base import Fill, Placement, allocate_pinned, index_names
 from zero.param_writer import ParamWriter, UnitParamWriter
 from zero.partition import GradReadiness
 from zero.stage3.partitioner import Stage3Partitioner
@@ -108,11 +108,13 @@ class UnitLayout:
         self.units: List[Unit] = []
         self.offsets: Dict[int, int] = {}
         self._ranges: Dict[int, List[Tuple[int, int]]] = {}
+        self._trained: Dict[int, List[int]] = {}  # unit -> its parameters the optimizer updates
         total = 0
         for u in part.units:
             mine = [i for i in u.trainable if id(u.params[i]) in wanted]
             if not mine:
                 continue
+            self._trained[u.index] = mine
             self.units.append(u)
             self.offsets[u.index] = total
             total += u.part_numel
@@ -267,6 +269,23 @@ class UnitLayout:
                     a, z = u.param_range(i)
                     out[name] = full[a:z].view(u.shapes[i]).clone()
         return out
+
+    def master_index(self) -> Dict[str, Any]:
+        """What each element of the master and of the parameter partitions is, for readers of checkpoints
+        (zero.checkpoint.to_fp32): every unit of the partitioner in order, as a list of its parameters
+        `[[name, *tied aliases], shape, trained]` (split over ranks as `Unit` does; units with a trained
+        parameter are the master's, back to back); the state dict's keys and buffers. Plain types only."""
+        names, keys, buffers = index_names(self.module)
+        units = []
+        for u in self.partitioner.units:
+            trained = set(self._trained.get(u.index, []))
+            units.append(
+                [
+                    [names.get(id(p), []), list(shape), i in trained]
+                    for i, (p, shape) in enumerate(zip(u.params, u.shapes))
+                ]
+            )
+        return {"kind": "units", "keys": keys, "buffers": buffers, "units": units}
 
     # ------------------------------------------------------------------------------------ lifetime
     def close(self) -> None:
