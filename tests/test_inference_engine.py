@@ -1,9 +1,9 @@
 """An engine without an optimizer (ZeRO-Inference, zero/inference.py): `zero.initialize` with no optimizer
 block and no optimizer= returns an inference engine. Greedy generation and logits of Hugging Face GPT-2
 and Llama (tiny configs, random init) through it equal plain transformers bit for bit at stage 0 and at
-stage 3 with the weights on cpu and on NVMe (bf16 too); backward/step/save refuse with NoOptimizerError;
-no optimizer state, gradient buffer or optimizer swap space exists; training-only keys; checkpoints of a
-training engine load into it; its swap space goes away with it."""
+stage 3 with the weights on cpu and on NVMe (bf16 too, zero.Init too); backward/step/save refuse with
+NoOptimizerError; no optimizer state, gradient buffer or optimizer swap space exists; training-only keys;
+checkpoints of a training engine load into it; its swap space goes away with it."""
 
 from __future__ import annotations
 
@@ -116,6 +116,23 @@ def test_bf16_from_an_fp32_model_equals_the_cast_model(tmp_path, arch):
     cfg = inference_config("stage3-nvme", tmp_path, bf16={"enabled": True})
     engine, *_ = zero.initialize(model=model, config=cfg)
     assert engine.dtype == torch.bfloat16 and all(u.dtype == torch.bfloat16 for u in engine.partitioner.units)
+    with torch.no_grad():
+        assert torch.equal(generate(engine.module, prompt()), generate(ref, prompt()))
+        assert torch.equal(engine(prompt()).logits, ref(prompt()).logits)
+    engine.close()
+
+
+def test_model_built_under_zero_init(tmp_path):
+    """zero.Init builds the model partitioned on NVMe (never whole); the inference engine takes its
+    partitioner over and generates what transformers does with the same weights."""
+    cfg = inference_config("stage3-nvme", tmp_path)
+    torch.manual_seed(0)
+    with zero.Init(config=cfg):
+        model = llama().eval()
+    assert all(p.numel() == 0 for p in model.parameters())
+    engine, *_ = zero.initialize(model=model, config=cfg)
+    ref = llama().eval()
+    ref.load_state_dict(zero.consolidated_state_dict(engine))
     with torch.no_grad():
         assert torch.equal(generate(engine.module, prompt()), generate(ref, prompt()))
         assert torch.equal(engine(prompt()).logits, ref(prompt()).logits)

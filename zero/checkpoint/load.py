@@ -250,8 +250,9 @@ def load_checkpoint(
     an optimizer (inference) loads the module's weights and counters only, checked by key and shape.
     """
     engine.check_open()
-    optimizer = load_optimizer_states and not load_module_only and engine.optimizer is not None
-    scheduler = load_lr_scheduler_states and not load_module_only
+    training = engine.optimizer is not None  # else an inference engine: weights and counters only
+    optimizer = load_optimizer_states and not load_module_only and training
+    scheduler = load_lr_scheduler_states and not load_module_only and training
     path = None
 
     def plan() -> Optional[_Plan]:
