@@ -2,7 +2,13 @@
 
 from typing import TYPE_CHECKING, Any
 
-from zero.errors import CheckpointError, CheckpointIntegrityError, CheckpointPickleError, StateCorruptedError
+from zero.errors import (
+    CheckpointError,
+    CheckpointIntegrityError,
+    CheckpointPickleError,
+    NoOptimizerError,
+    StateCorruptedError,
+)
 
 __all__ = [
     "CheckpointError",
@@ -10,6 +16,7 @@ __all__ = [
     "CheckpointPickleError",
     "GatheredParameters",
     "Init",
+    "NoOptimizerError",
     "StateCorruptedError",
     "ZeroEngine",
     "consolidated_state_dict",

@@ -10,6 +10,10 @@ The engine is composed of parts, each in a module of its own:
 * the overlap (zero.overlap): the pass that steps NVMe sub-groups during backward;
 * the guard (zero.integrity): whether a failure left the state unusable.
 
+Without an optimizer (no `optimizer` block, no `optimizer=`) the engine is composed of the inference parts
+instead (zero.inference): a layout that holds only the weights, and optimizer-state and update parts that
+hold nothing; `backward` and `step` raise `NoOptimizerError`.
+
 One step, on one rank: forward and backward run on the model as the user wrote it; gradients reach the
 layout's `grad_host` (reduced over ranks on the way); at the end of an accumulation window the optimizer
 walks the partition chunk by chunk - the fused kernel unscales (loss scale, world size, clipping in one
@@ -33,7 +37,7 @@ from torch import nn
 
 from offload.config.activation import ActivationCheckpointingConfig
 from offload.pinned import PINNED_BUDGET_ENV, PinnedPool, default_pinned_budget, pinned_bytes_in_use
-from zero import checkpointing
+from zero import checkpointing, inference
 from zero.accelerator import compute_device, dist_backend
 from zero.integrity import StateGuard
 from zero.layout.base import Layout, Placement, allocate_pinned, trainable_params
@@ -93,7 +97,6 @@ class ZeroEngine:
                 "with stages 0-2 only offload_optimizer is supported"
             )
         off = zcfg.offload_optimizer
-        self.offload_device = off.device if off is not None else "none"
         self.gas = int(cfg.gradient_accumulation_steps)
         self.micro_batch_size = int(cfg.train_micro_batch_size_per_gpu)
         self.train_batch_size_ = int(cfg.train_batch_size)
@@ -119,9 +122,11 @@ class ZeroEngine:
         sync = (lambda: torch.cuda.synchronize(self.device)) if self.device.type == "cuda" else None
         self._clock = PhaseClock(sync if self.report_enabled else None)
 
-        # -- optimizer rule: from the config's optimizer block or the client optimizer, not both (DeepSpeed)
+        # -- optimizer rule: from the config's optimizer block or the client optimizer, not both (DeepSpeed);
+        # neither: an inference engine (zero.inference), whose optimizer tier is none whatever the config says
         params = trainable_params(model, model_parameters)
         self.rule, hyper = self._rule(cfg, optimizer, params)
+        self.offload_device = off.device if off is not None and self.rule is not None else "none"
 
         # -- the parts: layout, optimizer state on its tier, overlap with backward
         self._checkpointing = None  # activation checkpointing this engine configured from its config
@@ -136,7 +141,10 @@ class ZeroEngine:
                     aio=cfg.aio,
                     pinned_budget_bytes=cfg.zero_offload.pinned_budget_bytes,
                 )
-            self._build(model, params, hyper, place, pool, off, lr_scheduler)
+            if self.rule is None:
+                self._build_inference(model, params, place, pool, lr_scheduler)
+            else:
+                self._build(model, params, hyper, place, pool, off, lr_scheduler)
         except BaseException:
             self.close()  # no hooks, pinned buffers or swap directories left behind
             raise
@@ -186,9 +194,22 @@ class ZeroEngine:
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
         self.loss_scaler = self._make_loss_scaler()
 
+    def _build_inference(
+        self, model: nn.Module, params: List[nn.Parameter], place: Placement, pool: PinnedPool, sched: Any
+    ) -> None:
+        """No optimizer: a layout holding only the weights; no optimizer state, update pass or scheduler."""
+        inference.check_inference_config(self.config, sched)
+        self.layout = inference.inference_layout(model, params, place, pool, self.config)  # type: ignore[assignment]
+        self.module, self.pool = self.layout.module, self.layout.pool
+        self.optimizer, self.lr_scheduler, self.loss_scaler = None, None, None  # type: ignore[assignment]
+        self._opt, self._update = inference.NoOptimizerState(), inference.NoUpdatePass()  # type: ignore[assignment]
+        self._unused = None
+
     # --------------------------------------------------------------------------------------------- set-up
     @staticmethod
-    def _rule(cfg: Any, client_opt: Any, params: List[nn.Parameter]) -> Tuple[UpdateRule, Dict[str, Any]]:
+    def _rule(
+        cfg: Any, client_opt: Any, params: List[nn.Parameter]
+    ) -> Tuple[Optional[UpdateRule], Dict[str, Any]]:
         if cfg.optimizer is not None and client_opt is not None:
             raise ValueError(
                 "both a client optimizer (optimizer=) and an 'optimizer' block in the config were given; "
@@ -200,7 +221,7 @@ class ZeroEngine:
             if callable(client_opt) and not isinstance(client_opt, torch.optim.Optimizer):
                 client_opt = client_opt(params)
             return rule_from_client_optimizer(client_opt)
-        raise ValueError("no optimizer: give an 'optimizer' block in the config or pass optimizer=")
+        return None, {}  # no optimizer: inference
 
     def _optimizer_state(self, off: Any, sub_group: int) -> OptimizerState:
         """fp32 master and states on the offload tier, with the writer that copies weights back."""
@@ -324,6 +345,8 @@ class ZeroEngine:
         return self.train_batch_size_
 
     def get_lr(self) -> List[float]:
+        if self.optimizer is None:
+            return []  # DeepSpeed's answer without an optimizer
         return [float(g["lr"]) for g in self.optimizer.param_groups]
 
     @property
@@ -337,6 +360,7 @@ class ZeroEngine:
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """Backward of `loss / gradient_accumulation_steps` (times the loss scale in fp16)."""
+        self._require_optimizer("engine.backward()")
         self.check_open()
         self.check_state_usable()
         boundary = self.is_gradient_accumulation_boundary()
@@ -373,6 +397,7 @@ class ZeroEngine:
 
     def step(self, lr_kwargs: Optional[Dict[str, Any]] = None) -> None:
         """Count the micro-batch; at the end of an accumulation window, update the weights."""
+        self._require_optimizer("engine.step()")
         self.check_open()
         self.check_state_usable()
         if self.is_gradient_accumulation_boundary():
@@ -532,6 +557,8 @@ class ZeroEngine:
         loading only the module's weights, the next step starts from them. With 16-bit weights the master
         takes their (16-bit) values. An error part way poisons the engine."""
         self.check_open()
+        if self.optimizer is None:
+            return  # no master to rebuild
         self._update.drop_overlapped()
         self._opt.rebuild_master(self.layout.master_from_module())
 
@@ -621,6 +648,7 @@ class ZeroEngine:
     ) -> str:
         from zero.checkpoint import save_checkpoint
 
+        self._require_optimizer("save_checkpoint() (training state; save_16bit_model exports the weights)")
         return save_checkpoint(self, save_dir, tag=tag, client_state=client_state)
 
     def load_checkpoint(
@@ -635,7 +663,8 @@ class ZeroEngine:
         allow_pickle: bool = False,
     ) -> Tuple[Optional[str], Optional[Dict[str, Any]]]:
         """DeepSpeed's load_checkpoint; `allow_pickle=True` also loads what only pickle can restore (see
-        zero.checkpoint.load_checkpoint: only for checkpoints from a trusted source)."""
+        zero.checkpoint.load_checkpoint: only for checkpoints from a trusted source). Without an optimizer
+        only the module's weights (and counters) are loaded, whatever `load_optimizer_states` says."""
         from zero.checkpoint import load_checkpoint
 
         return load_checkpoint(
@@ -650,6 +679,10 @@ class ZeroEngine:
         )
 
     # --------------------------------------------------------------------------------------- lifetime
+    def _require_optimizer(self, what: str) -> None:
+        if self.optimizer is None:
+            raise inference.no_optimizer_error(what)
+
     def check_open(self) -> None:
         """Raise RuntimeError if the engine was closed."""
         if self._closed:

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from typing import Optional
 
-__all__ = ["CheckpointError", "CheckpointIntegrityError", "CheckpointPickleError", "StateCorruptedError"]
+__all__ = [
+    "CheckpointError",
+    "CheckpointIntegrityError",
+    "CheckpointPickleError",
+    "NoOptimizerError",
+    "StateCorruptedError",
+]
 
 
 class StateCorruptedError(RuntimeError):
@@ -33,3 +39,9 @@ class CheckpointIntegrityError(CheckpointError):
 
 class CheckpointPickleError(CheckpointError):
     """Loading would need to unpickle arbitrary Python objects, and `allow_pickle=True` was not given."""
+
+
+class NoOptimizerError(RuntimeError):
+    """The engine was built without an optimizer (an inference engine) and was asked for something only
+    training has: `backward`, `step`, optimizer state, a training checkpoint. The message says how to
+    configure one (an `optimizer` block in the config, or `optimizer=` to `zero.initialize`)."""

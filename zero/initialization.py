@@ -35,14 +35,17 @@ def initialize(
     config: Optional[Union[str, Dict[str, Any]]] = None,
     config_params: Optional[Union[str, Dict[str, Any]]] = None,
     dist_init_required: Optional[bool] = None,
-) -> Tuple[ZeroEngine, torch.optim.Optimizer, Optional[Any], Optional[Any]]:
+) -> Tuple[ZeroEngine, Optional[torch.optim.Optimizer], Optional[Any], Optional[Any]]:
     """Wrap `model` for training: returns `(engine, optimizer, training_dataloader, lr_scheduler)`.
 
     `config` (or DeepSpeed's older `config_params`, or `args.deepspeed_config`) is a dict or a JSON file path.
     Single process needs no launcher; under torchrun the process group is started (gloo on CPU, NCCL on
     CUDA) unless one exists. `optimizer` is used only when the config has no optimizer block; it may be a
     torch optimizer or a callable taking the parameters. `lr_scheduler` may be a scheduler or a callable
-    taking the optimizer; without one, the config's scheduler block is used.
+    taking the optimizer; without one, the config's scheduler block is used. With neither an optimizer
+    block nor `optimizer=`, the engine runs inference only (zero/inference.py, docs/inference.md):
+    `(engine, None, dataloader, None)`, forward and generate work, `backward`/`step` raise
+    `zero.NoOptimizerError`.
     """
     from offload.config import load_config
 

@@ -85,7 +85,7 @@ def _check_meta(engine: CheckpointEngine, plan: _Plan, strict: bool, optimizer: 
     path, ms, rs = plan.path, plan.ms, plan.rs
     if ms.get("format_version") not in (FORMAT_VERSION, _LEGACY_FORMAT):
         raise ValueError(f"{path}: checkpoint format {ms.get('format_version')}, expected {FORMAT_VERSION}")
-    if ms["numel"] != st.trainable_numel(engine):
+    if engine.optimizer is not None and ms["numel"] != st.trainable_numel(engine):
         raise ValueError(
             f"{path}: checkpoint has {ms['numel']} trainable elements, the model {st.trainable_numel(engine)}"
         )
@@ -179,7 +179,7 @@ def _plan(
     for name in big:
         if name not in listed:
             raise CheckpointIntegrityError(f"{path}: {MANIFEST} does not list {name}")
-    expected = {f"optim_rank{r}.bin": st.optimizer_nbytes(engine)}
+    expected = {f"optim_rank{r}.bin": st.optimizer_nbytes(engine)} if optimizer else {}
     if st.is_stage3(engine):
         expected[f"param_rank{r}.bin"] = st.check_units(engine, plan.rs["stage3_units"], path)
     for name in big:  # sizes first: a truncated file is found without reading the others
@@ -246,11 +246,13 @@ def load_checkpoint(
     Every rank first checks everything it needs (manifest, checksums, sizes, metadata); the ranks agree,
     and only then is anything applied, so a bad checkpoint leaves every engine as it was. `allow_pickle`:
     also load what only pickle can restore (a client_state of arbitrary objects, format-1 checkpoints);
-    unpickling can run code from the files, so pass it only for checkpoints you trust.
+    unpickling can run code from the files, so pass it only for checkpoints you trust. An engine without
+    an optimizer (inference) loads the module's weights and counters only, checked by key and shape.
     """
     engine.check_open()
-    optimizer = load_optimizer_states and not load_module_only
-    scheduler = load_lr_scheduler_states and not load_module_only
+    training = engine.optimizer is not None  # else an inference engine: weights and counters only
+    optimizer = load_optimizer_states and not load_module_only and training
+    scheduler = load_lr_scheduler_states and not load_module_only and training
     path = None
 
     def plan() -> Optional[_Plan]:
