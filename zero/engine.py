@@ -8,7 +8,9 @@ The engine is composed of parts, each in a module of its own:
 * the optimizer state (zero.optimizer_state): fp32 master + states on their tier (device memory, pinned
   host memory, NVMe), passes over it with the fused kernels, and a parameter writer (zero.param_writer);
 * the overlap (zero.overlap): the pass that steps NVMe sub-groups during backward;
-* the guard (zero.integrity): whether a failure left the state unusable.
+* the guard (zero.integrity): whether a failure left the state unusable;
+* activation checkpointing (zero.checkpointing), configured from the config's section; its counts join the
+  step report.
 
 Without an optimizer (no `optimizer` block, no `optimizer=`) the engine is composed of the inference parts
 instead (zero.inference): a layout that holds only the weights, and optimizer-state and update parts that

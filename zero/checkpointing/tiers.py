@@ -192,6 +192,11 @@ class _HostBuffers:
         self._free: Dict[int, List[torch.Tensor]] = {}
         self._lock = threading.Lock()
 
+    @property
+    def preallocated(self) -> bool:
+        """Whether these are `number_checkpoints` fixed slots (contiguous_memory_optimization)."""
+        return self._count is not None
+
     def take(self, nbytes: int) -> Tuple[torch.Tensor, Any]:
         """A buffer of at least `nbytes` and the key that gives it back."""
         nbytes = align_up(nbytes, _HOST_ALIGN)
@@ -238,7 +243,7 @@ class HostTier(Tier):
         self._streams: Dict[torch.device, Any] = {}
 
     def moves(self, t: torch.Tensor) -> bool:
-        return t.device.type != "cpu" or self.buffers._count is not None
+        return t.device.type != "cpu" or self.buffers.preallocated
 
     def side_stream(self, device: torch.device) -> Any:
         """The copy stream of `device` (one per device, made on first use)."""
