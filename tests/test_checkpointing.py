@@ -7,7 +7,9 @@ import copy
 import errno
 import logging
 import os
+import shutil
 import stat
+import tempfile
 
 import pytest
 import torch
@@ -286,6 +288,31 @@ def test_bad_nvme_path_fails_at_configure(tmp_path):
         )
 
 
+def test_unwritable_nvme_path_fails_at_initialize():
+    if os.geteuid() != 0:
+        pytest.skip("needs root to make a directory another user cannot write, then drop privileges")
+    top = tempfile.mkdtemp(prefix="zo-act-perm-", dir="/var/tmp")
+    try:
+        os.chmod(top, 0o755)  # readable and searchable by nobody, writable only by root
+        result = run_child(
+            f"""
+            import os, torch, zero
+            warm = {{"optimizer": {{"type": "AdamW"}}}}
+            zero.initialize(model=torch.nn.Linear(4, 4), config=warm)  # every import, as root
+            os.setgid(65534)
+            os.setuid(65534)
+            cfg = {{"optimizer": {{"type": "AdamW", "params": {{}}}},
+                   "activation_checkpointing": {{"offload_device": "nvme", "nvme_path": {top!r}}}}}
+            zero.initialize(model=torch.nn.Linear(4, 4), config=cfg)
+            result = {{"raised": None}}
+            """
+        )
+    finally:
+        shutil.rmtree(top)
+    assert result["exc"] == "SwapSpaceError" and result["errno"] == errno.EACCES, result
+    assert top in result["str"] and "not writable" in result["str"]
+
+
 def test_disk_too_small_fails_in_the_first_forward_naming_the_file(tmp_path):
     # the file-size limit stands in for a full disk: the scratch file cannot grow to one step's checkpoints
     result = run_child(
@@ -341,7 +368,11 @@ def test_engine_configures_from_its_config_and_reports(tmp_path, caplog):
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 2,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-        "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "max_in_cpu": 0},
+            "stage3_param_persistence_threshold": 0,  # every layer partitioned and read from NVMe
+        },
     }
     cfg = dict(
         base, activation_checkpointing={"offload_device": "nvme", "nvme_path": str(tmp_path), "profile": True}
@@ -359,6 +390,9 @@ def test_engine_configures_from_its_config_and_reports(tmp_path, caplog):
             e.step()
     rep = engine.last_report.activations
     assert rep["checkpoints"] == 2 * 4 and rep["nvme_write_bytes"] > 0 and rep["restore_wait_s"] > 0
+    # the recompute's gathers follow the same trace as with torch's checkpoint: prefetch is not confused
+    io = engine.last_param_io
+    assert io == ref_engine.last_param_io and io["gathers"] > 0 and io["param_nvme_read_bytes"] > 0
     ours = engine.consolidated_state_dict()
     theirs = ref_engine.consolidated_state_dict()
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
