@@ -120,6 +120,21 @@ def test_bit_identical_to_torch_checkpoint(kind, extra, tmp_path, device):
         assert zc.current().scratch_files == []  # removed once the backward released the pass
 
 
+def test_reentrant_checkpoint_is_stashed_too(tmp_path):
+    """use_reentrant=True saves the inputs with save_for_backward: the same hooks move them."""
+    torch.manual_seed(0)
+    ref = Stack()
+    ours = copy.deepcopy(ref)
+    x = torch.randn(4, 64, D)
+    ref.ckpt = lambda f, a: torch_checkpoint(f, a, use_reentrant=True)
+    want = run(ref, x)
+    zc.configure(deepspeed_config=section("nvme", tmp_path))
+    ours.ckpt = lambda f, a: zc.checkpoint(f, a, use_reentrant=True)
+    got = run(ours, x)
+    assert torch.equal(got[0], want[0]) and all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
+    assert zc.take_report().nvme_read_bytes == 5 * x.numel() * 4
+
+
 def test_no_grad_never_checkpoints(tmp_path):
     torch.manual_seed(0)
     model = Stack()
