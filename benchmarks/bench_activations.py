@@ -89,7 +89,7 @@ def run_child(args: argparse.Namespace) -> Dict[str, Any]:
     device = engine.device
     ids = torch.randint(0, shape["vocab"], (shape["batch"], shape["seq"]), device=device)
     times, losses, moved = [], [], {}
-    for step in range(1 + args.steps):
+    for step in range(args.warmup + args.steps):
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -98,7 +98,7 @@ def run_child(args: argparse.Namespace) -> Dict[str, Any]:
         engine.step()
         if device.type == "cuda":
             torch.cuda.synchronize()
-        if step > 0:
+        if step >= args.warmup:
             times.append(time.perf_counter() - t0)
         losses.append(loss.item())
         moved = engine.last_report.activations if engine.last_report else {}
@@ -150,7 +150,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         ap.add_argument(f"--{key}", type=int, help=f"override the preset's {key}")
     ap.add_argument("--contenders", default="none,torch,ours-ram,ours-nvme")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=1, help="timed steps per process (after one warm-up)")
+    ap.add_argument("--steps", type=int, default=1, help="timed steps per process")
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="untimed steps first (0: the timed step includes first-step allocations, alike for all)",
+    )
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--nvme-path", default=os.environ.get("ZO_TEST_IO_DIR", "/var/tmp"))
     ap.add_argument("--out", default=None, help="output folder (default benchmarks/out)")
@@ -175,7 +181,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         for rnd in range(args.rounds):
             for c in contenders:
                 cmd = [sys.executable, "-m", "benchmarks.bench_activations", "--child", c]
-                cmd += ["--shape", json.dumps(shape), "--steps", str(args.steps), "--nvme-path", scratch]
+                cmd += [
+                    "--shape",
+                    json.dumps(shape),
+                    "--steps",
+                    str(args.steps),
+                    "--warmup",
+                    str(args.warmup),
+                ]
+                cmd += ["--nvme-path", scratch]
                 proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
                 line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
                 if line is None:
