@@ -133,6 +133,19 @@ def test_meta_model_loaded_shard_by_shard(tmp_path):
     part.close()
 
 
+def test_meta_model_on_nvme_writes_nothing_until_loaded(tmp_path):
+    """The zero partitions of a meta-device model are not written: a new swap file reads as zeros."""
+    with torch.device("meta"):
+        model = MLP()
+    part = Stage3Partitioner(s3_config("nvme", tmp_path))
+    part.attach(model)
+    assert part.units and all(part.store.on_nvme(u) for u in part.units)
+    assert part.take_io_report().param_nvme_write_bytes == 0
+    for u in part.units:
+        assert torch.equal(part.read_partition(u), torch.zeros(u.part_numel))
+    part.close()
+
+
 @pytest.mark.parametrize("tier", ["none", "cpu", "nvme"])
 def test_gathered_parameters_modify_round_trips(tier, tmp_path):
     cfg = s3_config(tier, tmp_path, offload_param={"pin_memory": True} if tier == "cpu" else {})

@@ -1,4 +1,5 @@
-"""ZeRO partitioning and the offload engine: `engine, optimizer, loader, scheduler = zero.initialize(...)`."""
+"""ZeRO partitioning and the offload engine: `engine, optimizer, loader, scheduler = zero.initialize(...)`;
+`engine = zero.from_pretrained(checkpoint_dir, config=...)` for a Hugging Face checkpoint."""
 
 from typing import TYPE_CHECKING, Any
 
@@ -20,12 +21,14 @@ __all__ = [
     "StateCorruptedError",
     "ZeroEngine",
     "consolidated_state_dict",
+    "from_pretrained",
     "initialize",
 ]
 
 if TYPE_CHECKING:
     from zero.engine import ZeroEngine, consolidated_state_dict
     from zero.initialization import initialize
+    from zero.pretrained import from_pretrained
     from zero.stage3 import GatheredParameters, Init
 
 
@@ -38,6 +41,11 @@ def __getattr__(name: str) -> Any:
         # Importing the submodule bound `zero.initialize` to the module; the function is the public name.
         globals()["initialize"] = initialize
         return initialize
+    if name == "from_pretrained":
+        from zero.pretrained import from_pretrained
+
+        globals()["from_pretrained"] = from_pretrained
+        return from_pretrained
     if name == "ZeroEngine":
         from zero.engine import ZeroEngine
 

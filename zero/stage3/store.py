@@ -194,11 +194,10 @@ class PartitionStore:
         self._files[unit.index] = self._new_file(unit)
         if self._largest is None or unit.part_nbytes > self._largest.part_nbytes:
             self._largest = unit
-        values = torch.empty(unit.part_numel, dtype=unit.dtype)
         if fill is None:
-            values.zero_()
-        else:
-            fill(values)
+            return  # a new swap file is preallocated and reads as zeros: writing them would double the I/O
+        values = torch.empty(unit.part_numel, dtype=unit.dtype)
+        fill(values)
         self.write(unit, values)
 
     def _new_file(self, unit: Unit) -> SwapFile:

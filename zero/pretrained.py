@@ -1,0 +1,494 @@
+"""`zero.from_pretrained`: a Hugging Face checkpoint streamed into stage-3 partitions, one shard at a time.
+
+The model is built from the checkpoint's config.json as `AutoModelForCausalLM.from_config` builds it, with
+its parameters on the meta device (buffers are real: rotary tables and the like are computed as usual), so
+no weight exists in memory. The stage-3 partitioner then gives every module's parameters an empty partition
+on the configured tier (`zero_optimization.offload_param`), and each safetensors file is opened in turn
+(`safe_open`, memory-mapped) and its tensors copied, module by module, into the partitions: a partition is
+assembled in one buffer of its own size and written to its tier (in place for the memory tiers, one write
+for a swap file). At any moment the process holds at most the pages of the file being read and one
+module's partition. The engine is then built by `zero.initialize` around the already partitioned model
+(as for a model built under `zero.Init`).
+
+Everything that can be checked before a byte of weights is read is checked first, from the config and the
+safetensors headers alone: the files exist and are complete, every checkpoint tensor has the shape of its
+parameter, every parameter has a tensor. Errors name the file, the tensor and the sizes; the partitions and
+swap files made before a later failure are removed (docs/inference.md, "Loading a checkpoint").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import errno
+import json
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from zero.engine import ZeroEngine
+    from zero.stage3.partitioner import Stage3Partitioner
+
+__all__ = ["PretrainedCheckpointError", "from_pretrained"]
+
+logger = logging.getLogger("zero")
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# safetensors dtype names of the tensors cast to the compute dtype as they are loaded
+_FLOAT_TENSORS = ("F64", "F32", "F16", "BF16")
+# from_pretrained arguments about placement or quantization: the config's offload_param places the weights
+_REFUSED_KWARGS = ("device_map", "max_memory", "offload_folder", "quantization_config", "tp_plan")
+_SHOWN = 10  # names listed in an error or warning before "and N more"
+
+
+class PretrainedCheckpointError(ValueError):
+    """The checkpoint's files or tensors do not fit the model: a shard that is not complete safetensors, a
+    tensor whose shape or dtype differs from its parameter's, parameters without a tensor, an index that
+    disagrees with its shards. The message names the file, the tensor and the sizes."""
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    file: str
+    shape: Tuple[int, ...]
+    dtype: str  # safetensors' name: F32, BF16, I64, ...
+
+
+def _listed(names: List[str]) -> str:
+    more = f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else ""
+    return ", ".join(repr(n) for n in names[:_SHOWN]) + more
+
+
+# ------------------------------------------------------------------------------------------------ files
+def _weight_files(root: str) -> Tuple[List[str], Optional[Dict[str, str]]]:
+    """The safetensors files of the checkpoint and, when sharded, the index's tensor -> file map."""
+    index = os.path.join(root, INDEX_FILE)
+    if os.path.isfile(index):
+        try:
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f).get("weight_map")
+        except (ValueError, AttributeError) as e:
+            raise PretrainedCheckpointError(f"{index}: not a safetensors index ({e})") from e
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise PretrainedCheckpointError(f"{index}: no 'weight_map' of tensor names to shard files")
+        files: List[str] = []
+        for key, name in weight_map.items():
+            path = os.path.join(root, str(name))
+            if os.path.basename(str(name)) != name:
+                raise PretrainedCheckpointError(f"{index}: shard {name!r} (of {key!r}) is not a file name")
+            if path not in files:
+                if not os.path.isfile(path):
+                    raise FileNotFoundError(
+                        errno.ENOENT,
+                        f"{index} names the shard {name!r} (holding {key!r}), which is missing from {root}",
+                        path,
+                    )
+                files.append(path)
+        return files, {k: os.path.join(root, str(v)) for k, v in weight_map.items()}
+    single = os.path.join(root, SINGLE_FILE)
+    if os.path.isfile(single):
+        return [single], None
+    others = sorted(f for f in os.listdir(root) if f.endswith((".bin", ".pt", ".pth", ".h5", ".msgpack")))
+    hint = (
+        f"; found {_listed(others)}: only safetensors checkpoints are read (save them with "
+        "save_pretrained(..., safe_serialization=True))"
+        if others
+        else ""
+    )
+    raise FileNotFoundError(errno.ENOENT, f"{root}: neither {SINGLE_FILE} nor {INDEX_FILE}{hint}", root)
+
+
+def _size_note(file: str) -> str:
+    """What the file's own header says its size should be, against its size on disk."""
+    size = os.path.getsize(file)
+    try:
+        with open(file, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if n > size:
+                return f"its header claims {n} bytes of metadata, the file has {size} bytes"
+            header = json.loads(f.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        return f"its header describes {8 + n + end} bytes, the file has {size} bytes"
+    except Exception:
+        return f"{size} bytes on disk"
+
+
+def _scan(files: List[str], index_map: Optional[Dict[str, str]]) -> Dict[str, _Tensor]:
+    """Name -> file, shape and dtype of every tensor, from the headers only (no tensor data is read)."""
+    from safetensors import safe_open
+
+    tensors: Dict[str, _Tensor] = {}
+    for file in files:
+        try:
+            with safe_open(file, framework="pt") as f:
+                for key in f.keys():
+                    sl = f.get_slice(key)
+                    if key in tensors:
+                        raise PretrainedCheckpointError(
+                            f"tensor {key!r} is in both {tensors[key].file} and {file}"
+                        )
+                    tensors[key] = _Tensor(file, tuple(sl.get_shape()), str(sl.get_dtype()))
+        except PretrainedCheckpointError:
+            raise
+        except Exception as e:
+            raise PretrainedCheckpointError(
+                f"{file}: not a complete safetensors file ({_size_note(file)}; truncated or corrupt?): {e}"
+            ) from e
+    for key, file in (index_map or {}).items():
+        if key not in tensors or tensors[key].file != file:
+            raise PretrainedCheckpointError(
+                f"{os.path.join(os.path.dirname(file), INDEX_FILE)} maps {key!r} to {file}, which does not "
+                "hold it: the index and its shards do not belong together"
+            )
+    return tensors
+
+
+# ------------------------------------------------------------------------------------------------ dtype
+def _as_dtype(value: Any, what: str) -> Optional[torch.dtype]:
+    if value is None or (isinstance(value, str) and value == "auto"):  # "auto": as if not given
+        return None
+    dtype = value if isinstance(value, torch.dtype) else _DTYPES.get(str(value).replace("torch.", ""))
+    if dtype not in _DTYPES.values():
+        raise ValueError(f"{what}={value!r}: the compute dtype must be torch.float32, float16 or bfloat16")
+    return dtype
+
+
+def _compute_dtype(dtype: Any, loaded: Any, hf_raw: Mapping[str, Any]) -> torch.dtype:
+    """dtype=, else the config's fp16/bf16, else the checkpoint's config.json dtype, else float32."""
+    configured = torch.float16 if loaded.fp16.enabled else torch.bfloat16 if loaded.bf16.enabled else None
+    explicit = _as_dtype(dtype, "dtype")
+    if explicit is not None:
+        if configured is not None and explicit != configured:
+            raise ValueError(
+                f"dtype={explicit} but the config enables {'fp16' if loaded.fp16.enabled else 'bf16'}: the "
+                "engine computes in the config's dtype; leave dtype= out or change the config"
+            )
+        return explicit
+    if configured is not None:
+        return configured
+    saved = hf_raw.get("dtype", hf_raw.get("torch_dtype"))
+    return _DTYPES.get(str(saved).replace("torch.", ""), torch.float32)
+
+
+def _with_dtype(raw: Mapping[str, Any], dtype: torch.dtype) -> Dict[str, Any]:
+    """A copy of the config whose fp16/bf16 section enables `dtype` (the engine computes in that)."""
+    out = copy.deepcopy(dict(raw))
+    if dtype != torch.float32:
+        key = ("fp16",) if dtype == torch.float16 else ("bfloat16",) if "bfloat16" in out else ("bf16",)
+        out[key[0]] = {**dict(out.get(key[0]) or {}), "enabled": True}
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ model
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Every parameter registered inside is moved to the meta device (buffers stay real)."""
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
+        original(module, name, param)
+        if param is not None and not param.is_meta:
+            meta = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+            meta.__dict__.update(param.__dict__)
+            module._parameters[name] = meta
+
+    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def _renamer(model: nn.Module, key_mapping: Optional[Dict[str, str]]) -> Callable[[str], str]:
+    """Checkpoint key -> model key, as transformers renames them (its conversion mapping for the model, the
+    legacy renames, key_mapping=, base_model_prefix added or stripped). Conversions that merge or split
+    tensors are refused."""
+    state = model.state_dict(keep_vars=True)
+    prefix = getattr(model, "base_model_prefix", "") or None
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    except ImportError:  # an older transformers: only the base-model prefix
+        get_model_conversion_mapping = None
+    if get_model_conversion_mapping is None:
+
+        def plain(key: str) -> str:
+            if prefix and key not in state and f"{prefix}.{key}" in state:
+                return f"{prefix}.{key}"
+            short = key[len(prefix) + 1 :] if prefix and key.startswith(prefix + ".") else None
+            if short is not None and key not in state and short in state:
+                return short
+            return key
+
+        return plain
+    mapping = get_model_conversion_mapping(model, key_mapping=key_mapping)
+    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+
+    def rename(key: str) -> str:
+        new, pattern = rename_source_key(key, renamings, converters, prefix, state)
+        if new not in state and key in state:
+            new, pattern = rename_source_key(key, [], [], prefix, state)
+        if pattern is not None:
+            raise PretrainedCheckpointError(
+                f"checkpoint tensor {key!r} needs transformers' conversion {pattern!r} (tensors merged or "
+                "split on load), which zero.from_pretrained does not apply: save the model with transformers "
+                "first (from_pretrained, then save_pretrained) and load that"
+            )
+        return new
+
+    return rename
+
+
+def _ignored(name: str, patterns: Any) -> bool:
+    return any(re.search(p, name) for p in (patterns or ()))
+
+
+@dataclass
+class _Plan:
+    params: Dict[str, Tuple[str, str]]  # checkpoint key -> (file, parameter's first name)
+    buffers: Dict[str, Tuple[str, str]]  # checkpoint key -> (file, buffer name)
+
+
+def _plan(model: nn.Module, tensors: Dict[str, _Tensor], rename: Callable[[str], str]) -> _Plan:
+    """Match checkpoint tensors to parameters and persistent buffers; check shapes and dtypes; refuse
+    parameters without a tensor (tied aliases and the model's ignore patterns excepted); warn about
+    tensors the model does not have."""
+    state = model.state_dict(keep_vars=True)
+    first: Dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        first.setdefault(id(p), name)
+    plan = _Plan({}, {})
+    loaded: set = set()
+    unexpected, wrong = [], []
+    for key in sorted(tensors):
+        t = tensors[key]
+        name = rename(key)
+        target = state.get(name)
+        if target is None:
+            if not _ignored(key, getattr(model, "_keys_to_ignore_on_load_unexpected", None)):
+                unexpected.append(key)
+            continue
+        is_param = isinstance(target, nn.Parameter)
+        what = f"parameter {name!r}" if is_param else f"buffer {name!r}"
+        if tuple(target.shape) != t.shape:
+            wrong.append(
+                f"{t.file}: tensor {key!r} has shape {list(t.shape)} ({t.dtype}) but the model's {what} has "
+                f"shape {list(target.shape)}"
+            )
+            continue
+        if (t.dtype in _FLOAT_TENSORS) != target.is_floating_point():
+            wrong.append(
+                f"{t.file}: tensor {key!r} is {t.dtype} but the model's {what} is {target.dtype} "
+                "(floating-point tensors are cast to the compute dtype; other dtypes must match in kind)"
+            )
+            continue
+        if not is_param:
+            plan.buffers[key] = (t.file, name)
+        elif id(target) not in loaded:  # a tied parameter: its first tensor in the checkpoint
+            loaded.add(id(target))
+            plan.params[key] = (t.file, first[id(target)])
+    if wrong:
+        raise PretrainedCheckpointError(
+            f"{len(wrong)} checkpoint tensor(s) do not fit the model: " + "; ".join(wrong[:_SHOWN])
+        )
+    ignorable = getattr(model, "_keys_to_ignore_on_load_missing", None)
+    missing = [n for i, n in first.items() if i not in loaded]
+    refused = [n for n in missing if not _ignored(n, ignorable)]
+    if refused:
+        raise PretrainedCheckpointError(
+            f"the checkpoint has no tensor for {len(refused)} parameter(s) of "
+            f"{type(model).__name__}: {_listed(refused)} (checked {len(tensors)} tensors in "
+            f"{len({t.file for t in tensors.values()})} file(s)); zero.from_pretrained does not initialise "
+            "missing weights at random"
+        )
+    if missing:
+        logger.warning(
+            "zero.from_pretrained: %s not in the checkpoint (ignorable): left at zero", _listed(missing)
+        )
+    if unexpected:
+        logger.warning(
+            "zero.from_pretrained: %d checkpoint tensor(s) the model %s does not have were not loaded: %s",
+            len(unexpected),
+            type(model).__name__,
+            _listed(unexpected),
+        )
+    return plan
+
+
+# ------------------------------------------------------------------------------------------- streaming
+def _stream(part: Stage3Partitioner, model: nn.Module, plan: _Plan) -> int:
+    """Copy every planned tensor into its partition (or buffer), file by file; returns bytes read."""
+    from safetensors import safe_open
+
+    params = dict(model.named_parameters(remove_duplicate=False))
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    files = sorted({f for f, _ in plan.params.values()} | {f for f, _ in plan.buffers.values()})
+    written: set = set()  # units whose partition already holds some values (the rest start as zeros)
+    nbytes = 0
+    for file in files:
+        by_unit: Dict[int, List[Tuple[str, int]]] = {}
+        for key, (f, name) in plan.params.items():
+            if f == file:
+                p = params[name]
+                by_unit.setdefault(p.ds_unit.index, []).append((key, p.ds_index))
+        key: Optional[str] = None
+        try:
+            with safe_open(file, framework="pt") as f:
+                for index in sorted(by_unit):
+                    unit = part.units[index]
+                    on_nvme = part.store.on_nvme(unit)
+                    if not on_nvme:
+                        values = part.read_partition(unit)  # the partition itself: filled in place
+                    elif index in written:
+                        values = part.read_partition(unit, torch.empty(unit.part_numel, dtype=unit.dtype))
+                    else:
+                        values = torch.zeros(unit.part_numel, dtype=unit.dtype)
+                    for key, i in by_unit[index]:
+                        flat = f.get_tensor(key).reshape(-1)  # a view of the mapped file
+                        a, z = unit.param_range(i)
+                        lo, hi = max(a, unit.lo), min(z, unit.hi)
+                        if lo < hi:
+                            values[lo - unit.lo : hi - unit.lo].copy_(flat[lo - a : hi - a])
+                        nbytes += flat.numel() * flat.element_size()
+                        del flat
+                    if on_nvme:
+                        part.write_partition(unit, values)
+                    written.add(index)
+                    del values
+                for key, (fname, name) in plan.buffers.items():
+                    if fname == file:
+                        with torch.no_grad():
+                            buffers[name].copy_(f.get_tensor(key))
+        except (OSError, MemoryError):
+            raise
+        except Exception as e:
+            what = f"reading tensor {key!r}" if key is not None else "opening it"
+            raise PretrainedCheckpointError(f"{file}: {what} failed: {e}") from e
+    return nbytes
+
+
+# ---------------------------------------------------------------------------------------------- public
+def from_pretrained(
+    path: Union[str, os.PathLike],
+    config: Union[str, os.PathLike, Dict[str, Any]],
+    dtype: Optional[Union[torch.dtype, str]] = None,
+    **hf_kwargs: Any,
+) -> ZeroEngine:
+    """Build the causal LM of the Hugging Face checkpoint directory `path` straight into stage-3 partitions
+    on the config's `offload_param` tier, one safetensors file at a time, and return the inference engine.
+
+    `path`: a local directory with config.json and either model.safetensors or model.safetensors.index.json
+    with its shards (transformers' save_pretrained layout). The model class is the one
+    `AutoModelForCausalLM` picks for config.json; `hf_kwargs` go to `AutoModelForCausalLM.from_config`
+    (e.g. `attn_implementation=`, `trust_remote_code=`), except `key_mapping=` (a {regex: replacement}
+    dict of checkpoint-key renames, as transformers' from_pretrained takes it). `config`: the DeepSpeed
+    config (dict or JSON path) with `zero_optimization.stage` 3.
+
+    Compute dtype: `dtype=` if given and not "auto" (it must agree with the config's fp16/bf16 section
+    when one is enabled); else the config's fp16/bf16 setting; else the dtype config.json saved the weights
+    in (`dtype`, or `torch_dtype` in older files) when it is float32, float16 or bfloat16; else float32.
+    The config handed to the engine enables fp16/bf16 accordingly. Floating-point tensors are cast to it.
+
+    Returns what `zero.initialize(model=..., config=...)` returns first: a `ZeroEngine` without an
+    optimizer (with one if the config has an `optimizer` block), in eval mode; the Hugging Face model is
+    `engine.module` (`engine.module.generate(...)`). `engine.close()` removes the swap files.
+
+    Raises `FileNotFoundError` (no config.json, no weights, a shard the index names is missing),
+    `PretrainedCheckpointError` (a truncated or corrupt shard, a tensor whose shape or dtype does not fit
+    its parameter, parameters the checkpoint lacks - tied ones and the model's ignore patterns excepted),
+    `ConfigError`/`ValueError` (not stage 3, a dtype that contradicts the config) before any weight is
+    read, and `Stage3PinnedBudgetError` when the pinned budget cannot hold the largest layer's buffers.
+    Checkpoint tensors the model does not have are skipped with a warning (logger `zero`), as
+    transformers does. Whatever was partitioned before an error is freed, its swap files removed.
+    """
+    import transformers
+
+    from offload.config import ConfigError, load_config
+    from offload.config._reader import read_json_file
+    from zero.accelerator import compute_device
+    from zero.engine import init_distributed
+    from zero.initialization import initialize
+    from zero.stage3.partitioner import Stage3Partitioner
+
+    start = time.monotonic()
+    root = os.fspath(path)
+    if not os.path.isdir(root):
+        raise FileNotFoundError(errno.ENOENT, "zero.from_pretrained needs a local checkpoint directory", root)
+    config_json = os.path.join(root, "config.json")
+    if not os.path.isfile(config_json):
+        raise FileNotFoundError(
+            errno.ENOENT,
+            f"{root}: no config.json (a Hugging Face checkpoint directory holds config.json and "
+            f"{SINGLE_FILE} or {INDEX_FILE} with its shards)",
+            config_json,
+        )
+    refused = [k for k in _REFUSED_KWARGS if k in hf_kwargs]
+    if refused:
+        raise ValueError(
+            f"zero.from_pretrained does not take {', '.join(refused)}: the config's "
+            "zero_optimization.offload_param places the weights"
+        )
+    if dtype is None and "torch_dtype" in hf_kwargs:
+        dtype = hf_kwargs.pop("torch_dtype")
+    key_mapping = hf_kwargs.pop("key_mapping", None)
+    files, index_map = _weight_files(root)
+    tensors = _scan(files, index_map)
+
+    _, world_size, local_rank = init_distributed()
+    raw = read_json_file(os.fspath(config)) if isinstance(config, (str, os.PathLike)) else config
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"config must be a dict or the path of a JSON file, got {type(config).__name__}")
+    loaded = load_config(raw, world_size)
+    if int(loaded.zero_optimization.stage) != 3:
+        raise ConfigError(
+            f"zero.from_pretrained streams the weights into stage-3 partitions and needs "
+            f"zero_optimization.stage=3, got {loaded.zero_optimization.stage}; at stages 0-2 every rank "
+            "holds the whole model: load it with transformers and pass it to zero.initialize"
+        )
+    with open(config_json, encoding="utf-8") as f:
+        compute = _compute_dtype(dtype, loaded, json.load(f))
+    raw = _with_dtype(raw, compute)
+    loaded = load_config(raw, world_size)
+
+    trust = {k: hf_kwargs[k] for k in ("trust_remote_code",) if k in hf_kwargs}
+    hf_config = transformers.AutoConfig.from_pretrained(root, **trust)
+    with _parameters_on_meta():
+        model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=compute, **hf_kwargs)
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != compute:  # e.g. modules a model keeps in fp32
+            p.data = p.data.to(compute)
+    plan = _plan(model, tensors, _renamer(model, key_mapping))
+    if getattr(model, "can_generate", lambda: False)() and os.path.isfile(
+        os.path.join(root, "generation_config.json")
+    ):
+        model.generation_config = transformers.GenerationConfig.from_pretrained(root)
+
+    part = Stage3Partitioner(loaded, device=compute_device(local_rank))
+    try:
+        part.partition_model(model)  # zero partitions; the pinned budget is checked here
+        nbytes = _stream(part, model, plan)
+        engine = initialize(model=model, config=raw)[0]  # takes the partitioner over (as after zero.Init)
+    except BaseException:
+        part.close()  # partitions, pinned buffers and swap files of this load
+        raise
+    engine.eval()
+    logger.info(
+        "zero.from_pretrained: %d tensors (%.1f MB) from %d file(s) into %d units on %s in %.1f s",
+        len(plan.params) + len(plan.buffers),
+        nbytes / 1e6,
+        len(files),
+        len(part.units),
+        part.store.tier,
+        time.monotonic() - start,
+    )
+    return engine
