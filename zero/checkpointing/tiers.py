@@ -446,23 +446,19 @@ class NvmeTier(Tier):
             return False
         p, offset, written, _ = token
         length = align_up(entry.nbytes, self._alignment)
-        on_host = entry.device.type == "cpu"
 
-        def read() -> torch.Tensor:
+        def read() -> Tuple[torch.Tensor, Any]:
             written.result()  # a failed write fails its read
             p.check()
-            buf = self._stage("read", length) if on_host else self._buffers.take(length)[0]
+            buf, key = self._buffers.take(length)  # recycled pinned memory, handed back by restore
             try:
                 self._aio.sync_pread(buf[:length], p.path, offset)
             except BaseException as e:
+                self._buffers.give(key)
                 p.error = p.error or e
                 raise
             self._count("nvme_read_bytes", length)
-            if not on_host:
-                return buf  # the compute thread copies it to the device, then recycles it
-            out = torch.empty(entry.nbytes, dtype=torch.uint8)
-            out.copy_(buf[: entry.nbytes])
-            return out
+            return buf, key
 
         token[3] = self._submit(read)
         return True
@@ -477,13 +473,13 @@ class NvmeTier(Tier):
                 f"restoring a checkpointed block's input from {p.path} failed: {error}; the step cannot go on"
                 " (the next pass writes a new scratch file)"
             ) from error
-        flat = read.result()
-        if entry.device.type != "cpu":
-            out = torch.empty(entry.nbytes, dtype=torch.uint8, device=entry.device)
-            out.copy_(flat[: entry.nbytes])  # synchronous: the pinned buffer is free again after it
-            self._buffers.give(flat)
-            flat = out
-        return entry.from_bytes(flat)
+        buf, key = read.result()
+        # allocated here, on the compute thread: its memory is the compute thread's to reuse (a tensor made on
+        # the I/O thread would come from that thread's malloc arena and swell the process)
+        out = torch.empty(entry.nbytes, dtype=torch.uint8, device=entry.device)
+        out.copy_(buf[: entry.nbytes])  # synchronous: the pinned buffer is free again after it
+        self._buffers.give(key)
+        return entry.from_bytes(out)
 
     def release(self, entry: Entry) -> None:
         entry.token = None  # its bytes in the scratch file go with the pass
