@@ -19,6 +19,7 @@ __all__ = [
     "NoOptimizerError",
     "StateCorruptedError",
     "ZeroEngine",
+    "ZeroParamStatus",
     "consolidated_state_dict",
     "initialize",
 ]
@@ -26,7 +27,7 @@ __all__ = [
 if TYPE_CHECKING:
     from zero.engine import ZeroEngine, consolidated_state_dict
     from zero.initialization import initialize
-    from zero.stage3 import GatheredParameters, Init
+    from zero.stage3 import GatheredParameters, Init, ZeroParamStatus
 
 
 def __getattr__(name: str) -> Any:
@@ -43,7 +44,7 @@ def __getattr__(name: str) -> Any:
 
         globals()["ZeroEngine"] = ZeroEngine
         return ZeroEngine
-    if name in ("Init", "GatheredParameters"):
+    if name in ("Init", "GatheredParameters", "ZeroParamStatus"):
         import zero.stage3 as stage3
 
         value = getattr(stage3, name)
