@@ -304,14 +304,20 @@ class OptimizerState:
         grad_scale: float,
         fused_check: bool,
         on_chunk: Optional[Callable[[], None]] = None,
+        sq: Optional[List[float]] = None,
     ) -> Callable[[int, int, torch.Tensor, List[torch.Tensor]], bool]:
-        """The tier's per-chunk update: the rule on [start, start + n), then the copy-back."""
+        """The tier's per-chunk update: the rule on [start, start + n), then the copy-back. With `sq`, each
+        chunk's sum of squared (raw) gradients is appended to it first: the step's gradient norm, taken
+        while the pass walks the gradients anyway (on NVMe, under the reads and writes in flight)."""
         rule, writer = self.rule, self.writer
 
         def update(start: int, n: int, master: torch.Tensor, states: List[torch.Tensor]) -> bool:
+            g = grad[start : start + n]
+            if sq is not None:
+                sq.append(float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2)
             ok = rule.apply(
                 master,
-                grad[start : start + n],
+                g,
                 states,
                 step=step,
                 group=group,

@@ -362,11 +362,11 @@ class Stage3Partitioner:
         return self.hooks
 
     def gathered_state_dict(
-        self, model: nn.Module, device: Union[str, torch.device] = "cpu"
+        self, model: nn.Module, device: Union[str, torch.device] = "cpu", keep: bool = True
     ) -> Dict[str, Any]:
         """`model.state_dict()` with whole parameters, gathering one unit at a time (collective;
-        zero.stage3.state_dict.gathered_state_dict)."""
-        return gathered_state_dict(self, model, device)
+        `keep=False`: take part, return {}; zero.stage3.state_dict.gathered_state_dict)."""
+        return gathered_state_dict(self, model, device, keep)
 
     def close(self) -> None:
         """Hooks off, every unit freed, pinned memory back to the pool, swap files removed (idempotent)."""
