@@ -1,10 +1,12 @@
 """The pieces of DeepSpeed's contract that transformers, TRL, PEFT, accelerate and Lightning read, each with
 DeepSpeed's meaning: the stage-3 parameter attributes (ds_numel, ds_shape, ds_id, ds_status, ds_tensor),
 GatheredParameters' and Init's signatures, get_global_grad_norm, set_gradient_accumulation_boundary,
-optimizer.overflow, the 16-bit export, load_checkpoint's return value and the client-optimizer rule."""
+optimizer.overflow, the 16-bit export, load_checkpoint's return value, the client-optimizer rule, and the
+launcher conventions (--local_rank, LOCAL_RANK, an existing process group, add_config_arguments)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import math
@@ -12,12 +14,14 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 from dist_helpers import run_on_ranks
 from test_engine import DATA, TINY, base_config, make_model, train
 from test_stage3_helpers import MLP, s3_config
 from torch import nn
 
 import zero
+from zero import deepspeed_api
 from zero.models import get_batch
 from zero.stage3 import GatheredParameters, Init, PartitionStatus, Stage3Partitioner
 
@@ -310,6 +314,69 @@ def test_load_checkpoint_returns_path_and_client_state(tmp_path):
     assert path == str(tmp_path / "a" / "global_step1") and client == {"epoch": 3}
     assert engine.load_checkpoint(str(tmp_path / "b"))[1] == {}  # a dict, as DeepSpeed's
     engine.close()
+
+
+# ------------------------------------------------------------------------------- launcher conventions
+def test_local_rank_from_args_and_environment(monkeypatch):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    parser = zero.add_config_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--local-rank=1", "--deepspeed", "--deepspeed_config", "ds.json"])
+    assert (args.local_rank, args.deepspeed, args.deepspeed_config) == (1, True, "ds.json")
+    assert parser.parse_args(["--local_rank", "2"]).local_rank == 2
+    assert parser.parse_args([]).local_rank == -1
+    own = argparse.ArgumentParser()
+    own.add_argument("--local_rank", type=int, default=-1)  # the script defines it already: kept
+    assert zero.add_config_arguments(own).parse_args(["--local-rank", "3"]).local_rank == 3
+    of = deepspeed_api.local_rank_of
+    assert of(None) is None and of(argparse.Namespace(local_rank=-1)) is None
+    assert of(argparse.Namespace(local_rank=1)) == 1
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert of(None) == 1 and of(argparse.Namespace(local_rank=1)) == 1
+    with pytest.raises(ValueError, match="must agree"):
+        of(argparse.Namespace(local_rank=0))
+    with pytest.raises(ValueError, match="int"):
+        of(argparse.Namespace(local_rank="1"))
+
+
+def test_cuda_device_is_set_before_the_process_group_starts(monkeypatch):
+    calls = []
+    monkeypatch.setattr(deepspeed_api, "accelerator_name", lambda: "cuda")
+    monkeypatch.setattr(deepspeed_api, "dist_backend", lambda: "nccl")
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", d)))
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend: calls.append(("init", backend)))
+    monkeypatch.setattr(dist, "get_rank", lambda: 3)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 4)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert deepspeed_api.init_distributed(argparse.Namespace(local_rank=1)) == (3, 4, 1)
+    assert calls == [("set_device", 1), ("init", "nccl")]
+    calls.clear()
+    # Lightning passes the device as args.device_rank
+    assert deepspeed_api.init_distributed(argparse.Namespace(device_rank=0)) == (3, 4, 0)
+    assert calls == [("set_device", 0), ("init", "nccl")]
+
+
+def test_an_existing_process_group_is_adopted(tmp_path, monkeypatch):
+    cfg_path = tmp_path / "ds.json"
+    cfg_path.write_text(json.dumps(base_config("cpu")))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+
+        def refuse(*a, **k):
+            raise AssertionError("the process group was started again")
+
+        monkeypatch.setattr(dist, "init_process_group", refuse)
+        monkeypatch.setenv("WORLD_SIZE", "1")
+        args = argparse.Namespace(local_rank=0, deepspeed_config=str(cfg_path))
+        engine, *_ = zero.initialize(args=args, model=make_model())  # the config from args
+        assert engine.world_size == 1 and engine.optimizer.param_groups[0]["lr"] == 1e-3
+        train(engine, 1)
+        engine.close()
+        with pytest.raises(ValueError, match="give one"):
+            zero.initialize(args=args, model=make_model(), config=base_config("cpu"))
+    finally:
+        dist.destroy_process_group()
 
 
 # ------------------------------------------------------------------------------------------- two ranks

@@ -20,11 +20,14 @@ __all__ = [
     "StateCorruptedError",
     "ZeroEngine",
     "ZeroParamStatus",
+    "add_config_arguments",
     "consolidated_state_dict",
+    "init_distributed",
     "initialize",
 ]
 
 if TYPE_CHECKING:
+    from zero.deepspeed_api import add_config_arguments, init_distributed
     from zero.engine import ZeroEngine, consolidated_state_dict
     from zero.initialization import initialize
     from zero.stage3 import GatheredParameters, Init, ZeroParamStatus
@@ -48,6 +51,12 @@ def __getattr__(name: str) -> Any:
         import zero.stage3 as stage3
 
         value = getattr(stage3, name)
+        globals()[name] = value
+        return value
+    if name in ("add_config_arguments", "init_distributed"):  # DeepSpeed's launcher conventions
+        import zero.deepspeed_api as api
+
+        value = getattr(api, name)
         globals()[name] = value
         return value
     if name == "checkpointing":  # activation checkpointing, DeepSpeed's `deepspeed.checkpointing`

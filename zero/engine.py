@@ -30,17 +30,16 @@ scatter one API over several files without making any part smaller.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from offload.config.activation import ActivationCheckpointingConfig
 from offload.pinned import PINNED_BUDGET_ENV, PinnedPool, default_pinned_budget, pinned_bytes_in_use
 from zero import checkpointing, inference
-from zero.accelerator import compute_device, dist_backend
+from zero.accelerator import compute_device
+from zero.deepspeed_api import init_distributed  # noqa: F401 - its old home; zero.initialize uses it
 from zero.integrity import StateGuard
 from zero.layout.base import Layout, Placement, allocate_pinned, trainable_params
 from zero.layout.flat import FlatLayout
@@ -56,21 +55,6 @@ __all__ = ["PINNED_BUDGET_ENV", "ZeroEngine", "consolidated_state_dict", "init_d
 logger = logging.getLogger("zero")
 
 
-def init_distributed() -> Tuple[int, int, int]:
-    """(rank, world_size, local_rank): uses an initialized process group, or starts one under torchrun."""
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size(), local_rank
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        backend = dist_backend()
-        if backend == "nccl":
-            torch.cuda.set_device(local_rank)
-        dist.init_process_group(backend=backend)
-        return dist.get_rank(), dist.get_world_size(), local_rank
-    return 0, 1, local_rank
-
-
 class ZeroEngine:
     """What `zero.initialize` returns. Method names and semantics follow DeepSpeed's DeepSpeedEngine."""
 
@@ -84,7 +68,7 @@ class ZeroEngine:
         lr_scheduler: Optional[Any] = None,
         rank: int = 0,
         world_size: int = 1,
-        local_rank: int = 0,
+        local_rank: Optional[int] = None,
     ) -> None:
         self.config = cfg
         self.rank, self.world_size = rank, world_size
