@@ -19,7 +19,7 @@ import torch.distributed as dist
 from zero.comm import settle
 from zero.layout.base import Layout
 from zero.optimizer_offload import ZeroOptimizer
-from zero.optimizer_state import OptimizerState
+from zero.optimizer_state import OptimizerState, sum_of_squares
 from zero.overlap import OverlapPass
 from zero.report import StepReport
 
@@ -69,7 +69,8 @@ class UpdatePass:
         return self.gradient_clipping > 0 or (self.check_overflow and not fused_check)
 
     def _sum_over_ranks(self, sq: torch.Tensor) -> torch.Tensor:
-        """This rank's sum of squares -> the global one (stages 1-3 hold a partition of the gradients)."""
+        """This rank's sum of squares (a 1-element float64 tensor) -> the global one (stages 1-3 hold a
+        partition of the gradients; float64, so a large sum of 16-bit squares never overflows to inf)."""
         if self.world_size > 1 and self.stage >= 1:
             sq = sq.to(self.device) if self.device.type == "cuda" else sq
             settle(dist.all_reduce(sq, async_op=True))
@@ -84,9 +85,9 @@ class UpdatePass:
         grad_scale = self.loss_scale() * self.world_size  # sum over ranks -> mean, and unscale
         if not self._norm_first(fused_check):
             return grad_scale, False
-        sq = torch.linalg.vector_norm(self.layout.grad_host, dtype=torch.float32).pow(2).reshape(1)
-        sq = self._sum_over_ranks(sq)
-        norm = math.sqrt(float(sq.item())) / grad_scale if math.isfinite(float(sq.item())) else math.inf
+        sq = torch.tensor([sum_of_squares(self.layout.grad_host)], dtype=torch.float64)
+        total = float(self._sum_over_ranks(sq).item())
+        norm = math.sqrt(total) / grad_scale if math.isfinite(total) else math.inf
         self._norm = norm
         if not math.isfinite(norm):
             return grad_scale, self.check_overflow
