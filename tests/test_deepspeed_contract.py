@@ -205,6 +205,18 @@ def test_get_global_grad_norm_equals_torchs_clip_grad_norm(case, tmp_path):
     assert got == pytest.approx(want, rel=1e-4)
 
 
+def test_sum_of_squares_is_accurate_for_every_gradient_dtype():
+    from zero.optimizer_state import SQ_PIECE, sum_of_squares
+
+    g = torch.randn(3 * SQ_PIECE + 12345, generator=torch.Generator().manual_seed(0)) * 1e3
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x = g.to(dtype)
+        want = float(x.double().pow(2).sum())
+        assert sum_of_squares(x) == pytest.approx(want, rel=3e-5), dtype  # one fp32 sum: up to ~1e-3
+    g[SQ_PIECE + 1] = float("inf")
+    assert sum_of_squares(g) == math.inf and math.isnan(sum_of_squares(g * 0))  # inf * 0: nan
+
+
 @pytest.mark.parametrize("offload", ["cpu", "nvme"])
 def test_optimizer_overflow_and_the_norm_of_a_skipped_step(offload, tmp_path):
     cfg = base_config(offload, tmp_path, fp16={"enabled": True, "initial_scale_power": 8})
