@@ -20,16 +20,20 @@ __all__ = [
     "NoOptimizerError",
     "StateCorruptedError",
     "ZeroEngine",
+    "ZeroParamStatus",
+    "add_config_arguments",
     "consolidated_state_dict",
     "from_pretrained",
+    "init_distributed",
     "initialize",
 ]
 
 if TYPE_CHECKING:
+    from zero.deepspeed_api import add_config_arguments, init_distributed
     from zero.engine import ZeroEngine, consolidated_state_dict
     from zero.initialization import initialize
     from zero.pretrained import from_pretrained
-    from zero.stage3 import GatheredParameters, Init
+    from zero.stage3 import GatheredParameters, Init, ZeroParamStatus
 
 
 def __getattr__(name: str) -> Any:
@@ -51,10 +55,16 @@ def __getattr__(name: str) -> Any:
 
         globals()["ZeroEngine"] = ZeroEngine
         return ZeroEngine
-    if name in ("Init", "GatheredParameters"):
+    if name in ("Init", "GatheredParameters", "ZeroParamStatus"):
         import zero.stage3 as stage3
 
         value = getattr(stage3, name)
+        globals()[name] = value
+        return value
+    if name in ("add_config_arguments", "init_distributed"):  # DeepSpeed's launcher conventions
+        import zero.deepspeed_api as api
+
+        value = getattr(api, name)
         globals()[name] = value
         return value
     if name == "checkpointing":  # activation checkpointing, DeepSpeed's `deepspeed.checkpointing`

@@ -30,17 +30,16 @@ scatter one API over several files without making any part smaller.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from offload.config.activation import ActivationCheckpointingConfig
 from offload.pinned import PINNED_BUDGET_ENV, PinnedPool, default_pinned_budget, pinned_bytes_in_use
 from zero import checkpointing, inference
-from zero.accelerator import compute_device, dist_backend
+from zero.accelerator import compute_device
+from zero.deepspeed_api import init_distributed  # noqa: F401 - its old home; zero.initialize uses it
 from zero.integrity import StateGuard
 from zero.layout.base import Layout, Placement, allocate_pinned, trainable_params
 from zero.layout.flat import FlatLayout
@@ -56,21 +55,6 @@ __all__ = ["PINNED_BUDGET_ENV", "ZeroEngine", "consolidated_state_dict", "init_d
 logger = logging.getLogger("zero")
 
 
-def init_distributed() -> Tuple[int, int, int]:
-    """(rank, world_size, local_rank): uses an initialized process group, or starts one under torchrun."""
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size(), local_rank
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        backend = dist_backend()
-        if backend == "nccl":
-            torch.cuda.set_device(local_rank)
-        dist.init_process_group(backend=backend)
-        return dist.get_rank(), dist.get_world_size(), local_rank
-    return 0, 1, local_rank
-
-
 class ZeroEngine:
     """What `zero.initialize` returns. Method names and semantics follow DeepSpeed's DeepSpeedEngine."""
 
@@ -84,7 +68,7 @@ class ZeroEngine:
         lr_scheduler: Optional[Any] = None,
         rank: int = 0,
         world_size: int = 1,
-        local_rank: int = 0,
+        local_rank: Optional[int] = None,
     ) -> None:
         self.config = cfg
         self.rank, self.world_size = rank, world_size
@@ -116,6 +100,8 @@ class ZeroEngine:
         self.global_steps = 0
         self.global_samples = 0
         self.micro_steps = 0
+        self._boundary: Optional[bool] = None  # set_gradient_accumulation_boundary; None: from micro_steps
+        self._window_backwards = 0  # backward calls since the last optimizer step
         self.skipped_steps = 0
         self.last_report: Optional[StepReport] = None
         self.last_param_io: Optional[Dict[str, int]] = None  # stage 3: parameter I/O of the last step
@@ -212,12 +198,14 @@ class ZeroEngine:
     def _rule(
         cfg: Any, client_opt: Any, params: List[nn.Parameter]
     ) -> Tuple[Optional[UpdateRule], Dict[str, Any]]:
-        if cfg.optimizer is not None and client_opt is not None:
-            raise ValueError(
-                "both a client optimizer (optimizer=) and an 'optimizer' block in the config were given; "
-                "keep one of them"
+        if client_opt is not None and cfg.optimizer is not None:
+            logger.warning(  # DeepSpeed's rule (_configure_optimizer): the client optimizer is used
+                "zero.initialize: the client optimizer (optimizer=%s) is used; the config's 'optimizer' "
+                "block (type %r) is ignored",
+                type(client_opt).__name__,
+                cfg.optimizer.type,
             )
-        if cfg.optimizer is not None:
+        if client_opt is None and cfg.optimizer is not None:
             return rule_from_config(cfg.optimizer.type, dict(cfg.optimizer.params))
         if client_opt is not None:
             if callable(client_opt) and not isinstance(client_opt, torch.optim.Optimizer):
@@ -335,7 +323,16 @@ class ZeroEngine:
         return self.module.state_dict(*args, **kwargs)
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the next step() updates the weights: every gradient_accumulation_steps micro-batches,
+        unless `set_gradient_accumulation_boundary` said otherwise."""
+        if self._boundary is not None:
+            return self._boundary
         return (self.micro_steps + 1) % self.gas == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """DeepSpeed's: from now on the boundary is `is_boundary`, not counted from micro-batches (set it
+        before each backward; True on the last micro-batch of a window, then call step() once)."""
+        self._boundary = bool(is_boundary)
 
     def gradient_accumulation_steps(self) -> int:
         return self.gas
@@ -377,7 +374,8 @@ class ZeroEngine:
         if early:
             self._update.start_overlapped()
         if self._unused is not None:
-            self._unused.begin_backward(first=(self.micro_steps % self.gas) == 0)
+            self._unused.begin_backward(first=self._window_backwards == 0)
+        self._window_backwards += 1
         scale = self.loss_scale / self.gas
         try:
             with self._clock.phase("backward_s"):
@@ -433,6 +431,8 @@ class ZeroEngine:
                 self.layout.after_step()
         if self.loss_scaler is not None:
             self.loss_scaler.update_scale(overflow)
+        self.optimizer.overflow = overflow  # DeepSpeed's optimizer.overflow: this step was skipped
+        self._window_backwards = 0
         if overflow:
             self.skipped_steps += 1
         elif self.lr_scheduler is not None:
@@ -465,7 +465,13 @@ class ZeroEngine:
     # ------------------------------------------------------------------------------------- reports
     @property
     def last_grad_norm(self) -> Optional[float]:
-        """The gradient norm the last step computed (with clipping or an overflow check), else None."""
+        """The global gradient norm of the last step (`get_global_grad_norm()`); None before one."""
+        return self._update.last_grad_norm
+
+    def get_global_grad_norm(self) -> Optional[float]:
+        """DeepSpeed's: the 2-norm of the last step's gradients over all ranks and parameters, unscaled
+        and before clipping (what torch's clip_grad_norm_ returns); None before the first step, inf/nan
+        when that step overflowed."""
         return self._update.last_grad_norm
 
     @property
@@ -616,34 +622,28 @@ class ZeroEngine:
         master, _ = self._opt.master_and_states()
         return self.layout.master_state_dict(master)
 
-    def _zero3_consolidated_16bit_state_dict(self) -> Dict[str, torch.Tensor]:
-        """DeepSpeed's name: the whole model's state dict in the model dtype (collective)."""
-        return self.consolidated_state_dict()
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """DeepSpeed's: the config's zero_optimization.stage3_gather_16bit_weights_on_model_save."""
+        return bool(self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save)
+
+    def _zero3_consolidated_16bit_state_dict(
+        self, exclude_frozen_parameters: bool = False
+    ) -> Optional[Dict[str, torch.Tensor]]:
+        """DeepSpeed's: the whole model's state dict in the model dtype on rank 0, None on the others
+        (stage 3 only; collective; zero.checkpoint.export16)."""
+        from zero.checkpoint.export16 import zero3_consolidated_16bit_state_dict
+
+        return zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters)
 
     def save_16bit_model(
         self, save_dir: str, save_filename: str = "pytorch_model.bin", exclude_frozen_parameters: bool = False
     ) -> bool:
-        """Gather the whole model and save its state dict (model dtype) as `save_dir/save_filename` on rank
-        0, like DeepSpeed's; every rank must call it. At stage 3 this needs
-        `stage3_gather_16bit_weights_on_model_save: true`; without it nothing is saved and False returned."""
-        self.check_state_usable()
-        if self.stage == 3 and not self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
-            logger.warning(
-                "save_16bit_model: nothing saved: at stage 3 it needs "
-                "zero_optimization.stage3_gather_16bit_weights_on_model_save = true"
-            )
-            return False
-        from zero.checkpoint import save_atomic
+        """DeepSpeed's: the whole model (model dtype) saved as `save_dir/save_filename` by rank 0, atomically;
+        every rank must call it. False (nothing saved) at stage 3 without
+        `stage3_gather_16bit_weights_on_model_save: true` (zero.checkpoint.export16)."""
+        from zero.checkpoint.export16 import save_16bit_model
 
-        sd = self.consolidated_state_dict()
-        if exclude_frozen_parameters:
-            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
-            sd = {k: v for k, v in sd.items() if k not in frozen}
-        if self.rank == 0:
-            save_atomic(sd, os.path.join(save_dir, save_filename))
-        if self.world_size > 1:
-            dist.barrier()
-        return True
+        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
     def save_checkpoint(
         self, save_dir: str, tag: Optional[str] = None, client_state: Optional[Dict[str, Any]] = None

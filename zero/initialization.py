@@ -7,7 +7,8 @@ from typing import Any, Callable, Dict, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from zero.engine import ZeroEngine, init_distributed
+from zero.deepspeed_api import init_distributed
+from zero.engine import ZeroEngine
 
 __all__ = ["initialize"]
 
@@ -39,11 +40,13 @@ def initialize(
     """Wrap `model` for training: returns `(engine, optimizer, training_dataloader, lr_scheduler)`.
 
     `config` (or DeepSpeed's older `config_params`, or `args.deepspeed_config`) is a dict or a JSON file path.
-    Single process needs no launcher; under torchrun the process group is started (gloo on CPU, NCCL on
-    CUDA) unless one exists. `optimizer` is used only when the config has no optimizer block; it may be a
-    torch optimizer or a callable taking the parameters. `lr_scheduler` may be a scheduler or a callable
-    taking the optimizer; without one, the config's scheduler block is used. With neither an optimizer
-    block nor `optimizer=`, the engine runs inference only (zero/inference.py, docs/inference.md):
+    Single process needs no launcher; under torchrun or the `deepspeed` launcher the process group is
+    started (gloo on CPU, NCCL on CUDA) unless one exists, after the CUDA device was set from
+    `args.local_rank` / LOCAL_RANK (zero.deepspeed_api.init_distributed). `optimizer` may be a torch
+    optimizer or a callable taking the parameters; given together with the config's optimizer block, it
+    wins and the block is ignored with a warning (DeepSpeed's rule). `lr_scheduler` may be a scheduler or
+    a callable taking the optimizer; without one, the config's scheduler block is used. With neither an
+    optimizer block nor `optimizer=`, the engine runs inference only (zero/inference.py, docs/inference.md):
     `(engine, None, dataloader, None)`, forward and generate work, `backward`/`step` raise
     `zero.NoOptimizerError`.
     """
@@ -54,16 +57,17 @@ def initialize(
     if config is not None and config_params is not None:
         raise ValueError("give the config once: config= or config_params=, not both")
     raw = config if config is not None else config_params
-    if raw is None and args is not None:
-        raw = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+    from_args = None
+    if args is not None:
+        from_args = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+    if raw is not None and from_args is not None:
+        raise ValueError(  # as DeepSpeed: which one was meant cannot be told
+            f"a config was given both as config= and as args.deepspeed_config ({from_args!r}); give one"
+        )
+    raw = raw if raw is not None else from_args
     if raw is None:
         raise ValueError("zero.initialize needs config= (a dict or the path of a DeepSpeed JSON config)")
-    if dist_init_required is False and not (
-        torch.distributed.is_available() and torch.distributed.is_initialized()
-    ):
-        rank, world_size, local_rank = 0, 1, 0
-    else:
-        rank, world_size, local_rank = init_distributed()
+    rank, world_size, local_rank = init_distributed(args, dist_init_required)
     cfg = load_config(raw, world_size)
     engine = ZeroEngine(
         model,

@@ -265,6 +265,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         super().__init__(params, dict(hyper))
         self.rule = rule
         self.step_count = 0  # optimizer updates applied (overflow-skipped steps excluded)
+        self.overflow = False  # DeepSpeed's: whether the last step found inf/nan gradients and was skipped
         self.engine: Any = None
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:

@@ -32,12 +32,16 @@ from zero.optimizer_offload import DeviceState, UpdateRule, ZeroOptimizer
 from zero.param_writer import ParamWriter
 from zero.report import StepReport
 
-__all__ = ["FusedDeviceStep", "OptimizerState", "StateInfo", "StateTier", "build_tier"]
+__all__ = ["FusedDeviceStep", "OptimizerState", "StateInfo", "StateTier", "build_tier", "sum_of_squares"]
 
 # (start, n, master view, state views): what read_all / load / rewrite hand to the caller
 VisitFn = Callable[[int, int, torch.Tensor, List[torch.Tensor]], None]
 Fill = Callable[[int, int, torch.Tensor], None]  # fill(start, n, out): initial fp32 master values
 SWAP_ALIGNMENT = 4096
+# Elements per piece of a host-memory sum of squares: a 16-bit piece cast to fp32 stays in cache (a whole
+# cast would allocate and fault in a tensor the size of the gradients), and each fp32 partial sum is short
+# enough to be accurate (one fp32 sum over 10^7 elements is off by ~1e-3).
+SQ_PIECE = 1 << 18
 FP32_BYTES = 4
 # Two copies of the NVMe optimizer state are kept when the disk has this much more room than they need.
 DISK_HEADROOM = 1.05
@@ -205,6 +209,19 @@ def _nvme_tier(
     return swapper, space
 
 
+def sum_of_squares(t: torch.Tensor) -> float:
+    """The sum of the squared elements of `t` (fp32, bf16 or fp16) as a Python float: inf or nan when an
+    element is. On the host, fp32 partial sums over SQ_PIECE elements are added in double; on a GPU, one
+    reduction."""
+    flat = t.reshape(-1)
+    if flat.device.type != "cpu":
+        return float(torch.linalg.vector_norm(flat, dtype=torch.float32)) ** 2
+    total = 0.0
+    for i in range(0, flat.numel(), SQ_PIECE):
+        total += float(torch.linalg.vector_norm(flat[i : i + SQ_PIECE], dtype=torch.float32)) ** 2
+    return total
+
+
 class FusedDeviceStep:
     """offload none on CUDA: torch's fused Adam/AdamW on the flat fp32 partition in device memory."""
 
@@ -304,14 +321,20 @@ class OptimizerState:
         grad_scale: float,
         fused_check: bool,
         on_chunk: Optional[Callable[[], None]] = None,
+        sq: Optional[List[float]] = None,
     ) -> Callable[[int, int, torch.Tensor, List[torch.Tensor]], bool]:
-        """The tier's per-chunk update: the rule on [start, start + n), then the copy-back."""
+        """The tier's per-chunk update: the rule on [start, start + n), then the copy-back. With `sq`, each
+        chunk's sum of squared (raw) gradients is appended to it first: the step's gradient norm, taken
+        while the pass walks the gradients anyway (on NVMe, under the reads and writes in flight)."""
         rule, writer = self.rule, self.writer
 
         def update(start: int, n: int, master: torch.Tensor, states: List[torch.Tensor]) -> bool:
+            g = grad[start : start + n]
+            if sq is not None:
+                sq.append(sum_of_squares(g))
             ok = rule.apply(
                 master,
-                grad[start : start + n],
+                g,
                 states,
                 step=step,
                 group=group,

@@ -11,7 +11,7 @@ dropped, afterwards.
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional, Tuple
+from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -19,7 +19,7 @@ import torch.distributed as dist
 from zero.comm import settle
 from zero.layout.base import Layout
 from zero.optimizer_offload import ZeroOptimizer
-from zero.optimizer_state import OptimizerState
+from zero.optimizer_state import OptimizerState, sum_of_squares
 from zero.overlap import OverlapPass
 from zero.report import StepReport
 
@@ -48,22 +48,49 @@ class UpdatePass:
         self.gradient_clipping = clipping
         self.check_overflow = check_overflow
         self.loss_scale = loss_scale
-        self.last_grad_norm: Optional[float] = None  # set when a pass computes it (clipping, overflow check)
+        # The global gradient norm of the last step (DeepSpeed's get_global_grad_norm): a float, or a device
+        # tensor not read yet (no synchronisation until someone asks); None before the first step.
+        self._norm: Optional[Union[float, torch.Tensor]] = None
+        self._overlap_sq: List[float] = []  # the pass during backward sums its chunks' squares here
         self._h2d0 = 0  # the writer's byte count when the overlapped pass started
+
+    @property
+    def last_grad_norm(self) -> Optional[float]:
+        """The 2-norm of the last step's gradients over all ranks, unscaled (loss scale, accumulation and
+        the mean over ranks applied) and before clipping: what torch's clip_grad_norm_ returns. inf or nan
+        when that step overflowed; None before the first step."""
+        if isinstance(self._norm, torch.Tensor):
+            self._norm = float(self._norm)
+        return self._norm
+
+    def _norm_first(self, fused_check: bool) -> bool:
+        """Whether the pass needs the norm before it starts (clipping, an overflow check outside the
+        kernels); otherwise the pass sums each chunk's squares as it goes."""
+        return self.gradient_clipping > 0 or (self.check_overflow and not fused_check)
+
+    def _sum_over_ranks(self, sq: torch.Tensor) -> torch.Tensor:
+        """This rank's sum of squares (a 1-element float64 tensor) -> the global one (stages 1-3 hold a
+        partition of the gradients; float64, so a large sum of 16-bit squares never overflows to inf)."""
+        if self.world_size > 1 and self.stage >= 1:
+            sq = sq.to(self.device) if self.device.type == "cuda" else sq
+            settle(dist.all_reduce(sq, async_op=True))
+        return sq
+
+    def _set_norm_from_chunks(self, sq: List[float], grad_scale: float) -> None:
+        total = float(self._sum_over_ranks(torch.tensor([sum(sq)], dtype=torch.float64)).item())
+        self._norm = math.sqrt(total) / grad_scale if math.isfinite(total) else math.inf
 
     def grad_scale_and_overflow(self, fused_check: bool) -> Tuple[float, bool]:
         """The divisor for raw gradient sums, and whether an overflow was already found."""
         grad_scale = self.loss_scale() * self.world_size  # sum over ranks -> mean, and unscale
-        if not (self.gradient_clipping > 0 or (self.check_overflow and not fused_check)):
+        if not self._norm_first(fused_check):
             return grad_scale, False
-        sq = torch.linalg.vector_norm(self.layout.grad_host, dtype=torch.float32).pow(2).reshape(1)
-        if self.world_size > 1 and self.stage >= 1:
-            sq = sq.to(self.device) if self.device.type == "cuda" else sq
-            settle(dist.all_reduce(sq, async_op=True))
-        norm = math.sqrt(float(sq.item())) / grad_scale if math.isfinite(float(sq.item())) else math.inf
+        sq = torch.tensor([sum_of_squares(self.layout.grad_host)], dtype=torch.float64)
+        total = float(self._sum_over_ranks(sq).item())
+        norm = math.sqrt(total) / grad_scale if math.isfinite(total) else math.inf
+        self._norm = norm
         if not math.isfinite(norm):
             return grad_scale, self.check_overflow
-        self.last_grad_norm = norm
         if self.gradient_clipping > 0:
             coef = self.gradient_clipping / (norm + 1e-6)
             if coef < 1.0:
@@ -78,18 +105,24 @@ class UpdatePass:
         rep.device_to_host_bytes += self.layout.gradients_to_host()
         # The fused check needs an atomic step (two NVMe copies) to discard a half-done pass.
         fused_check = self.check_overflow and opt.atomic and self.gradient_clipping <= 0
+        norm_first = self._norm_first(fused_check)
         grad_scale, overflow = self.grad_scale_and_overflow(fused_check)
         if overflow:
             return True
         step = self.zopt.step_count + 1
         group = self.zopt.param_groups[0]
         if opt.device_step is not None:
-            opt.device_step.step(self.layout.device_grad(grad_scale), step, group)
+            grad = self.layout.device_grad(grad_scale)
+            if not norm_first:  # on the device, read only when asked for
+                sq = torch.linalg.vector_norm(grad, dtype=torch.float32).pow(2).reshape(1)
+                self._norm = self._sum_over_ranks(sq).sqrt()[0]
+            opt.device_step.step(grad, step, group)
             self.layout.put_master(opt.writer, opt.tier)
             self.zopt.step_count = step
             return False
         h2d0 = opt.writer.h2d_bytes
-        update = opt.chunk_update(self.layout.grad_host, step, group, grad_scale, fused_check)
+        sq_chunks: Optional[List[float]] = None if norm_first else []
+        update = opt.chunk_update(self.layout.grad_host, step, group, grad_scale, fused_check, sq=sq_chunks)
         try:
             ok = opt.run(update)
         except BaseException as e:
@@ -100,6 +133,8 @@ class UpdatePass:
             )
             settle(dist.all_reduce(flag, op=dist.ReduceOp.MIN, async_op=True))
             ok = bool(flag.item() > 0)
+        if sq_chunks is not None:
+            self._set_norm_from_chunks(sq_chunks, grad_scale)
         return opt.end_pass(ok, step, rep, h2d0)
 
     # --------------------------------------------------------------- optimizer steps during backward
@@ -112,7 +147,10 @@ class UpdatePass:
         grad = self.layout.early_grads(self.overlap.fetch is not None)
         self._h2d0 = opt.writer.h2d_bytes
         group = self.zopt.param_groups[0]
-        update = opt.chunk_update(grad, step, group, grad_scale, fused_check, self.overlap.chunk_updated)
+        self._overlap_sq = []
+        update = opt.chunk_update(
+            grad, step, group, grad_scale, fused_check, self.overlap.chunk_updated, sq=self._overlap_sq
+        )
         self.overlap.start(lambda ready: opt.run(update, ready=ready))
 
     def _finish_overlapped(self, rep: StepReport) -> bool:
@@ -124,6 +162,7 @@ class UpdatePass:
         rep.optimizer_chunks_in_backward += self.overlap.chunks_in_backward
         if result.error is not None:
             self.opt.fail_pass(result.error, step)
+        self._set_norm_from_chunks(self._overlap_sq, self.loss_scale() * self.world_size)
         return self.opt.end_pass(result.ok, step, rep, self._h2d0)
 
     def drop_overlapped(self) -> None:

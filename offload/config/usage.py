@@ -94,7 +94,10 @@ FIELD_USAGE: Dict[str, Usage] = {
     _Z + "stage3_model_persistence_threshold": _r("zero/stage3/partitioner.py (persistent units)"),
     _Z + "stage3_max_live_parameters": _r("zero/stage3/partitioner.py (gathered elements)"),
     _Z + "stage3_max_reuse_distance": _r("zero/stage3/partitioner.py (units kept for reuse)"),
-    _Z + "stage3_gather_16bit_weights_on_model_save": _r("zero/engine.py (save_16bit_model at stage 3)"),
+    _Z + "stage3_gather_16bit_weights_on_model_save": _r(
+        "zero/engine.py (zero_gather_16bit_weights_on_model_save(); save_16bit_model at stage 3, "
+        "zero/checkpoint/export16.py)"
+    ),
     _Z + "stage3_module_granularity_threshold": _i("every module with parameters is its own unit", 0),
     _Z + "stage3_use_all_reduce_for_fetch_params": _i("parameters are fetched with all-gathers", False),
     _Z + "stage3_allgather_sequential": _i("each unit is gathered with one collective", False),

@@ -6,7 +6,7 @@ from zero.stage3.hooks import Stage3Hooks, register_external_parameter, unregist
 from zero.stage3.init import Init
 from zero.stage3.partitioner import ParamIOReport, Stage3Partitioner
 from zero.stage3.store import PartitionStore, Stage3PinnedBudgetError
-from zero.stage3.unit import ParamSlice, PartitionStatus, Unit
+from zero.stage3.unit import ParamSlice, PartitionStatus, Unit, ZeroParamStatus
 
 __all__ = [
     "GatheredParameters",
@@ -21,6 +21,7 @@ __all__ = [
     "SummingSink",
     "Stage3PinnedBudgetError",
     "Unit",
+    "ZeroParamStatus",
     "register_external_parameter",
     "unregister_external_parameter",
 ]

@@ -16,7 +16,14 @@ import torch
 from torch import nn
 
 from zero.stage3.store import PartitionStore, UnitSize
-from zero.stage3.unit import Unit, UnitOwner, fill_partition, is_partitioned, set_param_attributes
+from zero.stage3.unit import (
+    Unit,
+    UnitOwner,
+    fill_partition,
+    is_partitioned,
+    set_param_attributes,
+    set_partition_tensors,
+)
 
 __all__ = ["UnitBuilder"]
 
@@ -69,6 +76,8 @@ class UnitBuilder:
             self.persistent_numel += unit.numel
         self.store.place(unit, None if shapes is not None else functools.partial(fill_partition, unit))
         set_param_attributes(unit, self.released(unit.dtype))
+        store = self.store
+        set_partition_tensors(unit, store.memory_partition(unit), "nvme" if store.on_nvme(unit) else None)
         for p in unit.params:
             p.ds_persist = unit.persistent
         self.units.append(unit)

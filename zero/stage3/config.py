@@ -15,10 +15,11 @@ from offload.pinned import PinnedPool, default_pinned_budget
 __all__ = ["default_pinned_pool", "load_stage3_config"]
 
 
-def load_stage3_config(config: Any) -> Any:
-    """A loaded config (ZeroOffloadConfig) from a dict, a JSON path, None (defaults) or a loaded one."""
+def load_stage3_config(config: Any, world_size: int = 1) -> Any:
+    """A loaded config (ZeroOffloadConfig) from a dict, a JSON path, None (defaults) or a loaded one.
+    `world_size`: the data-parallel ranks a training config's batch sizes are checked against."""
     if config is None or isinstance(config, (dict, str, os.PathLike)):
-        return load_config(config)
+        return load_config(config, world_size)
     return config
 
 

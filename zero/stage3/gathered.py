@@ -14,14 +14,21 @@ import torch.distributed as dist
 from torch import nn
 
 from zero.comm import settle
-from zero.stage3.unit import Unit
+from zero.stage3.hooks import register_external_parameter
+from zero.stage3.unit import Unit, is_partitioned
 
 __all__ = ["GatheredParameters"]
 
 
 class GatheredParameters:
     """Make `params` whole inside the block. With `modifier_rank` set, the values that rank holds on exit
-    (modified in place or assigned to `.data`) are broadcast and written back to every rank's partition."""
+    (modified in place or assigned to `.data`) are broadcast and written back to every rank's partition.
+
+    DeepSpeed's signature and meaning: `params` is one parameter or an iterable of them (a generator is
+    fine); those not partitioned by stage 3 are ignored, and a block with none of them does nothing.
+    `modifier_rank` is a rank of the parameters' process group (the data-parallel group). `fwd_module`:
+    the parameters are registered as external parameters of that module (`register_external_parameter`),
+    so its forward and backward gather them too. `enabled=False`: the block does nothing."""
 
     def __init__(
         self,
@@ -30,18 +37,21 @@ class GatheredParameters:
         fwd_module: Optional[nn.Module] = None,
         enabled: bool = True,
     ) -> None:
-        if isinstance(params, torch.Tensor):
-            params = [params]
-        self.params = [p for p in params if p is not None]
-        self.modifier_rank = modifier_rank
         self.enabled = enabled
+        self.modifier_rank = modifier_rank
+        self.params: List[nn.Parameter] = []
         self.units: List[Unit] = []
-        seen = set()
-        for p in self.params:
-            u = getattr(p, "ds_unit", None)
-            if u is not None and id(u) not in seen:
-                seen.add(id(u))
-                self.units.append(u)
+        if not enabled:
+            return
+        if isinstance(params, torch.Tensor) or not isinstance(params, Iterable):
+            params = [params]  # type: ignore[list-item]
+        self.params = [p for p in params if is_partitioned(p)]
+        units = {id(p.ds_unit): p.ds_unit for p in self.params}
+        # the same order on every rank, whatever order (or duplicates) the caller's iterable has
+        self.units = sorted(units.values(), key=lambda u: u.params[0].ds_id)
+        if fwd_module is not None:
+            for p in self.params:
+                register_external_parameter(fwd_module, p)
 
     def __enter__(self) -> GatheredParameters:
         if self.enabled:
@@ -77,7 +87,10 @@ class GatheredParameters:
                     view.copy_(p.data.reshape(-1))
                     p.data = view.view(u.shapes[i])
             if owner.world_size > 1:
-                settle(dist.broadcast(full, src=self.modifier_rank, group=owner.group, async_op=True))
+                src = self.modifier_rank  # a rank of the unit's group; broadcast takes a global rank
+                if owner.group is not None:
+                    src = dist.get_global_rank(owner.group, src)
+                settle(dist.broadcast(full, src=src, group=owner.group, async_op=True))
             owner.write_partition(
                 u, full[u.lo : u.hi].clone() if owner.partition_as_full(u) is None else full[u.lo : u.hi]
             )

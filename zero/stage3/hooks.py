@@ -39,6 +39,9 @@ class _PreBackward(torch.autograd.Function):
         return (None, None) + grads
 
 
+_NOT_GATHERED = (PartitionStatus.NOT_AVAILABLE, PartitionStatus.INFLIGHT)
+
+
 class _FetchOnAccess(OrderedDict):
     """A module's `_parameters`: reading a released parameter during a forward gathers it (see above)."""
 
@@ -51,7 +54,7 @@ class _FetchOnAccess(OrderedDict):
             hooks is not None
             and value is not None
             and hooks.stack
-            and getattr(value, "ds_status", None) is PartitionStatus.NOT_AVAILABLE
+            and getattr(value, "ds_status", None) in _NOT_GATHERED
         ):
             hooks.external_use(value)
         return value

@@ -12,6 +12,7 @@ so weight-initialisation code written for plain torch still works, one module at
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 from typing import Any, Callable, Dict, List, Optional, Union
 
@@ -19,12 +20,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zero.stage3.comm import dist_info
 from zero.stage3.config import load_stage3_config
 from zero.stage3.gathered import GatheredParameters
 from zero.stage3.partitioner import Stage3Partitioner
 from zero.stage3.unit import is_partitioned
 
 __all__ = ["GatheredParameters", "Init"]
+
+logger = logging.getLogger("zero")
 
 _state = threading.local()
 
@@ -47,10 +51,21 @@ def _all_subclasses(cls: type) -> List[type]:
 class Init:
     """Context manager: modules constructed inside have their parameters partitioned (and offloaded).
 
-    `config`: the DeepSpeed config (dict, JSON path or loaded config; zero_optimization.offload_param
-    decides the tier). `partitioner`: an existing Stage3Partitioner to add to (default: a new one, available
-    as `.partitioner`, which `Stage3Partitioner.attach(model)` / the engine take over afterwards).
-    `module`: partition an already built module at once. `dtype`: cast floating-point parameters first.
+    DeepSpeed's `deepspeed.zero.Init`, same arguments in the same order. `config_dict_or_path` (or its
+    older name `config`, which wins when both are given): the DeepSpeed config, a dict, a JSON path or a
+    loaded config; zero_optimization.offload_param decides the tier, `fp16`/`bf16` the dtype.
+    `module`: partition an already built module at once. `data_parallel_group` (or
+    `sequence_data_parallel_group`): the ranks to partition over (default: all). `remote_device` /
+    `pin_memory`: override offload_param's device and pin_memory (None: the config's). `dtype`: cast
+    floating-point parameters to it first (default: the config's 16-bit dtype, else as built).
+    `enabled=False`: the block does nothing. `mpu` (model parallelism): only its data-parallel world size is
+    used, to check the config's batch sizes. `mem_efficient_linear` is accepted and has no effect (layers stay
+    plain torch modules; their gathered weights are freed after use). Quantized weights, hpZ secondary
+    partitions (`zero_param_parallel_group`) and an external `param_swapper` are refused.
+
+    Not DeepSpeed's, keyword only: `partitioner`, an existing Stage3Partitioner to add to (default: a new
+    one, available as `.partitioner`, which `Stage3Partitioner.attach(model)` / the engine take over
+    afterwards); `device`, the compute device (default: the accelerator's).
     """
 
     _lock = threading.Lock()
@@ -63,22 +78,51 @@ class Init:
         self,
         module: Optional[nn.Module] = None,
         data_parallel_group: Optional[dist.ProcessGroup] = None,
+        mem_efficient_linear: bool = True,
+        remote_device: Optional[str] = None,
+        pin_memory: Optional[bool] = None,
         config_dict_or_path: Any = None,
         config: Any = None,
         enabled: bool = True,
+        dtype: Optional[torch.dtype] = None,
+        mpu: Any = None,
+        zero_param_parallel_group: Optional[dist.ProcessGroup] = None,
+        zero_quantized_weights: bool = False,
+        zero_quantized_nontrainable_weights: bool = False,
+        sequence_data_parallel_group: Optional[dist.ProcessGroup] = None,
+        param_swapper: Any = None,
+        *,
         partitioner: Optional[Stage3Partitioner] = None,
         device: Optional[Union[str, torch.device]] = None,
-        dtype: Optional[torch.dtype] = None,
-        remote_device: Optional[str] = None,
-        pin_memory: Optional[bool] = None,
     ) -> None:
+        _refuse_unsupported(
+            zero_param_parallel_group,
+            zero_quantized_weights,
+            zero_quantized_nontrainable_weights,
+            param_swapper,
+        )
+        if sequence_data_parallel_group is not None:
+            if data_parallel_group is not None:
+                raise ValueError(
+                    "zero.Init: give data_parallel_group or sequence_data_parallel_group, not both"
+                )
+            data_parallel_group = sequence_data_parallel_group
+        if dtype is not None and dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise ValueError(f"zero.Init(dtype={dtype}): use torch.float16, torch.bfloat16 or torch.float32")
+        if config is not None and config_dict_or_path is not None:
+            logger.warning("zero.Init: both config and config_dict_or_path were given; using config")
         self.enabled = enabled
         self.dtype = dtype  # cast floating-point parameters to it before partitioning (fp16/bf16 training)
-        cfg = config if config is not None else config_dict_or_path
-        if remote_device is not None or pin_memory is not None:
-            cfg = _override_offload(cfg, remote_device, pin_memory)
         self.partitioner = partitioner
         if enabled and partitioner is None:
+            cfg = config if config is not None else config_dict_or_path
+            # the batch sizes of a training config are checked against the data-parallel world size
+            world = (
+                mpu.get_data_parallel_world_size() if mpu is not None else dist_info(data_parallel_group)[1]
+            )
+            cfg = load_stage3_config(cfg, world)
+            if remote_device is not None or pin_memory is not None:
+                cfg = _override_offload(cfg, remote_device, pin_memory)
             self.partitioner = Stage3Partitioner(cfg, device=device, group=data_parallel_group)
         if enabled and dtype is None and self.partitioner is not None:
             # As DeepSpeed: the config's fp16 / bf16 section decides the dtype the engine will train in.
@@ -134,13 +178,31 @@ class Init:
                     p.ds_name = n
 
 
-def _override_offload(cfg: Any, remote_device: Optional[str], pin_memory: Optional[bool]) -> Any:
-    """DeepSpeed's Init(remote_device=, pin_memory=): they win over the config's offload_param."""
+def _refuse_unsupported(hpz_group: Any, quantized: bool, quantized_frozen: bool, swapper: Any) -> None:
+    """DeepSpeed Init arguments that would change what is stored or how: refused, not silently ignored."""
+    if hpz_group is not None:
+        raise NotImplementedError(
+            "zero.Init(zero_param_parallel_group=...): hpZ secondary partitions are not supported; each "
+            "parameter is partitioned once over data_parallel_group"
+        )
+    if quantized or quantized_frozen:
+        raise NotImplementedError(
+            "zero.Init(zero_quantized_weights / zero_quantized_nontrainable_weights=True): quantized "
+            "weights are not supported; partitions are kept in the model dtype"
+        )
+    if swapper is not None:
+        raise NotImplementedError(
+            "zero.Init(param_swapper=...): DeepSpeed's parameter swapper is not used; NVMe partitions go "
+            "through the partitioner's own store (zero_optimization.offload_param)"
+        )
+
+
+def _override_offload(loaded: Any, remote_device: Optional[str], pin_memory: Optional[bool]) -> Any:
+    """Init(remote_device=, pin_memory=) win over the loaded config's offload_param."""
     import dataclasses
 
     from offload.config.zero import OffloadParamConfig
 
-    loaded = load_stage3_config(cfg)
     z = loaded.zero_optimization
     off = z.offload_param or OffloadParamConfig()
     changes: Dict[str, Any] = {}

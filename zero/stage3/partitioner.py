@@ -37,7 +37,7 @@ from zero.stage3.reduction import GradReduction
 from zero.stage3.state_dict import gathered_state_dict, load_shard
 from zero.stage3.store import PartitionStore
 from zero.stage3.trace import UseTrace
-from zero.stage3.unit import PartitionStatus, Unit
+from zero.stage3.unit import PartitionStatus, Unit, set_partition_tensors, set_status
 
 __all__ = ["ParamIOReport", "Stage3Partitioner"]
 
@@ -75,11 +75,11 @@ class Stage3Partitioner:
         """`config`: dict, JSON path, loaded config or None (defaults); `device`: the compute device
         (default: the accelerator's); `pool`: the pinned pool to share (default: one capped by the config);
         `grad_sink`: where each unit's reduced gradient goes (default: a SummingSink: `grad_partitions`)."""
-        self.config = load_stage3_config(config)
-        z = self.config.zero_optimization
-        off: OffloadParamConfig = z.offload_param or OffloadParamConfig()
         self.group = group
         self.rank, self.world_size = dist_info(group)
+        self.config = load_stage3_config(config, self.world_size)
+        z = self.config.zero_optimization
+        off: OffloadParamConfig = z.offload_param or OffloadParamConfig()
         self.device = torch.device(device if device is not None else compute_device())
         self.offload_param = off
         self.store = PartitionStore(
@@ -210,7 +210,7 @@ class Stage3Partitioner:
         for i, p in enumerate(unit.params):
             a, z = unit.param_range(i)
             p.data = full[a:z].view(unit.shapes[i])
-            p.ds_status = PartitionStatus.AVAILABLE
+        set_status(unit, PartitionStatus.AVAILABLE)
         self.gathers += 1
         self.live_full_bytes += unit.nbytes
         self.peak_full_bytes = max(self.peak_full_bytes, self.live_full_bytes)
@@ -221,7 +221,7 @@ class Stage3Partitioner:
         released = self.released_tensor(unit.dtype)
         for p in unit.params:
             p.data = released
-            p.ds_status = PartitionStatus.NOT_AVAILABLE
+        set_status(unit, PartitionStatus.NOT_AVAILABLE)
         unit.full = None
         self.live_full_bytes -= unit.nbytes
         self.live_numel -= unit.numel
@@ -362,11 +362,11 @@ class Stage3Partitioner:
         return self.hooks
 
     def gathered_state_dict(
-        self, model: nn.Module, device: Union[str, torch.device] = "cpu"
+        self, model: nn.Module, device: Union[str, torch.device] = "cpu", keep: bool = True
     ) -> Dict[str, Any]:
         """`model.state_dict()` with whole parameters, gathering one unit at a time (collective;
-        zero.stage3.state_dict.gathered_state_dict)."""
-        return gathered_state_dict(self, model, device)
+        `keep=False`: take part, return {}; zero.stage3.state_dict.gathered_state_dict)."""
+        return gathered_state_dict(self, model, device, keep)
 
     def close(self) -> None:
         """Hooks off, every unit freed, pinned memory back to the pool, swap files removed (idempotent)."""
@@ -378,6 +378,8 @@ class Stage3Partitioner:
             self.hooks.remove()
             self.hooks = None
         self.release_all()
+        for u in self.units:  # no ds_tensor may keep a view of memory given back to the pool
+            set_partition_tensors(u, None, None)
         self.store.close()
 
     def take_io_report(self) -> ParamIOReport:

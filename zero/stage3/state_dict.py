@@ -18,22 +18,25 @@ __all__ = ["gathered_state_dict", "load_shard"]
 
 
 def gathered_state_dict(
-    part: UnitOwner, model: nn.Module, device: Union[str, torch.device] = "cpu"
+    part: UnitOwner, model: nn.Module, device: Union[str, torch.device] = "cpu", keep: bool = True
 ) -> Dict[str, Any]:
     """`model.state_dict()` with whole parameters (copied to `device`), gathering one unit at a time.
-    Collective for world_size > 1: every rank must call it."""
+    Collective for world_size > 1: every rank must call it. `keep=False`: this rank only takes part in
+    the gathers and returns {} (one rank collects the result, the others copy nothing)."""
     out: Dict[str, Any] = {}
     by_unit: Dict[int, List[tuple]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         u = getattr(p, "ds_unit", None)
-        if u is None or u.owner is not part:
-            out[name] = p.detach().to(device).clone()
-        else:
+        if u is not None and u.owner is part:
             by_unit.setdefault(u.index, []).append((name, p))
+        elif keep:
+            out[name] = p.detach().to(device).clone()
     for index in sorted(by_unit):  # the same order on every rank
         with GatheredParameters([p for _, p in by_unit[index]]):
-            for name, p in by_unit[index]:
+            for name, p in by_unit[index] if keep else ():
                 out[name] = p.detach().to(device).clone()
+    if not keep:
+        return out
     for name, b in model.named_buffers():
         out[name] = b.detach().to(device).clone()
     return {k: out[k] for k in model.state_dict(keep_vars=True) if k in out}

@@ -21,7 +21,7 @@ from offload.config.aio import AioConfig
 from offload.config.zero import OffloadParamConfig
 from offload.pinned import PinnedMemoryBudgetError, PinnedPool
 from offload.swap.space import SwapFile, SwapSpace, check_nvme_path
-from zero.stage3.unit import Unit, safe_file_name
+from zero.stage3.unit import PartitionStatus, Unit, safe_file_name, set_status
 
 __all__ = ["PartitionStore", "Stage3PinnedBudgetError", "StoreStats", "UnitSize"]
 
@@ -123,6 +123,7 @@ class PartitionStore:
         self._file_names: Dict[str, int] = {}
         self._mem: Dict[int, Tuple[int, int, torch.Tensor]] = {}  # unit -> (segment, offset, view)
         self._names: Dict[int, str] = {}
+        self._units: Dict[int, Unit] = {}  # by index: a prefetch sets its parameters' ds_status (INFLIGHT)
         self._largest: Optional[Unit] = None  # largest unit on NVMe: sizes the staging slots
         self._slots: List[_Slot] = []
         self._slot_bytes = 0
@@ -178,6 +179,7 @@ class PartitionStore:
         """Make the unit's partition: `fill(dst)` writes all part_numel elements of it into `dst` (None:
         zeros). In memory, `dst` is the partition's own slot, so the values are written once."""
         self._names[unit.index] = unit.name
+        self._units[unit.index] = unit
         in_memory = self.tier != "nvme" or self.in_cpu_numel + unit.part_numel <= self.max_in_cpu
         if in_memory:
             if self.tier == "nvme":
@@ -284,6 +286,13 @@ class PartitionStore:
         if s is not None:
             s.handle.wait()
             s.unit = None
+            self._prefetch_over(self._units[index])
+
+    @staticmethod
+    def _prefetch_over(unit: Unit) -> None:
+        """The unit's prefetch was used or dropped: not in flight any more (a gather sets AVAILABLE)."""
+        if unit.full is None:
+            set_status(unit, PartitionStatus.NOT_AVAILABLE)
 
     def _wait_copy(self, s: _Slot) -> None:
         if s.event is not None:
@@ -321,6 +330,8 @@ class PartitionStore:
         self._wait_copy(s)
         s.handle.async_pread(s.buf[: unit.part_nbytes], path, 0)
         self.stats.prefetches += 1
+        if unit.full is None:
+            set_status(unit, PartitionStatus.INFLIGHT)  # DeepSpeed's meaning: being fetched
         return True
 
     def prefetching(self, unit: Unit) -> bool:
@@ -347,6 +358,7 @@ class PartitionStore:
         with self._slots_lock:
             s = self._inflight.pop(unit.index, None)
         if s is not None:
+            self._prefetch_over(unit)
             s.handle.wait()  # raises AioError naming the file if the read failed
             self.stats.prefetch_hits += 1
             self._copy_out(s, dst_bytes, nbytes)

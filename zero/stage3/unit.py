@@ -9,6 +9,7 @@ code that checks them (`ds_shape`, `ds_numel`, `ds_status`, ...) works unchanged
 from __future__ import annotations
 
 import enum
+import itertools
 import re
 from dataclasses import dataclass
 from typing import Iterator, List, Optional, Protocol, Sequence, Tuple
@@ -22,19 +23,31 @@ __all__ = [
     "PartitionStatus",
     "Unit",
     "UnitOwner",
+    "ZeroParamStatus",
     "fill_partition",
     "is_partitioned",
     "safe_file_name",
     "set_param_attributes",
+    "set_partition_tensors",
+    "set_status",
 ]
 
 
 class PartitionStatus(enum.Enum):
-    """DeepSpeed's ZeroParamStatus names: whether `param.data` holds the full tensor right now."""
+    """DeepSpeed's ZeroParamStatus (same names and values): `param.ds_status`, whether `param.data` holds
+    the full tensor right now. AVAILABLE: gathered; NOT_AVAILABLE: partitioned (`param.data` is empty);
+    INFLIGHT: not gathered yet, but this rank's partition is being read ahead (an NVMe prefetch in flight)."""
 
     AVAILABLE = 1
     NOT_AVAILABLE = 2
     INFLIGHT = 3
+
+
+ZeroParamStatus = PartitionStatus  # DeepSpeed's name (deepspeed.runtime.zero.partition_parameters)
+
+# DeepSpeed's `param.ds_id`: one process-wide counter, so ids are unique over every partitioner, and equal
+# on every rank when the ranks build the same model in the same order.
+_DS_IDS = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -190,6 +203,7 @@ def fill_partition(unit: Unit, dst: torch.Tensor) -> None:
 def set_param_attributes(unit: Unit, released: torch.Tensor) -> None:
     """Attach the DeepSpeed-style metadata to every parameter and point its data at `released`."""
     for i, (p, name) in enumerate(zip(unit.params, unit.param_names)):
+        p.ds_id = next(_DS_IDS)
         p.ds_shape = unit.shapes[i]
         p.ds_numel = unit.numels[i]
         p.ds_unit = unit
@@ -201,6 +215,35 @@ def set_param_attributes(unit: Unit, released: torch.Tensor) -> None:
         p.ds_partition_range = (lo - a, hi - a) if lo < hi else (0, 0)
         p.ds_persist = False
         p.data = released
+
+
+def set_status(unit: Unit, status: PartitionStatus) -> None:
+    """Set `ds_status` of every parameter of `unit`."""
+    for p in unit.params:
+        p.ds_status = status
+
+
+def set_partition_tensors(unit: Unit, partition: Optional[torch.Tensor], location: Optional[str]) -> None:
+    """DeepSpeed's `param.ds_tensor`: this rank's share of each parameter (elements `ds_partition_range` of
+    the flattened parameter), 1-D, with `ds_tensor.ds_numel` its element count and
+    `ds_tensor.final_location` where the partition lives (`location`: "nvme", else None, as in DeepSpeed).
+
+    `partition`: the unit's partition when it lives in memory - each ds_tensor is then a view of it, so it
+    always holds the current values and in-place changes go into the partition. None (on NVMe, or freed):
+    each ds_tensor is an empty placeholder of the unit's dtype; `ds_numel` still says how many elements
+    this rank's swap file holds."""
+    for i, p in enumerate(unit.params):
+        lo, hi = p.ds_partition_range
+        if partition is None:
+            t = torch.empty(0, dtype=unit.dtype)
+        elif hi > lo:
+            start = unit.offsets[i] + lo - unit.lo
+            t = partition[start : start + hi - lo]
+        else:
+            t = partition[:0]
+        t.ds_numel = hi - lo
+        t.final_location = location
+        p.ds_tensor = t
 
 
 def is_partitioned(p: object) -> bool:
