@@ -10,12 +10,14 @@ fi
 py="$venv/bin/python"
 # torch==2.13.0 is pinned: this machine carries its CPU wheel, and an unpinned torch would pull a multi-GB
 # CUDA build. xxhash (checkpoint checksums) is pinned to the version the checkpoints were tested with.
-# transformers is for the tests only (Hugging Face GPT-2 / Llama built from configs, no hub).
-if ! "$py" -c "import torch, pytest, hypothesis, psutil, numpy, transformers, xxhash" >/dev/null 2>&1 \
+# transformers is for the tests only (Hugging Face GPT-2 / Llama built from configs, no hub); lightning and
+# accelerate (pinned) for the integration tests and the benchmarks against accelerate.
+if ! "$py" -c "import torch, pytest, hypothesis, psutil, numpy, transformers, xxhash, lightning, accelerate" \
+    >/dev/null 2>&1 \
     || ! "$venv/bin/ruff" --version >/dev/null 2>&1; then
     "$py" -m pip install -q --disable-pip-version-check \
         "torch==2.13.0" numpy psutil "xxhash==4.1.0" "pytest>=7" "hypothesis>=6" "ruff>=0.5" "clang-format>=17" \
-        "transformers>=4.40" \
+        "transformers>=4.40" "lightning==2.6.6" "accelerate==1.15.0" \
         "setuptools>=64" wheel "pybind11>=2.12" 2>&1 | grep -v "is ignored: it is neither" || true
 fi
 "$py" -c "import torch" # fail here, clearly, if the install above did not work
