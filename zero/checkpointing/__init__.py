@@ -29,8 +29,9 @@ from offload.config.activation import ActivationCheckpointingConfig
 from offload.config.aio import AioConfig
 from offload.pinned import PinnedPool, default_pinned_budget
 from zero.checkpointing.apply import apply
+from zero.checkpointing.nvme import NvmeTier
 from zero.checkpointing.stash import ActivationStash, CheckpointingReport
-from zero.checkpointing.tiers import CheckpointBufferError, make_tier
+from zero.checkpointing.tiers import CheckpointBufferError, DeviceTier, HostBuffers, HostTier, Tier
 
 __all__ = [
     "ActivationCheckpointingConfig",
@@ -119,6 +120,16 @@ class Checkpointer:
             self.stash.close()
         else:
             self._tier.close()
+
+
+def make_tier(cfg: ActivationCheckpointingConfig, aio: AioConfig, pool: PinnedPool) -> Tier:
+    """The tier a configuration asks for (`aio`: the settings of the NVMe tier's aio handle)."""
+    slots = cfg.number_checkpoints if cfg.contiguous_memory_optimization else None
+    if cfg.offload_device == "nvme":
+        return NvmeTier(cfg.nvme_path, aio, pool, slots)
+    if cfg.offload_device == "cpu":
+        return HostTier(HostBuffers(pool, slots))
+    return DeviceTier(slots, pool)
 
 
 _active: Optional[Checkpointer] = None
