@@ -1,0 +1,6 @@
+"""Integrations with training frameworks, one module each, imported only on request.
+
+`zero.integrations.lightning`: `ZeroStrategy`, a PyTorch Lightning strategy (registered as
+`Trainer(strategy="zero_offload")` when the module is imported; docs/integrations.md). Importing this
+package imports no framework: each integration module imports its framework itself.
+"""
