@@ -305,3 +305,30 @@ def test_model_persistence_threshold_caps_persistent_units():
     # units of 680, 1640, 1640, 1640, 164 elements: 680 + 1640 fit under 2400, nothing more (2320 + 164)
     assert [u.persistent for u in part.units] == [True, True, False, False, False]
     part.close()
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_hf_model_built_under_init_has_hf_initial_weights(family):
+    """transformers 5 initialises weights with its own `smart_apply`, not `nn.Module.apply`: Init gathers
+    around it too, so the partitioned model starts from exactly the weights plain transformers gives it."""
+    transformers = pytest.importorskip("transformers")
+    if family == "gpt2":
+        cfg = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=64, vocab_size=128)
+        cls = transformers.GPT2LMHeadModel
+    else:
+        cfg = transformers.LlamaConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=128
+        )
+        cls = transformers.LlamaForCausalLM
+    torch.manual_seed(0)
+    ref = cls(cfg)
+    torch.manual_seed(0)
+    with Init(config_dict_or_path={"zero_optimization": {"stage": 3}}):
+        model = cls(cfg)
+    with GatheredParameters(list(model.parameters())):
+        got = {k: v.clone() for k, v in model.state_dict().items()}
+    want = ref.state_dict()
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    assert not hasattr(nn.Module, "smart_apply") or nn.Module.smart_apply.__module__ != "zero.stage3.init"

@@ -6,7 +6,8 @@ module and of its submodules that are not partitioned yet become units of the In
 values go to their tier and `param.data` is emptied. A submodule's parameters are partitioned as soon as
 its own `__init__` returns, so at any moment only the layer being built exists in full. `nn.Module.apply`
 is wrapped too (DeepSpeed's override_module_apply): it gathers each module's own parameters around `fn`,
-so weight-initialisation code written for plain torch still works, one module at a time.
+so weight-initialisation code written for plain torch still works, one module at a time. So is
+`nn.Module.smart_apply`, the `apply` that Hugging Face transformers (5.x) initialises weights with.
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ class Init:
     _originals: Dict[type, Callable] = {}
     _orig_init_subclass: Any = None
     _orig_apply: Any = None
+    _orig_smart_apply: Any = None
 
     def __init__(
         self,
@@ -261,6 +263,18 @@ def _gathered_apply(self: nn.Module, fn: Callable[[nn.Module], None]) -> nn.Modu
     return self
 
 
+def _gathered_smart_apply(module: nn.Module, fn: Callable[..., None], is_custom_code: bool) -> nn.Module:
+    """transformers' `smart_apply` (each sub-model with its own `_initialize_weights`), gathering each
+    module's own parameters around `fn` like `_gathered_apply`."""
+    for child in module.children():
+        sub_model = hasattr(child, "_initialize_weights") and hasattr(child, "config")  # a PreTrainedModel
+        _gathered_smart_apply(child, child._initialize_weights if sub_model else fn, is_custom_code)
+    own = [p for p in module._parameters.values() if p is not None]
+    with GatheredParameters(own, modifier_rank=0):
+        fn(module, is_custom_code)
+    return module
+
+
 def _patch() -> None:
     for cls in _all_subclasses(nn.Module):
         _wrap_class(cls)
@@ -274,6 +288,8 @@ def _patch() -> None:
     nn.Module.__init_subclass__ = classmethod(init_subclass)  # type: ignore[assignment]
     Init._orig_apply = nn.Module.apply
     nn.Module.apply = _gathered_apply  # type: ignore[method-assign]
+    Init._orig_smart_apply = nn.Module.__dict__.get("smart_apply")  # transformers installs it on first use
+    nn.Module.smart_apply = _gathered_smart_apply  # type: ignore[attr-defined]
 
 
 def _unpatch() -> None:
@@ -285,3 +301,7 @@ def _unpatch() -> None:
     else:
         nn.Module.__init_subclass__ = Init._orig_init_subclass  # type: ignore[assignment]
     nn.Module.apply = Init._orig_apply  # type: ignore[method-assign]
+    if Init._orig_smart_apply is None:
+        del nn.Module.smart_apply
+    else:
+        nn.Module.smart_apply = Init._orig_smart_apply  # type: ignore[attr-defined]
