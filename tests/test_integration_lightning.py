@@ -58,9 +58,8 @@ class TinyGPT(L.LightningModule):
         )  # fmt: skip
         self.model = transformers.GPT2LMHeadModel(cfg)
         self.partitioned_when_built = all(p.numel() == 0 for p in self.model.parameters())
-        # Transformers 5 initialises through its own `smart_apply`, which zero.Init does not gather (the
-        # partitioned weights keep their construction values); nn.Module.apply is gathered, so both
-        # strategies start from the same weights.
+        # Initialised from a generator of its own (nn.Module.apply, gathered under zero.Init): both strategies
+        # start from the same weights whatever else consumed the global RNG.
         gen = torch.Generator().manual_seed(0)
         self.model.apply(lambda m: _init_weights(m, gen))
 
