@@ -278,6 +278,16 @@ def test_save_model_writes_a_hugging_face_checkpoint(stage, tmp_path):
         assert torch.equal(loaded(ids).logits, trainer.engine(input_ids=ids).logits)
 
 
+def test_bf16_from_the_arguments(tmp_path):
+    """bf16=True in the arguments: the engine computes in bf16 (fp32 master), save_model writes bf16."""
+    trainer = zero_run(tmp_path, zero_config(2, tmp_path, bf16={"enabled": "auto"}), bf16=True)
+    assert trainer.zero_config["bf16"] == {"enabled": True} and trainer.engine.dtype == torch.bfloat16
+    for (_, loss, *_), (_, want, *_) in zip(logged(trainer), logged(plain_run(tmp_path))):
+        assert abs(loss - want) < 1e-3  # bf16 rounding of the weights and activations
+    trainer.save_model(str(tmp_path / "final"))
+    assert AutoModelForCausalLM.from_pretrained(str(tmp_path / "final")).dtype == torch.bfloat16
+
+
 def test_stage3_save_model_without_gathering_saves_the_engine_checkpoint(tmp_path, caplog):
     cfg = zero_config(3, tmp_path)
     cfg["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = False
