@@ -1,8 +1,9 @@
 """The pieces of DeepSpeed's contract that transformers, TRL, PEFT, accelerate and Lightning read, each with
 DeepSpeed's meaning: the stage-3 parameter attributes (ds_numel, ds_shape, ds_id, ds_status, ds_tensor),
 GatheredParameters' and Init's signatures, get_global_grad_norm, set_gradient_accumulation_boundary,
-optimizer.overflow, the 16-bit export, load_checkpoint's return value, the client-optimizer rule, and the
-launcher conventions (--local_rank, LOCAL_RANK, an existing process group, add_config_arguments)."""
+backward's scale_wrt_gas, optimizer.overflow, the 16-bit export, load_checkpoint's return value, the
+client-optimizer rule, and the launcher conventions (--local_rank, LOCAL_RANK, an existing process group,
+add_config_arguments)."""
 
 from __future__ import annotations
 
@@ -253,6 +254,26 @@ def test_set_gradient_accumulation_boundary_as_accelerate_drives_it(tmp_path):
     assert driven.get_global_grad_norm() == counted.get_global_grad_norm()
     counted.close()
     driven.close()
+
+
+def test_backward_scale_wrt_gas_false_takes_the_loss_as_given(tmp_path):
+    """DeepSpeed's backward(loss, scale_wrt_gas=False): the caller divided the loss over the window itself
+    (transformers' Trainer does), so the engine must not divide it by gradient_accumulation_steps again."""
+    cfg = base_config("cpu", gradient_accumulation_steps=2)
+    counted, *_ = zero.initialize(model=make_model(), config=cfg)
+    divided, *_ = zero.initialize(model=make_model(), config=cfg)
+    for step in range(4):
+        x, y = get_batch(DATA, 4, TINY.seq_len, step)
+        counted.backward(counted(x, y))
+        counted.step()
+        divided.backward(divided(x, y) / 2, scale_wrt_gas=False)
+        divided.step()
+    assert divided.global_steps == counted.global_steps == 2
+    for a, b in zip(counted.module.parameters(), divided.module.parameters()):
+        assert torch.equal(a, b)
+    assert divided.get_global_grad_norm() == counted.get_global_grad_norm()
+    counted.close()
+    divided.close()
 
 
 def test_client_optimizer_wins_over_the_config_block(tmp_path, caplog):

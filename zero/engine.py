@@ -357,8 +357,12 @@ class ZeroEngine:
         if self.layout.grad_host is not None:
             self.layout.zero_grads()
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
-        """Backward of `loss / gradient_accumulation_steps` (times the loss scale in fp16)."""
+    def backward(
+        self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True
+    ) -> torch.Tensor:
+        """Backward of `loss / gradient_accumulation_steps` (times the loss scale in fp16). DeepSpeed's
+        `scale_wrt_gas=False`: `loss` as given, for callers that already divided it over the accumulation
+        window (transformers' Trainer, accelerate)."""
         self._require_optimizer("engine.backward()")
         self.check_open()
         self.check_state_usable()
@@ -376,7 +380,7 @@ class ZeroEngine:
         if self._unused is not None:
             self._unused.begin_backward(first=self._window_backwards == 0)
         self._window_backwards += 1
-        scale = self.loss_scale / self.gas
+        scale = self.loss_scale / self.gas if scale_wrt_gas else self.loss_scale
         try:
             with self._clock.phase("backward_s"):
                 scaled = loss.float() * scale if scale != 1.0 else loss

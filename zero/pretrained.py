@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from zero.engine import ZeroEngine
     from zero.stage3.partitioner import Stage3Partitioner
 
-__all__ = ["PretrainedCheckpointError", "from_pretrained"]
+__all__ = ["PretrainedCheckpointError", "from_pretrained", "partitioned_model"]
 
 logger = logging.getLogger("zero")
 
@@ -378,46 +378,34 @@ def _stream(part: Stage3Partitioner, model: nn.Module, plan: _Plan) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- public
-def from_pretrained(
+def partitioned_model(
     path: Union[str, os.PathLike],
     config: Union[str, os.PathLike, Dict[str, Any]],
     dtype: Optional[Union[torch.dtype, str]] = None,
     **hf_kwargs: Any,
-) -> ZeroEngine:
-    """Build the causal LM of the Hugging Face checkpoint directory `path` straight into stage-3 partitions
-    on the config's `offload_param` tier, one safetensors file at a time, and return the inference engine.
+) -> nn.Module:
+    """The causal LM of the Hugging Face checkpoint directory `path`, its weights streamed into stage-3
+    partitions one safetensors file at a time, without an engine: the model as a `zero.Init` block leaves
+    it. `zero.initialize(model=...)` - or a `zero.integrations.transformers.ZeroTrainer` - takes its
+    partitions over; give it a config with the same compute dtype (fp16/bf16 section). Arguments, dtype
+    rule and errors as `from_pretrained`; the model is in train mode, as transformers builds it. Its
+    partitions live until the engine that takes it over is closed (or the process exits)."""
+    return _load(path, config, dtype, hf_kwargs)[0]
 
-    `path`: a local directory with config.json and either model.safetensors or model.safetensors.index.json
-    with its shards (transformers' save_pretrained layout). The model class is the one
-    `AutoModelForCausalLM` picks for config.json; `hf_kwargs` go to `AutoModelForCausalLM.from_config`
-    (e.g. `attn_implementation=`, `trust_remote_code=`), except `key_mapping=` (a {regex: replacement}
-    dict of checkpoint-key renames, as transformers' from_pretrained takes it). `config`: the DeepSpeed
-    config (dict or JSON path) with `zero_optimization.stage` 3.
 
-    Compute dtype: `dtype=` if given and not "auto" (it must agree with the config's fp16/bf16 section
-    when one is enabled); else the config's fp16/bf16 setting; else the dtype config.json saved the weights
-    in (`dtype`, or `torch_dtype` in older files) when it is float32, float16 or bfloat16; else float32.
-    The config handed to the engine enables fp16/bf16 accordingly. Floating-point tensors are cast to it.
-
-    Returns what `zero.initialize(model=..., config=...)` returns first: a `ZeroEngine` without an
-    optimizer (with one if the config has an `optimizer` block), in eval mode; the Hugging Face model is
-    `engine.module` (`engine.module.generate(...)`). `engine.close()` removes the swap files.
-
-    Raises `FileNotFoundError` (no config.json, no weights, a shard the index names is missing),
-    `PretrainedCheckpointError` (a truncated or corrupt shard, a tensor whose shape or dtype does not fit
-    its parameter, parameters the checkpoint lacks - tied ones and the model's ignore patterns excepted),
-    `ConfigError`/`ValueError` (not stage 3, a dtype that contradicts the config) before any weight is
-    read, and `Stage3PinnedBudgetError` when the pinned budget cannot hold the largest layer's buffers.
-    Checkpoint tensors the model does not have are skipped with a warning (logger `zero`), as
-    transformers does. Whatever was partitioned before an error is freed, its swap files removed.
-    """
+def _load(
+    path: Union[str, os.PathLike],
+    config: Union[str, os.PathLike, Dict[str, Any]],
+    dtype: Optional[Union[torch.dtype, str]],
+    hf_kwargs: Dict[str, Any],
+) -> Tuple[nn.Module, Dict[str, Any], Stage3Partitioner]:
+    """(partitioned model, the config with its compute dtype enabled, its partitioner): from_pretrained."""
     import transformers
 
     from offload.config import ConfigError, load_config
     from offload.config._reader import read_json_file
     from zero.accelerator import compute_device
     from zero.engine import init_distributed
-    from zero.initialization import initialize
     from zero.stage3.partitioner import Stage3Partitioner
 
     start = time.monotonic()
@@ -477,11 +465,9 @@ def from_pretrained(
     try:
         part.partition_model(model)  # zero partitions; the pinned budget is checked here
         nbytes = _stream(part, model, plan)
-        engine = initialize(model=model, config=raw)[0]  # takes the partitioner over (as after zero.Init)
     except BaseException:
         part.close()  # partitions, pinned buffers and swap files of this load
         raise
-    engine.eval()
     logger.info(
         "zero.from_pretrained: %d tensors (%.1f MB) from %d file(s) into %d units on %s in %.1f s",
         len(plan.params) + len(plan.buffers),
@@ -491,4 +477,49 @@ def from_pretrained(
         part.store.tier,
         time.monotonic() - start,
     )
+    return model, raw, part
+
+
+def from_pretrained(
+    path: Union[str, os.PathLike],
+    config: Union[str, os.PathLike, Dict[str, Any]],
+    dtype: Optional[Union[torch.dtype, str]] = None,
+    **hf_kwargs: Any,
+) -> ZeroEngine:
+    """Build the causal LM of the Hugging Face checkpoint directory `path` straight into stage-3 partitions
+    on the config's `offload_param` tier, one safetensors file at a time, and return the inference engine.
+
+    `path`: a local directory with config.json and either model.safetensors or model.safetensors.index.json
+    with its shards (transformers' save_pretrained layout). The model class is the one
+    `AutoModelForCausalLM` picks for config.json; `hf_kwargs` go to `AutoModelForCausalLM.from_config`
+    (e.g. `attn_implementation=`, `trust_remote_code=`), except `key_mapping=` (a {regex: replacement}
+    dict of checkpoint-key renames, as transformers' from_pretrained takes it). `config`: the DeepSpeed
+    config (dict or JSON path) with `zero_optimization.stage` 3.
+
+    Compute dtype: `dtype=` if given and not "auto" (it must agree with the config's fp16/bf16 section
+    when one is enabled); else the config's fp16/bf16 setting; else the dtype config.json saved the weights
+    in (`dtype`, or `torch_dtype` in older files) when it is float32, float16 or bfloat16; else float32.
+    The config handed to the engine enables fp16/bf16 accordingly. Floating-point tensors are cast to it.
+
+    Returns what `zero.initialize(model=..., config=...)` returns first: a `ZeroEngine` without an
+    optimizer (with one if the config has an `optimizer` block), in eval mode; the Hugging Face model is
+    `engine.module` (`engine.module.generate(...)`). `engine.close()` removes the swap files.
+
+    Raises `FileNotFoundError` (no config.json, no weights, a shard the index names is missing),
+    `PretrainedCheckpointError` (a truncated or corrupt shard, a tensor whose shape or dtype does not fit
+    its parameter, parameters the checkpoint lacks - tied ones and the model's ignore patterns excepted),
+    `ConfigError`/`ValueError` (not stage 3, a dtype that contradicts the config) before any weight is
+    read, and `Stage3PinnedBudgetError` when the pinned budget cannot hold the largest layer's buffers.
+    Checkpoint tensors the model does not have are skipped with a warning (logger `zero`), as
+    transformers does. Whatever was partitioned before an error is freed, its swap files removed.
+    """
+    from zero.initialization import initialize
+
+    model, raw, part = _load(path, config, dtype, hf_kwargs)
+    try:
+        engine = initialize(model=model, config=raw)[0]  # takes the partitioner over (as after zero.Init)
+    except BaseException:
+        part.close()
+        raise
+    engine.eval()
     return engine
