@@ -41,6 +41,7 @@ class GatheredParameters:
         self.modifier_rank = modifier_rank
         self.params: List[nn.Parameter] = []
         self.units: List[Unit] = []
+        self._was_partitioned: List[bool] = []
         if not enabled:
             return
         if isinstance(params, torch.Tensor) or not isinstance(params, Iterable):
@@ -55,6 +56,7 @@ class GatheredParameters:
 
     def __enter__(self) -> GatheredParameters:
         if self.enabled:
+            self._was_partitioned = [u.full is None for u in self.units]
             for u in self.units:
                 u.owner.fetch(u)
         return self
@@ -69,6 +71,9 @@ class GatheredParameters:
         finally:
             for u in self.units:
                 u.owner.release(u)
+            for u, was_partitioned in zip(self.units, self._was_partitioned):
+                if was_partitioned and u.persistent:  # leave it as the block found it
+                    u.owner.repartition(u)
 
     def _write_back(self, u: Unit) -> None:
         owner = u.owner  # the Stage3Partitioner that holds the unit

@@ -269,8 +269,14 @@ def _gathered_smart_apply(module: nn.Module, fn: Callable[..., None], is_custom_
     for child in module.children():
         sub_model = hasattr(child, "_initialize_weights") and hasattr(child, "config")  # a PreTrainedModel
         _gathered_smart_apply(child, child._initialize_weights if sub_model else fn, is_custom_code)
-    own = [p for p in module._parameters.values() if p is not None]
-    with GatheredParameters(own, modifier_rank=0):
+    # its own parameters and those of its leaf children: model families re-initialise a child's weight from
+    # the parent (GPT-2 scales every `c_proj.weight` from its attention and MLP modules); a leaf is one layer,
+    # so what is whole at once stays a few layers
+    params = [p for p in module._parameters.values() if p is not None]
+    for child in module.children():
+        if next(child.children(), None) is None:
+            params += [p for p in child._parameters.values() if p is not None]
+    with GatheredParameters(params, modifier_rank=0):
         fn(module, is_custom_code)
     return module
 

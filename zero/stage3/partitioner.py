@@ -246,6 +246,12 @@ class Stage3Partitioner:
             raise RuntimeError(f"unit {unit.name!r} released more often than fetched")
         self._maybe_free(unit, keep_for_reuse=True)
 
+    def repartition(self, unit: Unit) -> None:
+        """Free `unit` if nothing holds it, persistent or not: a GatheredParameters block that found it
+        partitioned leaves it partitioned (a persistent unit is then gathered again at its first use)."""
+        if unit.full is not None and unit.refs == 0 and not unit.bwd_hold:
+            self._free(unit)
+
     def _maybe_free(self, unit: Unit, keep_for_reuse: bool = False) -> None:
         if unit.full is not None and unit.refs == 0 and not unit.bwd_hold and not unit.persistent:
             if keep_for_reuse and self.use_trace.keep(unit, self.live_numel):
