@@ -127,7 +127,7 @@ class ZeroEngine:
                 self._checkpointing = checkpointing.configure(
                     deepspeed_config=cfg.activation_checkpointing,
                     aio=cfg.aio,
-                    pinned_budget_bytes=cfg.zero_offload.pinned_budget_bytes,
+                    pool=pool,
                 )
             if self.rule is None:
                 self._build_inference(model, params, place, pool, lr_scheduler)

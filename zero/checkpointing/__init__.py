@@ -59,9 +59,11 @@ class Checkpointer:
         config: ActivationCheckpointingConfig,
         aio: Optional[AioConfig] = None,
         pinned_budget_bytes: Optional[int] = None,
+        pool: Optional[PinnedPool] = None,
     ) -> None:
         self.config = config
-        self.pool = PinnedPool(default_pinned_budget(pinned_budget_bytes))
+        # pinned staging comes out of the engine's pool (one cap for both) when it configures us
+        self.pool = pool if pool is not None else PinnedPool(default_pinned_budget(pinned_budget_bytes))
         tier = make_tier(config, aio or AioConfig(), self.pool)
         # offload_device "none" without preallocated buffers moves nothing: no hooks at all then
         moves = config.offload_device != "none" or config.contiguous_memory_optimization
@@ -180,6 +182,7 @@ def configure(
     *,
     aio: Optional[AioConfig] = None,
     pinned_budget_bytes: Optional[int] = None,
+    pool: Optional[PinnedPool] = None,
 ) -> Checkpointer:
     """Configure checkpointing for this process, as `deepspeed.checkpointing.configure` does.
 
@@ -187,8 +190,10 @@ def configure(
     is read, then each argument given here overrides its key (`checkpoint_in_cpu` is `cpu_checkpointing`,
     `contiguous_checkpointing` is `contiguous_memory_optimization`, `num_checkpoints` is
     `number_checkpoints`, `synchronize` is `synchronize_checkpoint_boundary`). `mpu_`: a model-parallel unit;
-    with one model-parallel rank there is nothing to partition, more are refused. Replaces (and closes) an
-    earlier configuration; returns the new one.
+    with one model-parallel rank there is nothing to partition, more are refused. Ours, keyword only: `aio`
+    (the NVMe tier's aio settings), `pinned_budget_bytes` or `pool` (a PinnedPool to take pinned staging
+    from; the engine passes its own, so one cap covers both). Replaces (and closes) an earlier configuration;
+    returns the new one.
     """
     import dataclasses
 
@@ -220,7 +225,7 @@ def configure(
         logger.info(
             "activation_checkpointing.partition_activations: one model-parallel rank, nothing to split"
         )
-    new = Checkpointer(cfg, aio, pinned_budget_bytes)
+    new = Checkpointer(cfg, aio, pinned_budget_bytes, pool)
     global _active
     with _active_lock:
         old, _active = _active, new
