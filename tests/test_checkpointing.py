@@ -450,3 +450,17 @@ def test_estimator_checkpoint_rows_match_what_the_stash_moved(tmp_path):
     assert rep.nvme_write_bytes == place["nvme_write"] == place["nvme"]
     assert rep.nvme_read_bytes == place["nvme_read"]
     assert rep.peak_resident_bytes <= RESIDENT_CHECKPOINTS * batch * seq * D * 4
+
+
+def test_a_checkpoint_larger_than_the_preallocated_buffers_raises_naming_the_key():
+    zc.configure(contiguous_checkpointing=True, num_checkpoints=4)
+    blocks = [Block() for _ in range(3)]
+    h = zc.checkpoint(blocks[0], torch.randn(4, 64, D))  # the buffers are sized for this first input
+    h = zc.checkpoint(blocks[1], torch.cat([h, h]))  # twice as large
+    with pytest.raises(zc.CheckpointBufferError, match="contiguous_memory_optimization"):
+        zc.checkpoint(blocks[2], h)  # block 1's input goes into a buffer now
+
+
+def test_apply_with_block_types_that_match_nothing():
+    with pytest.raises(ValueError, match="no submodule of type"):
+        zc.apply(Stack(n=2), nn.LSTM)
