@@ -24,6 +24,19 @@ this mode. The GPU is synchronised at every phase boundary so the forward / back
 holds, and the table gains a "peak GPU GiB" column (torch.cuda.max_memory_allocated over the process).
 Output names get a `_cuda` suffix (e2e_cuda.json) so GPU results never overwrite CPU ones.
 
+`--tiers {368m,760m,tiny}` runs another grid instead: parameters and optimizer state on NVMe
+(zero3-opt-nvme-param-nvme-all), the optimizer state's dtype (`optimizer.params.state_dtype`, --state-dtypes
+fp32,bf16,int8; fp32 is sent as no key) x the host memory the NVMe optimizer state may keep
+(`zero_optimization.offload_optimizer.max_in_cpu`, --host-budgets: elements, "auto", or a fraction of the
+parameters such as 0.5), after a baseline that sends neither key; ours only, rounds A B C ... over
+`--repeats`. Per variant: median step time and its ratio to the baseline, bytes read and written on NVMe per
+step from the engine's report (optimizer state and parameter partitions), final loss and its difference
+from the baseline's. A variant whose keys the engine refuses (ConfigError) is reported as refused with the
+engine's message. Output: e2e_tiers_<preset>.json and .md.
+
+    python -m benchmarks.bench_e2e --tiers 368m --dtype bf16 --device cuda --nvme-dir /local_nvme
+    python -m benchmarks.bench_e2e --tiers tiny --steps 1 --warmup 1 --state-dtypes fp32,int8   # smoke
+
 The script is long because it carries the whole comparison protocol (both engines, A B A B rounds,
 medians, JSON and table) so that one command reproduces the RESULTS.md table.
 """
@@ -40,7 +53,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from benchmarks.harness import OUT_DIR, machine_info, markdown_table
 
@@ -78,6 +91,35 @@ CONFIGS: Dict[str, Dict[str, Any]] = {
     "zero3-opt-nvme-param-nvme-all": {"stage": 3, "optimizer": "nvme", "param": "nvme", "max_in_cpu": 0},
 }
 DEFAULT_CONFIGS = [c for c in CONFIGS if not c.endswith("-no-overlap")]
+
+# --tiers: parameters and optimizer state on NVMe, optimizer state dtype x host budget for the NVMe optimizer
+# state (offload_optimizer.max_in_cpu). "368m" is the 350m shape: 368M parameters with the 32000 vocabulary.
+TIERS_PRESETS: Dict[str, str] = {"368m": "350m", "760m": "760m", "tiny": "tiny"}
+TIERS_BASE = "zero3-opt-nvme-param-nvme-all"
+STATE_DTYPES = ("fp32", "bf16", "int8")
+
+
+def host_budget(value: str, params: int) -> Any:
+    """A --host-budgets entry as offload_optimizer.max_in_cpu: "auto", a count of elements, or a fraction
+    ("0.5", "50%") of the model's parameters (one rank's optimizer partition is the whole model)."""
+    v = value.strip()
+    if v == "auto":
+        return "auto"
+    if v.endswith("%"):
+        return int(float(v[:-1]) / 100 * params)
+    if "." in v:
+        return int(float(v) * params)
+    return int(v)
+
+
+def tiers_config(conf: Dict[str, Any], state_dtype: Optional[str], max_in_cpu: Any) -> Dict[str, Any]:
+    """`conf` with optimizer.params.state_dtype and offload_optimizer.max_in_cpu (None: key not sent)."""
+    conf = json.loads(json.dumps(conf))
+    if state_dtype is not None:
+        conf["optimizer"]["params"]["state_dtype"] = state_dtype
+    if max_in_cpu is not None:
+        conf["zero_optimization"]["offload_optimizer"]["max_in_cpu"] = max_in_cpu
+    return conf
 
 
 def zero_section(
@@ -178,8 +220,12 @@ def _worker(spec: Dict[str, Any]) -> Dict[str, Any]:
         out = measure(spec, forward, backward, step)
     else:
         import zero
+        from offload.config import ConfigError
 
-        engine, *_ = zero.initialize(model=model, config=spec["config"])
+        try:
+            engine, *_ = zero.initialize(model=model, config=spec["config"])
+        except ConfigError as exc:  # a key this engine does not take (yet): a result, not a failure
+            return {"refused": str(exc)}
         if engine.device.type != device:  # the accelerator comes from the environment _run sets
             raise RuntimeError(f"the engine computes on {engine.device}, this run asked for {device}")
         sync()
@@ -199,6 +245,11 @@ def _worker(spec: Dict[str, Any]) -> Dict[str, Any]:
                 "engine_backward_s": rep.backward_s,
                 "nvme_read_bytes": float(rep.nvme_read_bytes),
                 "nvme_write_bytes": float(rep.nvme_write_bytes),
+                # stage 3: the parameter partitions' swap files (zero for the other stages)
+                "param_nvme_read_bytes": float((engine.last_param_io or {}).get("param_nvme_read_bytes", 0)),
+                "param_nvme_write_bytes": float(
+                    (engine.last_param_io or {}).get("param_nvme_write_bytes", 0)
+                ),
             }
 
         out = measure(spec, forward, engine.backward, engine.step, extra)
@@ -237,6 +288,9 @@ def _run(spec: Dict[str, Any], ds_python: str, log: Any) -> Optional[Dict[str, A
             return None
         with open(out_path) as f:
             out = json.load(f)
+        if "refused" in out:
+            print(f"[e2e] {label}: refused by the engine: {out['refused']}", file=log, flush=True)
+            return out
         out["process_wall_s"] = wall
         med = statistics.median(r["step_s"] for r in out["rows"])
         gpu = f", peak GPU {out['peak_gpu_bytes'] / 2**30:.2f} GiB" if "peak_gpu_bytes" in out else ""
@@ -392,15 +446,144 @@ def _write(
         "raw": raw,
         "note": note,
     }
-    os.makedirs(OUT_DIR, exist_ok=True)
-    json_path = os.path.join(OUT_DIR, f"{args.out_name}.json")
+    os.makedirs(args.out_dir, exist_ok=True)
+    json_path = os.path.join(args.out_dir, f"{args.out_name}.json")
     with open(json_path, "w") as f:
         json.dump(payload, f, indent=2, default=float)
-    with open(os.path.join(OUT_DIR, f"{args.out_name}.md"), "w") as f:
+    with open(os.path.join(args.out_dir, f"{args.out_name}.md"), "w") as f:
         f.write(table + "\n")
     if final:
         print(table)
         print(f"\nwrote {json_path}")
+
+
+def _tiers_summary(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """One --tiers variant over its runs: refused, failed, or step times, engine NVMe bytes and losses."""
+    refused = [r["refused"] for r in runs if "refused" in r]
+    if refused:
+        return {"status": "refused", "error": refused[0]}
+    ok = [r for r in runs if "rows" in r]
+    if not ok:
+        return {"status": "failed", "error": "every run failed (see the log)"}
+    rows = [row for r in ok for row in r["rows"]]
+    steps = [row["step_s"] for row in rows]
+
+    def med(*keys: str) -> float:
+        return statistics.median(sum(row.get(k, 0.0) for k in keys) for row in rows)
+
+    return {
+        "status": "ok",
+        "runs": len(ok),
+        "step_s": statistics.median(steps),
+        "step_min_s": min(steps),
+        "step_max_s": max(steps),
+        "optimizer_s": med("optimizer_s"),
+        # the engine's report: optimizer state (StepReport) + parameter partitions (last_param_io)
+        "optimizer_nvme_read_bytes_per_step": med("nvme_read_bytes"),
+        "optimizer_nvme_write_bytes_per_step": med("nvme_write_bytes"),
+        "nvme_read_bytes_per_step": med("nvme_read_bytes", "param_nvme_read_bytes"),
+        "nvme_write_bytes_per_step": med("nvme_write_bytes", "param_nvme_write_bytes"),
+        "peak_rss_bytes": max(r["peak_rss_bytes"] for r in ok),
+        "final_loss": ok[0]["losses"][-1],
+        "losses": ok[0]["losses"],
+    }
+
+
+def _tiers_table(results: Dict[str, Dict[str, Any]]) -> str:
+    base = results.get("baseline", {})
+    rows = []
+    for label, r in results.items():
+        sent = [
+            r["state_dtype"] or "fp32 (key not sent)",
+            "not sent" if r["max_in_cpu"] is None else r["max_in_cpu"],
+        ]
+        if r["status"] != "ok":
+            rows.append([label, *sent, f"{r['status']}: {r['error'][:160]}", "", "", "", "", ""])
+            continue
+        vs = base.get("status") == "ok"
+        rows.append(
+            [
+                label,
+                *sent,
+                "ok",
+                f"{r['step_s']:.2f} ({r['step_min_s']:.2f}-{r['step_max_s']:.2f})",
+                f"{r['step_s'] / base['step_s']:.2f}" if vs else "",
+                f"{r['nvme_read_bytes_per_step'] / 1e9:.2f} / {r['nvme_write_bytes_per_step'] / 1e9:.2f}",
+                f"{r['final_loss']:.4f}",
+                f"{(r['final_loss'] - base['final_loss']) / base['final_loss']:+.1e}" if vs else "",
+            ]
+        )
+    headers = [
+        "variant",
+        "state_dtype",
+        "max_in_cpu (elements)",
+        "status",
+        "step s median (min-max)",
+        "x baseline",
+        "engine NVMe GB r / w per step",
+        "final loss",
+        "loss vs baseline",
+    ]
+    return markdown_table(headers, rows)
+
+
+def run_tiers(args: argparse.Namespace, base_spec: Dict[str, Any], nvme_root: str) -> int:
+    """--tiers: the baseline (neither key sent), then every state dtype x host budget, rounds A B C ..."""
+    from zero.models import GPTConfig, num_params
+
+    params = num_params(GPTConfig(**base_spec["size"]))
+    variants: Dict[str, Tuple[Optional[str], Any]] = {"baseline": (None, None)}
+    for sd in [x for x in args.state_dtypes.split(",") if x]:
+        if sd not in STATE_DTYPES:
+            raise SystemExit(f"--state-dtypes: unknown {sd!r}; choose from {STATE_DTYPES}")
+        for hb in [x for x in args.host_budgets.split(",") if x]:
+            variants[f"{sd} / host {hb}"] = (None if sd == "fp32" else sd, host_budget(hb, params))
+    conf0 = engine_config(
+        CONFIGS[TIERS_BASE],
+        args.dtype,
+        nvme_root,
+        args.sub_group,
+        args.micro_batch,
+        False,
+        not args.no_pipeline,
+    )
+    print(f"[e2e] --tiers {args.tiers}: {params / 1e6:.0f}M parameters, {len(variants)} variants", flush=True)
+    raw: Dict[str, List[Dict[str, Any]]] = {label: [] for label in variants}
+    for _ in range(args.repeats):
+        for label, (sd, budget) in variants.items():
+            if any("refused" in r for r in raw[label]):
+                continue  # the engine's answer does not change between rounds
+            conf = tiers_config(conf0, sd, budget)
+            spec = dict(base_spec, name=label, engine="ours", config=conf, ds_config=conf)
+            raw[label].append(_run(spec, args.ds_python, sys.stdout) or {"error": "failed"})
+    results = {}
+    for label, (sd, budget) in variants.items():
+        results[label] = dict(_tiers_summary(raw[label]), state_dtype=sd, max_in_cpu=budget)
+    table = _tiers_table(results)
+    payload = {
+        "benchmark": args.out_name,
+        "device": args.device,
+        "machine": machine_info(),
+        "preset": args.tiers,
+        "params": params,
+        "model": base_spec["size"],
+        "dtype": args.dtype,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "base_config": TIERS_BASE,
+        "results": results,
+        "raw": raw,
+    }
+    os.makedirs(args.out_dir, exist_ok=True)
+    json_path = os.path.join(args.out_dir, f"{args.out_name}.json")
+    with open(json_path, "w") as f:
+        json.dump(payload, f, indent=2, default=float)
+    with open(os.path.join(args.out_dir, f"{args.out_name}.md"), "w") as f:
+        f.write(table + "\n")
+    print(table)
+    print(f"\nwrote {json_path}")
+    return 0
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -450,7 +633,28 @@ def main(argv: Optional[List[str]] = None) -> int:
         help="a previous output JSON: its runs are kept and added to",
     )
     ap.add_argument("--skip-torch", action="store_true", help="do not run plain torch (with --reuse)")
+    ap.add_argument(
+        "--tiers",
+        choices=sorted(TIERS_PRESETS),
+        default=None,
+        help="instead of the comparison: parameters and optimizer on NVMe (" + TIERS_BASE + "), optimizer "
+        "state dtype x host budget for it; sets --size; output e2e_tiers_<preset>",
+    )
+    ap.add_argument(
+        "--state-dtypes", default=",".join(STATE_DTYPES), help="--tiers: optimizer.params.state_dtype"
+    )
+    ap.add_argument(
+        "--host-budgets",
+        default="0,0.5",
+        help="--tiers: offload_optimizer.max_in_cpu values: elements, 'auto', or a fraction ('0.5', '50%%') "
+        "of the parameters",
+    )
+    ap.add_argument("--out-dir", default=OUT_DIR, help="where the JSON and table go")
     args = ap.parse_args(argv)
+    if args.tiers:
+        args.size = TIERS_PRESETS[args.tiers]
+        if args.out_name == "e2e":
+            args.out_name = f"e2e_tiers_{args.tiers}"
     if args.device == "cuda":
         import torch
 
@@ -482,6 +686,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.device == "cuda" and not args.no_deepspeed:
         print("[e2e] --device cuda: DeepSpeed is not run (plain torch and ours only)", flush=True)
         use_ds = False
+    if args.tiers:
+        code = run_tiers(args, base_spec, nvme_root)
+        if args.nvme_dir is None:
+            shutil.rmtree(nvme_root, ignore_errors=True)
+        return code
     stage3 = _stage3_available()
     names = [c for c in args.configs.split(",") if c]
     unknown = [c for c in names if c not in CONFIGS]
@@ -530,7 +739,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 )
                 spec = dict(base_spec, name=name, engine=eng, config=conf, ds_config=conf)
                 out = _run(spec, args.ds_python, log)
-                if out is not None:
+                if out is not None and "refused" not in out:
                     raw[name].setdefault(eng, []).append(out)
                     _write(raw, args, size, stage3, final=False)
 
