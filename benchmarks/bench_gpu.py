@@ -63,7 +63,9 @@ CONFIGS: Dict[str, Optional[Tuple[int, str, str]]] = {
     "zero2-opt-cpu": (2, "cpu", "none"),
     "zero3-opt-cpu-param-cpu": (3, "cpu", "cpu"),
     "zero3-opt-nvme-param-nvme": (3, "nvme", "nvme"),
+    "zero3-opt-cpu": (3, "cpu", "none"),  # DeepSpeed's partial offload (ratio) is a stage-3 feature
 }
+CAPACITY = ("torch", "zero2-opt-cpu", "zero3-opt-cpu-param-cpu", "zero3-opt-nvme-param-nvme")
 RATIOS = (0.0, 0.5, 1.0)
 TORCH_BYTES_PER_PARAM = (
     8  # bf16 weights, gradients, exp_avg, exp_avg_sq (torch keeps state in the param dtype)
@@ -469,7 +471,7 @@ def section_capacity(
     args: argparse.Namespace, machine: Any, nvme_dir: str, deadline: float
 ) -> Dict[str, Any]:
     out: Dict[str, Any] = {"configs": {}}
-    names = list(CONFIGS)
+    names = [c for c in args.capacity_configs.split(",") if c]
     for idx, name in enumerate(names):
         k, est = largest_rung(name, args, machine)
         entry: Dict[str, Any] = {"estimator_rung": k, "estimate": est, "attempts": []}
@@ -507,7 +509,7 @@ def section_capacity(
         entry["verified_params"] = rung(verified, args).params if verified else 0
         out["configs"][name] = entry
     out["status"] = "ok"
-    base = out["configs"]["torch"]["verified_params"]
+    base = out["configs"].get("torch", {}).get("verified_params")
     for entry in out["configs"].values():
         entry["x_torch"] = entry["verified_params"] / base if base else None
     return out
@@ -682,6 +684,9 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     ap.add_argument("--seq", type=int, default=512, help="capacity: sequence length")
     ap.add_argument("--micro", type=int, default=1, help="capacity: micro-batch")
     ap.add_argument("--sub-group", type=int, default=100_000_000)
+    ap.add_argument(
+        "--capacity-configs", default=",".join(CAPACITY), help="capacity: of " + ",".join(CONFIGS)
+    )
     ap.add_argument("--tflops-config", choices=[c for c in CONFIGS if c != "torch"], default="zero2-opt-cpu")
     ap.add_argument("--tflops-seq", type=int, default=2048)
     ap.add_argument("--tflops-micro", type=int, default=8)
@@ -692,9 +697,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     )
     ap.add_argument("--overhead-rung", type=int, default=16, help="overhead and ratio: the model's rung")
     ap.add_argument("--overhead-micro", type=int, default=4)
-    ap.add_argument(
-        "--ratio-config", choices=[c for c in CONFIGS if c != "torch"], default="zero3-opt-cpu-param-cpu"
-    )
+    ap.add_argument("--ratio-config", choices=[c for c in CONFIGS if c != "torch"], default="zero3-opt-cpu")
     ap.add_argument("--repeats", type=int, default=4, help="overhead/ratio: timed rounds")
     ap.add_argument("--in-process", action="store_true", help="no child processes (no OOM isolation)")
     ap.add_argument("--child", nargs=3, metavar=("KIND", "JOB", "OUT"), help=argparse.SUPPRESS)
@@ -749,6 +752,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     unknown = sorted(set(sections) - set(SECTIONS))
     if unknown:
         raise SystemExit(f"unknown sections {unknown}; choose from {SECTIONS}")
+    bad = sorted(set(args.capacity_configs.split(",")) - set(CONFIGS) - {""})
+    if bad:
+        raise SystemExit(f"unknown --capacity-configs {bad}; choose from {list(CONFIGS)}")
     start = time.time()
     res: Dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="zo-bench-gpu-", dir=args.nvme_path) as nvme_dir:

@@ -52,7 +52,7 @@ def test_capacity_is_the_estimators_largest_and_was_trained(smoke):
     limits = smoke["machine_limits"]
     machine = MachineProfile(limits["gpu_bytes"], limits["ram_bytes"], limits["nvme_free_bytes"])
     configs = smoke["results"]["capacity"]["configs"]
-    assert set(configs) == set(bench_gpu.CONFIGS)
+    assert set(configs) == set(bench_gpu.CAPACITY)
     for name, entry in configs.items():
         k = entry["estimator_rung"]
         assert k >= 1, name
