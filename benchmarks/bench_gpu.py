@@ -232,7 +232,6 @@ class Trainer:
         self.vocab = shape.vocab
         self.device = torch.device(s.device)
         self.step_index = 0
-        self.report: Dict[str, float] = {}
         hf = shape.hf_config(seq)
         torch.manual_seed(0)
         t0 = time.perf_counter()
@@ -401,7 +400,18 @@ def child_interleaved(args: argparse.Namespace, job: Dict[str, Any]) -> Dict[str
 
 # ---------------------------------------------------------------------------------------- the parent
 def spawn(args: argparse.Namespace, kind: str, job: Dict[str, Any], timeout: float) -> Dict[str, Any]:
-    """Run a child job (in this process with --in-process); a timeout or a kill is a result too."""
+    """Run a child job (in this process with --in-process); a timeout or a kill is a result too.
+
+    The job's swap files go to a folder of its own under job["nvme_dir"], removed when the job ends: a child
+    killed for time or memory leaves nothing on the disk for the next try."""
+    t0 = time.time()
+    with tempfile.TemporaryDirectory(prefix="job-", dir=job["nvme_dir"]) as swap:
+        out = _spawn(args, kind, dict(job, nvme_dir=swap), timeout)
+    out["wall_s"] = time.time() - t0
+    return out
+
+
+def _spawn(args: argparse.Namespace, kind: str, job: Dict[str, Any], timeout: float) -> Dict[str, Any]:
     if args.in_process:
         return (child_train if kind == "train" else child_interleaved)(args, job)
     with tempfile.TemporaryDirectory(prefix="zo-gpu-job-") as tmp:
@@ -478,7 +488,7 @@ def section_capacity(
         entry["estimator_params"] = rung(k, args).params if k else 0
         entry["capped"] = k == args.max_rung  # the ladder ends here: larger ones may fit too
         print(
-            f"[capacity] {name}: estimator's largest: rung {k} ({entry['estimator_params'] / 1e9:.3f}B)",
+            f"[capacity] {name}: estimator's largest: rung {k} ({_p(entry['estimator_params'])})",
             flush=True,
         )
         verified = 0
@@ -492,7 +502,7 @@ def section_capacity(
                 {
                     "rung": k,
                     "params": rung(k, args).params,
-                    **{key: r.get(key) for key in ("status", "error", "peak_gpu_bytes", "init_s")},
+                    **{key: r.get(key) for key in ("status", "error", "peak_gpu_bytes", "init_s", "wall_s")},
                 }
             )
             if r.get("rows"):
