@@ -37,7 +37,7 @@ def _args(payload):
     return bench_gpu.parse_args(["--smoke", f"--device-mem={payload['settings']['device_mem']}"])
 
 
-def test_every_section_ran_within_the_budget(smoke):
+def test_every_section_ran(smoke):
     assert set(smoke["results"]) == {"capacity", "tflops", "overhead", "ratio"}
     for name, section in smoke["results"].items():
         assert section.get("status", "ok") == "ok", (name, section)
