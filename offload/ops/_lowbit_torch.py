@@ -1,7 +1,8 @@
 """Low-bit state updates composed from torch ops around the fp32 kernel: widen the states to fp32, run
 the fp32 update, store back (8-bit: re-quantize per block; bf16: stochastic rounding).
 
-This is the statement of what the fused C++ low-bit kernels compute, kept as their bit-exact reference.
+This is the statement of what the fused C++ low-bit kernels compute in one pass; the tests hold the
+kernels to it bit for bit (tests/test_cpu_optim_lowbit.py). Not used on the update path.
 """
 
 from __future__ import annotations

@@ -25,8 +25,7 @@ import torch
 
 from offload import _cpu_optim
 
-from . import _lowbit_torch
-from .quant import QUANT_BLOCK, check_seed, num_blocks
+from .quant import QUANT_BLOCK, check_seed, num_blocks, sr_keys
 
 _VALUE_DTYPES = {
     torch.float32: _cpu_optim.F32,
@@ -35,7 +34,8 @@ _VALUE_DTYPES = {
 }
 _STATE_DTYPES = {torch.float32: _cpu_optim.F32, torch.bfloat16: _cpu_optim.BF16}
 _COPY_DTYPES = {torch.bfloat16: _cpu_optim.BF16, torch.float16: _cpu_optim.F16}
-U8 = 4  # dtype code of 8-bit block-quantized states
+U8 = _cpu_optim.U8  # dtype code of 8-bit block-quantized states
+assert _cpu_optim.QUANT_BLOCK == QUANT_BLOCK
 _ANY_STATE_DTYPES = {**_STATE_DTYPES, torch.uint8: U8}
 _ABSMAX_DTYPES = {torch.float32: _cpu_optim.F32}
 
@@ -182,51 +182,34 @@ def adam_update(
     )
     _check_step(step, 1)
 
-    def run(m: torch.Tensor, v: torch.Tensor, state_code: int) -> bool:
-        return _cpu_optim.adam(
-            param.data_ptr(),
-            grad.data_ptr(),
-            m.data_ptr(),
-            v.data_ptr(),
-            _ptr(param_copy),
-            n,
-            pc,
-            gc,
-            state_code,
-            cc,
-            step,
-            float(lr),
-            float(beta1),
-            float(beta2),
-            float(eps),
-            float(weight_decay),
-            bool(adamw_mode),
-            bool(bias_correction),
-            float(grad_scale),
-            bool(check_finite),
-        )
-
-    if sc == U8 or stochastic_rounding:
-        return _lowbit_torch.update_lowbit(
-            _fp32_runner(run, check_finite),
-            {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq},
-            {"exp_avg": exp_avg_absmax, "exp_avg_sq": exp_avg_sq_absmax},
-            {"exp_avg": True, "exp_avg_sq": False},
-            stochastic_rounding,
-            seed,
-            step,
-        )
-    return run(exp_avg, exp_avg_sq, sc)
-
-
-def _fp32_runner(run, check_finite: bool):
-    """Adapts an fp32 kernel call to update_lowbit's (ok, wrote) protocol."""
-
-    def fp32_update(*states: torch.Tensor) -> tuple:
-        ok = run(*states, _cpu_optim.F32)
-        return ok, ok or not check_finite
-
-    return fp32_update
+    k0, k1 = sr_keys(seed, step) if stochastic_rounding else (0, 0)
+    return _cpu_optim.adam(
+        param.data_ptr(),
+        grad.data_ptr(),
+        exp_avg.data_ptr(),
+        exp_avg_sq.data_ptr(),
+        _ptr(param_copy),
+        n,
+        pc,
+        gc,
+        sc,
+        cc,
+        step,
+        float(lr),
+        float(beta1),
+        float(beta2),
+        float(eps),
+        float(weight_decay),
+        bool(adamw_mode),
+        bool(bias_correction),
+        float(grad_scale),
+        bool(check_finite),
+        _ptr(exp_avg_absmax),
+        _ptr(exp_avg_sq_absmax),
+        stochastic_rounding,
+        k0,
+        k1,
+    )
 
 
 def adagrad_update(
@@ -262,35 +245,27 @@ def adagrad_update(
     )
     _check_step(step, 0)
 
-    def run(s: torch.Tensor, state_code: int) -> bool:
-        return _cpu_optim.adagrad(
-            param.data_ptr(),
-            grad.data_ptr(),
-            s.data_ptr(),
-            _ptr(param_copy),
-            n,
-            pc,
-            gc,
-            state_code,
-            cc,
-            float(lr),
-            float(eps),
-            float(weight_decay),
-            float(grad_scale),
-            bool(check_finite),
-        )
-
-    if sc == U8 or stochastic_rounding:
-        return _lowbit_torch.update_lowbit(
-            _fp32_runner(run, check_finite),
-            {"state_sum": state_sum},
-            {"state_sum": state_sum_absmax},
-            {"state_sum": False},
-            stochastic_rounding,
-            seed,
-            step,
-        )
-    return run(state_sum, sc)
+    k0, k1 = sr_keys(seed, step) if stochastic_rounding else (0, 0)
+    return _cpu_optim.adagrad(
+        param.data_ptr(),
+        grad.data_ptr(),
+        state_sum.data_ptr(),
+        _ptr(param_copy),
+        n,
+        pc,
+        gc,
+        sc,
+        cc,
+        float(lr),
+        float(eps),
+        float(weight_decay),
+        float(grad_scale),
+        bool(check_finite),
+        _ptr(state_sum_absmax),
+        stochastic_rounding,
+        k0,
+        k1,
+    )
 
 
 def lion_update(
@@ -327,36 +302,28 @@ def lion_update(
     )
     _check_step(step, 0)
 
-    def run(m: torch.Tensor, state_code: int) -> bool:
-        return _cpu_optim.lion(
-            param.data_ptr(),
-            grad.data_ptr(),
-            m.data_ptr(),
-            _ptr(param_copy),
-            n,
-            pc,
-            gc,
-            state_code,
-            cc,
-            float(lr),
-            float(beta1),
-            float(beta2),
-            float(weight_decay),
-            float(grad_scale),
-            bool(check_finite),
-        )
-
-    if sc == U8 or stochastic_rounding:
-        return _lowbit_torch.update_lowbit(
-            _fp32_runner(run, check_finite),
-            {"exp_avg": exp_avg},
-            {"exp_avg": exp_avg_absmax},
-            {"exp_avg": True},
-            stochastic_rounding,
-            seed,
-            step,
-        )
-    return run(exp_avg, sc)
+    k0, k1 = sr_keys(seed, step) if stochastic_rounding else (0, 0)
+    return _cpu_optim.lion(
+        param.data_ptr(),
+        grad.data_ptr(),
+        exp_avg.data_ptr(),
+        _ptr(param_copy),
+        n,
+        pc,
+        gc,
+        sc,
+        cc,
+        float(lr),
+        float(beta1),
+        float(beta2),
+        float(weight_decay),
+        float(grad_scale),
+        bool(check_finite),
+        _ptr(exp_avg_absmax),
+        stochastic_rounding,
+        k0,
+        k1,
+    )
 
 
 def make_segment(
