@@ -32,6 +32,22 @@ Arrays make_arrays(uintptr_t param, uintptr_t grad, uintptr_t state_a, uintptr_t
     return a;
 }
 
+// The low-bit extras of the single-tensor steps: absmax addresses of 8-bit states (0: none), stochastic
+// rounding of bf16 states and its two hash keys.
+void set_lowbit(Arrays& a, uintptr_t absmax_a, uintptr_t absmax_b, bool stochastic, uint32_t k0,
+                uint32_t k1) {
+    a.absmax_a = reinterpret_cast<float*>(absmax_a);
+    a.absmax_b = reinterpret_cast<float*>(absmax_b);
+    a.stochastic = stochastic;
+    a.sr_k0 = k0;
+    a.sr_k1 = k1;
+}
+
+#define LOWBIT_TAIL py::arg("stochastic") = false, py::arg("sr_k0") = 0u, py::arg("sr_k1") = 0u
+#define LOWBIT_ARGS1 py::arg("state_absmax") = uintptr_t{0}, LOWBIT_TAIL
+#define LOWBIT_ARGS2 \
+    py::arg("exp_avg_absmax") = uintptr_t{0}, py::arg("exp_avg_sq_absmax") = uintptr_t{0}, LOWBIT_TAIL
+
 // (param, grad, state_a, state_b, copy, n, param_dtype, grad_dtype, state_dtype, copy_dtype, step, lr)
 using SegmentTuple = std::tuple<uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, size_t, int, int, int,
                                 int, int64_t, double>;
@@ -60,6 +76,8 @@ PYBIND11_MODULE(_cpu_optim, m) {
     m.attr("BF16") = static_cast<int>(kBF16);
     m.attr("F16") = static_cast<int>(kF16);
     m.attr("NONE") = static_cast<int>(kNone);
+    m.attr("U8") = static_cast<int>(kU8);
+    m.attr("QUANT_BLOCK") = kQuantBlock;
 
     m.def("simd_level", [] { return std::string(simd_level_name(simd_level())); });
     m.def("best_simd_level", [] { return std::string(simd_level_name(best_simd_level())); });
@@ -74,9 +92,11 @@ PYBIND11_MODULE(_cpu_optim, m) {
         [](uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp_avg_sq, uintptr_t copy, size_t n,
            int param_dtype, int grad_dtype, int state_dtype, int copy_dtype, int64_t step, double lr,
            double beta1, double beta2, double eps, double weight_decay, bool adamw_mode, bool bias_correction,
-           double grad_scale, bool check_finite) {
-            const Arrays a = make_arrays(param, grad, exp_avg, exp_avg_sq, copy, param_dtype, grad_dtype,
-                                         state_dtype, copy_dtype);
+           double grad_scale, bool check_finite, uintptr_t exp_avg_absmax, uintptr_t exp_avg_sq_absmax,
+           bool stochastic, uint32_t sr_k0, uint32_t sr_k1) {
+            Arrays a = make_arrays(param, grad, exp_avg, exp_avg_sq, copy, param_dtype, grad_dtype,
+                                   state_dtype, copy_dtype);
+            set_lowbit(a, exp_avg_absmax, exp_avg_sq_absmax, stochastic, sr_k0, sr_k1);
             const AdamHyper h{step, lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction};
             return adam_step(a, n, h, grad_scale, check_finite);
         },
@@ -84,35 +104,40 @@ PYBIND11_MODULE(_cpu_optim, m) {
         py::arg("n"), py::arg("param_dtype"), py::arg("grad_dtype"), py::arg("state_dtype"),
         py::arg("copy_dtype"), py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
         py::arg("eps"), py::arg("weight_decay"), py::arg("adamw_mode"), py::arg("bias_correction"),
-        py::arg("grad_scale"), py::arg("check_finite"), py::call_guard<py::gil_scoped_release>());
+        py::arg("grad_scale"), py::arg("check_finite"), LOWBIT_ARGS2,
+        py::call_guard<py::gil_scoped_release>());
 
     m.def(
         "adagrad",
         [](uintptr_t param, uintptr_t grad, uintptr_t state_sum, uintptr_t copy, size_t n, int param_dtype,
            int grad_dtype, int state_dtype, int copy_dtype, double lr, double eps, double weight_decay,
-           double grad_scale, bool check_finite) {
-            const Arrays a = make_arrays(param, grad, state_sum, 0, copy, param_dtype, grad_dtype,
-                                         state_dtype, copy_dtype);
+           double grad_scale, bool check_finite, uintptr_t state_sum_absmax, bool stochastic, uint32_t sr_k0,
+           uint32_t sr_k1) {
+            Arrays a = make_arrays(param, grad, state_sum, 0, copy, param_dtype, grad_dtype, state_dtype,
+                                   copy_dtype);
+            set_lowbit(a, state_sum_absmax, 0, stochastic, sr_k0, sr_k1);
             return adagrad_step(a, n, AdagradHyper{lr, eps, weight_decay}, grad_scale, check_finite);
         },
         py::arg("param"), py::arg("grad"), py::arg("state_sum"), py::arg("copy"), py::arg("n"),
         py::arg("param_dtype"), py::arg("grad_dtype"), py::arg("state_dtype"), py::arg("copy_dtype"),
         py::arg("lr"), py::arg("eps"), py::arg("weight_decay"), py::arg("grad_scale"),
-        py::arg("check_finite"), py::call_guard<py::gil_scoped_release>());
+        py::arg("check_finite"), LOWBIT_ARGS1, py::call_guard<py::gil_scoped_release>());
 
     m.def(
         "lion",
         [](uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t copy, size_t n, int param_dtype,
            int grad_dtype, int state_dtype, int copy_dtype, double lr, double beta1, double beta2,
-           double weight_decay, double grad_scale, bool check_finite) {
-            const Arrays a =
+           double weight_decay, double grad_scale, bool check_finite, uintptr_t exp_avg_absmax,
+           bool stochastic, uint32_t sr_k0, uint32_t sr_k1) {
+            Arrays a =
                 make_arrays(param, grad, exp_avg, 0, copy, param_dtype, grad_dtype, state_dtype, copy_dtype);
+            set_lowbit(a, exp_avg_absmax, 0, stochastic, sr_k0, sr_k1);
             return lion_step(a, n, LionHyper{lr, beta1, beta2, weight_decay}, grad_scale, check_finite);
         },
         py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("copy"), py::arg("n"),
         py::arg("param_dtype"), py::arg("grad_dtype"), py::arg("state_dtype"), py::arg("copy_dtype"),
         py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("weight_decay"), py::arg("grad_scale"),
-        py::arg("check_finite"), py::call_guard<py::gil_scoped_release>());
+        py::arg("check_finite"), LOWBIT_ARGS1, py::call_guard<py::gil_scoped_release>());
 
     // Multi-tensor steps: the segment list is converted with the GIL held, the step runs without it.
     m.def(

@@ -10,8 +10,17 @@
 
 namespace zo_optim {
 
-// Element types of the arrays. kNone marks an absent optional array (the 16-bit param copy).
-enum DType : int { kF32 = 0, kBF16 = 1, kF16 = 2, kNone = 3 };
+// Element types of the arrays. kNone marks an absent optional array (the 16-bit param copy). kU8: 8-bit
+// block-quantized states (one code per element, one fp32 absmax per kQuantBlock elements). kBF16SR exists
+// only inside the kernels: bf16 states stored with stochastic rounding (Arrays::stochastic).
+enum DType : int { kF32 = 0, kBF16 = 1, kF16 = 2, kNone = 3, kU8 = 4, kBF16SR = 5 };
+
+// Elements per quantization block of kU8 states; blocks start at element 0 of the arrays.
+constexpr size_t kQuantBlock = 2048;
+// Largest binary exponent field of the 8-bit magnitude codes (value 2^0): signed codes are a sign bit and
+// an E4M3 magnitude, unsigned codes an E5M3 magnitude. See offload/ops/quant.py.
+constexpr int kEmaxSigned = 15;
+constexpr int kEmaxUnsigned = 31;
 
 enum class SimdLevel : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 
@@ -36,6 +45,13 @@ struct Arrays {
     int grad_dtype = kF32;
     int state_dtype = kF32;
     int copy_dtype = kNone;
+    // kU8 states: the per-block absmax of state_a / state_b (read, then rewritten).
+    float* absmax_a = nullptr;
+    float* absmax_b = nullptr;
+    // bf16 states with stochastic rounding: the call's two 32-bit hash keys (from seed and step).
+    bool stochastic = false;
+    uint32_t sr_k0 = 0;
+    uint32_t sr_k1 = 0;
 };
 
 // Per-element constants, already rounded to fp32 the way torch rounds its Python scalars (see adam.py's

@@ -101,8 +101,11 @@ bool is_value_dtype(int d) { return d == kF32 || d == kBF16 || d == kF16; }
 void check_arrays(const Arrays& a, size_t n, bool two_states) {
     if (!is_value_dtype(a.param_dtype)) throw std::invalid_argument("param dtype must be fp32, bf16 or fp16");
     if (!is_value_dtype(a.grad_dtype)) throw std::invalid_argument("grad dtype must be fp32, bf16 or fp16");
-    if (a.state_dtype != kF32 && a.state_dtype != kBF16) {
-        throw std::invalid_argument("optimizer state dtype must be fp32 or bf16");
+    if (a.state_dtype != kF32 && a.state_dtype != kBF16 && a.state_dtype != kU8) {
+        throw std::invalid_argument("optimizer state dtype must be fp32, bf16 or uint8");
+    }
+    if (a.stochastic && a.state_dtype != kBF16) {
+        throw std::invalid_argument("stochastic rounding applies to bf16 optimizer states only");
     }
     if (a.copy_dtype != kNone && a.copy_dtype != kBF16 && a.copy_dtype != kF16) {
         throw std::invalid_argument("param_copy dtype must be bf16 or fp16");
@@ -113,6 +116,9 @@ void check_arrays(const Arrays& a, size_t n, bool two_states) {
         throw std::invalid_argument("null data pointer for a non-empty array");
     }
     if (a.copy_dtype != kNone && a.copy == nullptr) throw std::invalid_argument("null param_copy pointer");
+    if (a.state_dtype == kU8 && (a.absmax_a == nullptr || (two_states && a.absmax_b == nullptr))) {
+        throw std::invalid_argument("8-bit optimizer states need their absmax arrays");
+    }
 }
 
 using FiniteFn = bool (*)(const void*, int, size_t, size_t);
@@ -149,6 +155,17 @@ bool run_step(const Arrays& a, size_t n, const Consts& c, bool check_finite, Ste
     const StepFn<Consts> kernel = pick<Consts>(scalar, avx2, avx512);
     // The read-only pre-pass makes "nothing modified on overflow" a guarantee rather than a rollback.
     if (check_finite && !all_finite(a.grad, a.grad_dtype, n)) return false;
+    if (a.state_dtype == kU8) {
+        // A quantization block is updated by one thread: the cuts move up to multiples of kQuantBlock
+        // (neighbouring blocks move their shared cut alike, so the ranges still tile [0, n)).
+        const auto cut = [n](size_t x) {
+            return std::min(n, (x + kQuantBlock - 1) / kQuantBlock * kQuantBlock);
+        };
+        return parallel_for(n, [&](size_t begin, size_t end) {
+            const size_t b = cut(begin), e = cut(end);
+            return b < e ? kernel(a, c, b, e) : true;
+        });
+    }
     return parallel_for(n, [&](size_t begin, size_t end) { return kernel(a, c, begin, end); });
 }
 

@@ -67,6 +67,58 @@ struct Avx2Isa {
     static void stream_f16(uint16_t* p, V v) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), to_f16(v)); }
     static void stream_fence() { _mm_sfence(); }
     static bool none_nan(V v) { return _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)) == 0; }
+    // Integer lanes and the few ops the 8-bit codes and stochastic rounding need (kernels_impl.h).
+    using VI = __m256i;
+    static VI iset1(uint32_t x) { return _mm256_set1_epi32(static_cast<int>(x)); }
+    static VI iota(uint32_t base) {
+        return _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(base)),
+                                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    }
+    static VI iload(const uint32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+    static VI iadd(VI a, VI b) { return _mm256_add_epi32(a, b); }
+    static VI isub(VI a, VI b) { return _mm256_sub_epi32(a, b); }
+    static VI iand(VI a, VI b) { return _mm256_and_si256(a, b); }
+    static VI ior(VI a, VI b) { return _mm256_or_si256(a, b); }
+    static VI ixor(VI a, VI b) { return _mm256_xor_si256(a, b); }
+    static VI imul(VI a, VI b) { return _mm256_mullo_epi32(a, b); }
+    template <int S>
+    static VI isrl(VI a) {
+        return _mm256_srli_epi32(a, S);
+    }
+    template <int S>
+    static VI isll(VI a) {
+        return _mm256_slli_epi32(a, S);
+    }
+    static VI bits(V v) { return _mm256_castps_si256(v); }
+    static V from_bits(VI i) { return _mm256_castsi256_ps(i); }
+    static V cvt_i2f(VI i) { return _mm256_cvtepi32_ps(i); }
+    static VI cvt_f2i(V v) { return _mm256_cvtps_epi32(v); }  // MXCSR's mode: nearest even
+    static VI ilt(VI a, VI b) { return _mm256_cmpgt_epi32(b, a); }
+    static VI fge(V a, V b) { return _mm256_castps_si256(_mm256_cmp_ps(a, b, _CMP_GE_OQ)); }
+    static VI flt(V a, V b) { return _mm256_castps_si256(_mm256_cmp_ps(a, b, _CMP_LT_OQ)); }
+    static VI fnan(V a) { return _mm256_castps_si256(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)); }
+    static VI iselect(VI mask, VI a, VI b) { return _mm256_blendv_epi8(b, a, mask); }
+    static V fabs(V a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a); }
+    static V fmax(V a, V b) { return _mm256_max_ps(a, b); }
+    static float hmax(V v) {
+        __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+        return _mm_cvtss_f32(m);
+    }
+    static VI load_u8(const uint8_t* p) {
+        return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    }
+    // Stores the low byte / low 16 bits of each lane (lanes hold 0..255 / 0..65535).
+    static void store_u8(uint8_t* p, VI v) {
+        const __m256i w = _mm256_packus_epi32(v, v);  // per 128-bit lane: 4 words, repeated
+        const __m128i w16 = _mm_unpacklo_epi64(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packus_epi16(w16, w16));
+    }
+    static void store_u16(uint16_t* p, VI v) {
+        const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(v, v), 0xD8);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+    }
 };
 
 }  // namespace

@@ -36,6 +36,41 @@ struct ScalarIsa {
     static void store_bf16(uint16_t* p, V v) { *p = f32_to_bf16(v); }
     static void store_f16(uint16_t* p, V v) { *p = f32_to_f16(v); }
     static bool none_nan(V v) { return v == v; }
+    // Integer lanes and the few ops the 8-bit codes and stochastic rounding need (kernels_impl.h).
+    using VI = uint32_t;
+    static VI iset1(uint32_t x) { return x; }
+    static VI iota(uint32_t base) { return base; }
+    static VI iload(const uint32_t* p) { return *p; }
+    static VI iadd(VI a, VI b) { return a + b; }
+    static VI isub(VI a, VI b) { return a - b; }
+    static VI iand(VI a, VI b) { return a & b; }
+    static VI ior(VI a, VI b) { return a | b; }
+    static VI ixor(VI a, VI b) { return a ^ b; }
+    static VI imul(VI a, VI b) { return a * b; }
+    template <int S>
+    static VI isrl(VI a) {
+        return a >> S;
+    }
+    template <int S>
+    static VI isll(VI a) {
+        return a << S;
+    }
+    static VI bits(V v) { return f32_bits(v); }
+    static V from_bits(VI i) { return bits_f32(i); }
+    static V cvt_i2f(VI i) { return static_cast<float>(static_cast<int32_t>(i)); }
+    // rintf rounds in the current mode (nearest even), like cvtps2dq; the inputs are small.
+    static VI cvt_f2i(V v) { return static_cast<uint32_t>(static_cast<int32_t>(__builtin_rintf(v))); }
+    static VI ilt(VI a, VI b) { return static_cast<int32_t>(a) < static_cast<int32_t>(b) ? ~0u : 0u; }
+    static VI fge(V a, V b) { return a >= b ? ~0u : 0u; }
+    static VI flt(V a, V b) { return a < b ? ~0u : 0u; }
+    static VI fnan(V a) { return a != a ? ~0u : 0u; }
+    static VI iselect(VI mask, VI a, VI b) { return (mask & a) | (~mask & b); }
+    static V fabs(V a) { return __builtin_fabsf(a); }
+    static V fmax(V a, V b) { return a > b ? a : b; }
+    static float hmax(V v) { return v; }
+    static VI load_u8(const uint8_t* p) { return *p; }
+    static void store_u8(uint8_t* p, VI v) { *p = static_cast<uint8_t>(v); }
+    static void store_u16(uint16_t* p, VI v) { *p = static_cast<uint16_t>(v); }
     static constexpr bool kCanStream = false;  // never streams; these exist only to compile
     static void stream_f32(float* p, V v) { store_f32(p, v); }
     static void stream_bf16(uint16_t* p, V v) { store_bf16(p, v); }
