@@ -31,6 +31,7 @@ from zero.integrity import StateGuard
 from zero.optimizer_offload import DeviceState, UpdateRule, ZeroOptimizer
 from zero.param_writer import ParamWriter
 from zero.report import StepReport
+from zero.state_convert import convert_states, format_of, warn_if_lossy
 
 __all__ = ["FusedDeviceStep", "OptimizerState", "StateInfo", "StateTier", "build_tier", "sum_of_squares"]
 
@@ -486,7 +487,12 @@ class OptimizerState:
         return master, states
 
     def load_values(self, master: torch.Tensor, states: List[torch.Tensor]) -> None:
-        """Replace master and states (two NVMe copies: atomically; otherwise in place, poisoning on error)."""
+        """Replace master and states (two NVMe copies: atomically; otherwise in place, poisoning on error).
+        States in another dtype than this engine's are converted (with a warning when that rounds them)."""
+        src, dst = format_of(states, self.rule.n_states), self.rule.format
+        if src != dst:
+            warn_if_lossy(src.dtype, dst.dtype, "load_optimizer_state_dict")
+            states = convert_states(states, src, dst)
 
         numel = self.tier.numel
 
