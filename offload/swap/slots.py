@@ -20,6 +20,7 @@ __all__ = [
     "StateFormat",
     "plan_slot_numel",
     "slot_bytes",
+    "state_chunk",
     "swap_chunk",
 ]
 
@@ -101,6 +102,16 @@ def swap_chunk(sub_group: int, part: int, state_bytes: int) -> int:
     return min(sub, max(MIN_SLOT_NUMEL, sub // arrays // 1024 * 1024))
 
 
+def state_chunk(sub_group: int, part_numel: int, n_states: int, state_dtype: str = "fp32") -> int:
+    """Elements per chunk of NVMe optimizer state when the pinned budget allows: `swap_chunk`'s for the fp32
+    count of arrays (the same for every state dtype: smaller states make smaller slots), int8 chunks
+    whole QUANT_BLOCKs."""
+    want = swap_chunk(sub_group, part_numel, n_states * FP32_BYTES)
+    if state_dtype == "int8" and want < part_numel:
+        want = max(QUANT_BLOCK, want // QUANT_BLOCK * QUANT_BLOCK)
+    return want
+
+
 def plan_slot_numel(
     sub_group: int,
     part_numel: int,
@@ -123,9 +134,7 @@ def plan_slot_numel(
     fmt = StateFormat(n_states, state_dtype)
     step = QUANT_BLOCK if fmt.quantized else 1024
     free = cap_bytes - in_use_bytes - reserved_bytes
-    want = swap_chunk(sub_group, part_numel, n_states * FP32_BYTES)
-    if fmt.quantized and want < part_numel:
-        want = max(QUANT_BLOCK, want // QUANT_BLOCK * QUANT_BLOCK)
+    want = state_chunk(sub_group, part_numel, n_states, state_dtype)
     if buffer_count * slot_bytes(want, n_states, alignment, state_dtype) <= free:
         return want
     per_slot = max(0, free) // buffer_count
