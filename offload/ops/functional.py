@@ -5,8 +5,14 @@ given, a 16-bit copy of the updated param. Grads are divided by `grad_scale` on 
 is True when every grad element was finite; with `check_finite=True` a non-finite grad makes the function
 return False before anything is written (a read-only pass over the grads comes first).
 
+Optimizer states are fp32, bf16 (rounded to nearest even, or stochastically with
+`stochastic_rounding=True`: bits from a hash of (seed, step, element index)) or uint8: block-wise 8-bit
+codes with one fp32 absmax per QUANT_BLOCK elements (see offload/ops/quant.py), passed as
+`<state>_absmax`.
+
 Inputs are checked before any work: a CUDA, sparse or non-contiguous tensor, a dtype outside the
-supported set or a size mismatch raises ValueError naming the argument, so that an update can never be
+supported set, a size mismatch, a missing or wrongly sized absmax, or an absmax or stochastic rounding for
+states that have no use for it raises ValueError naming the argument, so that an update can never be
 written to a temporary copy and lost.
 """
 
@@ -19,6 +25,9 @@ import torch
 
 from offload import _cpu_optim
 
+from . import _lowbit_torch
+from .quant import QUANT_BLOCK, check_seed, num_blocks
+
 _VALUE_DTYPES = {
     torch.float32: _cpu_optim.F32,
     torch.bfloat16: _cpu_optim.BF16,
@@ -26,6 +35,9 @@ _VALUE_DTYPES = {
 }
 _STATE_DTYPES = {torch.float32: _cpu_optim.F32, torch.bfloat16: _cpu_optim.BF16}
 _COPY_DTYPES = {torch.bfloat16: _cpu_optim.BF16, torch.float16: _cpu_optim.F16}
+U8 = 4  # dtype code of 8-bit block-quantized states
+_ANY_STATE_DTYPES = {**_STATE_DTYPES, torch.uint8: U8}
+_ABSMAX_DTYPES = {torch.float32: _cpu_optim.F32}
 
 
 def _describe(t: torch.Tensor) -> str:
@@ -58,14 +70,23 @@ def _check_common(
     states: dict,
     param_copy: Optional[torch.Tensor],
     grad_scale: float,
+    absmax: Optional[dict] = None,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
 ) -> tuple:
+    """Validates everything; returns (n, param code, grad code, state code, copy code).
+
+    `absmax` maps each state's name to its `<name>_absmax` argument (None when not given); the state code
+    is U8 for uint8 states.
+    """
     param_code = _check_tensor("param", param, _VALUE_DTYPES, None)
     n = param.numel()
     grad_code = _check_tensor("grad", grad, _VALUE_DTYPES, n)
     state_code = None
     first_state = None
+    allowed = _ANY_STATE_DTYPES if absmax is not None else _STATE_DTYPES
     for name, t in states.items():
-        code = _check_tensor(name, t, _STATE_DTYPES, n)
+        code = _check_tensor(name, t, allowed, n)
         if state_code is None:
             state_code, first_state = code, name
         elif code != state_code:
@@ -73,12 +94,46 @@ def _check_common(
                 f"optimizer states must share one dtype: {first_state} is "
                 f"{states[first_state].dtype}, {name} is {t.dtype}"
             )
+    for name in states:
+        a = (absmax or {}).get(name)
+        if state_code == U8:
+            nb = num_blocks(n)
+            if a is None:
+                raise ValueError(
+                    f"{name} is a torch.uint8 (8-bit) state, so {name}_absmax is required: a float32 tensor "
+                    f"of ceil({n} / {QUANT_BLOCK}) = {nb} elements"
+                )
+            _check_tensor(f"{name}_absmax", a, _ABSMAX_DTYPES, None)
+            if a.numel() != nb:
+                raise ValueError(
+                    f"{name}_absmax has {a.numel()} elements ({_describe(a)}) but {name} has {n}: expected "
+                    f"ceil({n} / {QUANT_BLOCK}) = {nb}"
+                )
+        elif a is not None:
+            raise ValueError(
+                f"{name}_absmax is given but {name} has dtype {states[name].dtype}: an absmax belongs to "
+                f"torch.uint8 (8-bit) states only"
+            )
+    if not isinstance(stochastic_rounding, bool):
+        raise ValueError(f"stochastic_rounding must be a bool, got {stochastic_rounding!r}")
+    check_seed(seed)
+    if stochastic_rounding and state_code != _cpu_optim.BF16:
+        raise ValueError(
+            f"stochastic_rounding=True applies to bf16 optimizer states, but {first_state} has dtype "
+            f"{states[first_state].dtype}"
+        )
     copy_code = _cpu_optim.NONE
     if param_copy is not None:
         copy_code = _check_tensor("param_copy", param_copy, _COPY_DTYPES, n)
     if not (isinstance(grad_scale, (int, float)) and math.isfinite(grad_scale) and grad_scale > 0):
         raise ValueError(f"grad_scale must be a finite number > 0, got {grad_scale!r}")
     return n, param_code, grad_code, state_code, copy_code
+
+
+def _check_step(step: object, minimum: int) -> None:
+    if isinstance(step, bool) or not isinstance(step, int) or step < minimum:
+        what = "the step number after incrementing" if minimum == 1 else "used by stochastic rounding"
+        raise ValueError(f"step must be an int >= {minimum} ({what}), got {step!r}")
 
 
 def _ptr(t: Optional[torch.Tensor]) -> int:
@@ -102,40 +157,76 @@ def adam_update(
     grad_scale: float = 1.0,
     param_copy: Optional[torch.Tensor] = None,
     check_finite: bool = False,
+    exp_avg_absmax: Optional[torch.Tensor] = None,
+    exp_avg_sq_absmax: Optional[torch.Tensor] = None,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
 ) -> bool:
     """One Adam (adamw_mode=False: L2 decay added to the grad) or AdamW (decoupled decay) update.
 
     `step` is the step number after incrementing (1 for the first update). Math and rounding follow
     torch.optim.Adam/AdamW's single-tensor path for fp32; 16-bit tensors are computed in fp32 and rounded
-    once when stored.
+    once when stored. States may be fp32, bf16 (`stochastic_rounding` rounds them with bits hashed from
+    (seed, step, index)) or uint8 8-bit codes with `exp_avg_absmax`/`exp_avg_sq_absmax` (signed and
+    unsigned code maps, one fp32 absmax per QUANT_BLOCK elements).
     """
     n, pc, gc, sc, cc = _check_common(
-        param, grad, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}, param_copy, grad_scale
+        param,
+        grad,
+        {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq},
+        param_copy,
+        grad_scale,
+        {"exp_avg": exp_avg_absmax, "exp_avg_sq": exp_avg_sq_absmax},
+        stochastic_rounding,
+        seed,
     )
-    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
-        raise ValueError(f"step must be an int >= 1 (the step number after incrementing), got {step!r}")
-    return _cpu_optim.adam(
-        param.data_ptr(),
-        grad.data_ptr(),
-        exp_avg.data_ptr(),
-        exp_avg_sq.data_ptr(),
-        _ptr(param_copy),
-        n,
-        pc,
-        gc,
-        sc,
-        cc,
-        step,
-        float(lr),
-        float(beta1),
-        float(beta2),
-        float(eps),
-        float(weight_decay),
-        bool(adamw_mode),
-        bool(bias_correction),
-        float(grad_scale),
-        bool(check_finite),
-    )
+    _check_step(step, 1)
+
+    def run(m: torch.Tensor, v: torch.Tensor, state_code: int) -> bool:
+        return _cpu_optim.adam(
+            param.data_ptr(),
+            grad.data_ptr(),
+            m.data_ptr(),
+            v.data_ptr(),
+            _ptr(param_copy),
+            n,
+            pc,
+            gc,
+            state_code,
+            cc,
+            step,
+            float(lr),
+            float(beta1),
+            float(beta2),
+            float(eps),
+            float(weight_decay),
+            bool(adamw_mode),
+            bool(bias_correction),
+            float(grad_scale),
+            bool(check_finite),
+        )
+
+    if sc == U8 or stochastic_rounding:
+        return _lowbit_torch.update_lowbit(
+            _fp32_runner(run, check_finite),
+            {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq},
+            {"exp_avg": exp_avg_absmax, "exp_avg_sq": exp_avg_sq_absmax},
+            {"exp_avg": True, "exp_avg_sq": False},
+            stochastic_rounding,
+            seed,
+            step,
+        )
+    return run(exp_avg, exp_avg_sq, sc)
+
+
+def _fp32_runner(run, check_finite: bool):
+    """Adapts an fp32 kernel call to update_lowbit's (ok, wrote) protocol."""
+
+    def fp32_update(*states: torch.Tensor) -> tuple:
+        ok = run(*states, _cpu_optim.F32)
+        return ok, ok or not check_finite
+
+    return fp32_update
 
 
 def adagrad_update(
@@ -149,25 +240,57 @@ def adagrad_update(
     grad_scale: float = 1.0,
     param_copy: Optional[torch.Tensor] = None,
     check_finite: bool = False,
+    state_sum_absmax: Optional[torch.Tensor] = None,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
+    step: int = 0,
 ) -> bool:
-    """One Adagrad update with learning rate `lr` (the caller applies lr_decay, as CPUAdagrad does)."""
-    n, pc, gc, sc, cc = _check_common(param, grad, {"state_sum": state_sum}, param_copy, grad_scale)
-    return _cpu_optim.adagrad(
-        param.data_ptr(),
-        grad.data_ptr(),
-        state_sum.data_ptr(),
-        _ptr(param_copy),
-        n,
-        pc,
-        gc,
-        sc,
-        cc,
-        float(lr),
-        float(eps),
-        float(weight_decay),
-        float(grad_scale),
-        bool(check_finite),
+    """One Adagrad update with learning rate `lr` (the caller applies lr_decay, as CPUAdagrad does).
+
+    `state_sum` may be uint8 8-bit codes (unsigned map) with `state_sum_absmax`. `step` only feeds the
+    stochastic-rounding hash: pass the step number so that successive steps draw different bits.
+    """
+    n, pc, gc, sc, cc = _check_common(
+        param,
+        grad,
+        {"state_sum": state_sum},
+        param_copy,
+        grad_scale,
+        {"state_sum": state_sum_absmax},
+        stochastic_rounding,
+        seed,
     )
+    _check_step(step, 0)
+
+    def run(s: torch.Tensor, state_code: int) -> bool:
+        return _cpu_optim.adagrad(
+            param.data_ptr(),
+            grad.data_ptr(),
+            s.data_ptr(),
+            _ptr(param_copy),
+            n,
+            pc,
+            gc,
+            state_code,
+            cc,
+            float(lr),
+            float(eps),
+            float(weight_decay),
+            float(grad_scale),
+            bool(check_finite),
+        )
+
+    if sc == U8 or stochastic_rounding:
+        return _lowbit_torch.update_lowbit(
+            _fp32_runner(run, check_finite),
+            {"state_sum": state_sum},
+            {"state_sum": state_sum_absmax},
+            {"state_sum": False},
+            stochastic_rounding,
+            seed,
+            step,
+        )
+    return run(state_sum, sc)
 
 
 def lion_update(
@@ -182,26 +305,58 @@ def lion_update(
     grad_scale: float = 1.0,
     param_copy: Optional[torch.Tensor] = None,
     check_finite: bool = False,
+    exp_avg_absmax: Optional[torch.Tensor] = None,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
+    step: int = 0,
 ) -> bool:
-    """One Lion update: param -= lr * (sign(beta1*m + (1-beta1)*g) + wd*param); m = beta2*m + (1-beta2)*g."""
-    n, pc, gc, sc, cc = _check_common(param, grad, {"exp_avg": exp_avg}, param_copy, grad_scale)
-    return _cpu_optim.lion(
-        param.data_ptr(),
-        grad.data_ptr(),
-        exp_avg.data_ptr(),
-        _ptr(param_copy),
-        n,
-        pc,
-        gc,
-        sc,
-        cc,
-        float(lr),
-        float(beta1),
-        float(beta2),
-        float(weight_decay),
-        float(grad_scale),
-        bool(check_finite),
+    """One Lion update: param -= lr * (sign(beta1*m + (1-beta1)*g) + wd*param); m = beta2*m + (1-beta2)*g.
+
+    `exp_avg` may be uint8 8-bit codes (signed map) with `exp_avg_absmax`. `step` only feeds the
+    stochastic-rounding hash: pass the step number so that successive steps draw different bits.
+    """
+    n, pc, gc, sc, cc = _check_common(
+        param,
+        grad,
+        {"exp_avg": exp_avg},
+        param_copy,
+        grad_scale,
+        {"exp_avg": exp_avg_absmax},
+        stochastic_rounding,
+        seed,
     )
+    _check_step(step, 0)
+
+    def run(m: torch.Tensor, state_code: int) -> bool:
+        return _cpu_optim.lion(
+            param.data_ptr(),
+            grad.data_ptr(),
+            m.data_ptr(),
+            _ptr(param_copy),
+            n,
+            pc,
+            gc,
+            state_code,
+            cc,
+            float(lr),
+            float(beta1),
+            float(beta2),
+            float(weight_decay),
+            float(grad_scale),
+            bool(check_finite),
+        )
+
+    if sc == U8 or stochastic_rounding:
+        return _lowbit_torch.update_lowbit(
+            _fp32_runner(run, check_finite),
+            {"exp_avg": exp_avg},
+            {"exp_avg": exp_avg_absmax},
+            {"exp_avg": True},
+            stochastic_rounding,
+            seed,
+            step,
+        )
+    return run(exp_avg, sc)
 
 
 def make_segment(
