@@ -43,6 +43,7 @@ def run(cfg, steps: int = STEPS):
 
 
 def assert_same_run(a, b):
+    """Same losses, weights, master and states, bit for bit."""
     assert a[0] == b[0]
     assert a[1].keys() == b[1].keys()
     for k in a[1]:
@@ -70,19 +71,28 @@ def test_config_keys_agree_or_fail_naming_both():
 
 
 # ------------------------------------------------------------------------------------------- numerics
-@pytest.fixture(scope="module")
-def bf16_reference():
-    """bf16 states without offload at stage 0 (the engine's own device tier)."""
-    return run(bf16_config("none", None, 0))
+@pytest.fixture(scope="module", params=["bf16", "int8"])
+def bf16_reference(request):
+    """States in `request.param` without offload at stage 0 (the engine's own device tier); the tests
+    that use it run once per low-bit dtype."""
+    return run(bf16_config("none", None, 0, state_dtype=request.param)) + (request.param,)
 
 
-def test_bf16_states_are_bf16_and_close_to_torch_adamw(bf16_reference):
-    losses, _, sd, _ = bf16_reference
+STATE_TENSORS = {
+    "bf16": [torch.bfloat16, torch.bfloat16],
+    "int8": [torch.uint8, torch.uint8, torch.float32, torch.float32],  # codes, then their absmax scales
+}
+
+
+def test_low_bit_states_have_their_dtype_and_stay_close_to_torch_adamw(bf16_reference):
+    losses, _, sd, info, dtype = bf16_reference
     assert sd["master"].dtype == torch.float32
-    assert [s.dtype for s in sd["states"]] == [torch.bfloat16, torch.bfloat16]
+    assert [s.dtype for s in sd["states"]] == STATE_TENSORS[dtype]
+    if dtype == "int8":
+        assert [s.numel() for s in sd["states"]] == [info.numel] * 2 + [-(-info.numel // 2048)] * 2
     ref_losses, _ = torch_reference(STEPS)
-    # bf16 moments round to 8 bits of mantissa: the trajectory stays within 1e-3 of fp32 states here, while
-    # a lost or doubled step moves it by more
+    # bf16 moments keep 8 bits of mantissa, int8 ones 3 (relative to their block's largest): the
+    # trajectory stays within 1e-3 of fp32 states here, while a lost or doubled step moves it by more
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-3
     assert losses != ref_losses  # and the states really were rounded
 
@@ -91,30 +101,32 @@ def test_bf16_states_are_bf16_and_close_to_torch_adamw(bf16_reference):
     "offload,stage",
     [("none", 1), ("cpu", 0), ("cpu", 2), ("nvme", 1), ("nvme", 2), ("cpu", 3), ("nvme", 3)],
 )
-def test_bf16_states_on_every_tier_equal_no_offload(tmp_path, offload, stage, bf16_reference):
-    got = run(bf16_config(offload, tmp_path, stage))
+def test_low_bit_states_on_every_tier_equal_no_offload(tmp_path, offload, stage, bf16_reference):
+    dtype = bf16_reference[-1]
+    got = run(bf16_config(offload, tmp_path, stage, state_dtype=dtype))
     # stage 3 partitions per module unit (another flat order of master and states): its own reference
-    ref = run(bf16_config("none", None, 3)) if stage == 3 else bf16_reference
+    ref = run(bf16_config("none", None, 3, state_dtype=dtype)) if stage == 3 else bf16_reference
     assert_same_run(got, ref)
     if stage == 3:
         assert got[0] == bf16_reference[0]
         assert all(torch.equal(got[1][k], bf16_reference[1][k]) for k in got[1])
 
 
-def test_state_dtype_key_equals_deepspeed_key(tmp_path, bf16_reference):
-    assert_same_run(run(bf16_config("nvme", tmp_path, 2, state_dtype="bf16")), bf16_reference)
+def test_state_dtype_key_equals_deepspeed_key(tmp_path):
+    a = run(bf16_config("nvme", tmp_path, 2, state_dtype="bf16"))
+    assert_same_run(a, run(bf16_config("nvme", tmp_path, 2, fp32_optimizer_states=False)))
 
 
-def test_bf16_nvme_one_copy_equals_no_offload(tmp_path, bf16_reference):
-    cfg = bf16_config("nvme", tmp_path, 2)
+def test_low_bit_nvme_one_copy_equals_no_offload(tmp_path, bf16_reference):
+    cfg = bf16_config("nvme", tmp_path, 2, state_dtype=bf16_reference[-1])
     cfg["zero_optimization"]["offload_optimizer"]["nvme_copies"] = 1
     got = run(cfg)
     assert got[3].copies == 1
     assert_same_run(got, bf16_reference)
 
 
-def test_bf16_with_backward_overlap_equals_no_offload(tmp_path, bf16_reference):
-    cfg = bf16_config("nvme", tmp_path, 2)
+def test_low_bit_with_backward_overlap_equals_no_offload(tmp_path, bf16_reference):
+    cfg = bf16_config("nvme", tmp_path, 2, state_dtype=bf16_reference[-1])
     cfg["zero_optimization"]["offload_optimizer"]["pipeline_read"] = True
     engine, *_ = zero.initialize(model=make_model(), config=cfg)
     losses = train(engine, STEPS)
@@ -136,16 +148,28 @@ def test_client_optimizer_keeps_fp32_states(tmp_path):
 
 
 # ------------------------------------------------------------------------------------ bytes per step
-@pytest.mark.parametrize("state_dtype,per_elem", [("fp32", 12), ("bf16", 8)])
+@pytest.mark.parametrize("state_dtype,per_elem", [("fp32", 12), ("bf16", 8), ("int8", 6)])
 def test_step_report_moves_the_dtype_bytes(tmp_path, state_dtype, per_elem):
     cfg = bf16_config("nvme", tmp_path, 2, state_dtype=state_dtype)
     cfg["zero_offload"] = {"report": True}
     engine, *_ = zero.initialize(model=make_model(), config=cfg)
     info = engine.optimizer_state_info()
     chunks = [min(info.chunk_numel, info.numel - s) for s in range(0, info.numel, info.chunk_numel)]
-    # master 4 + two moments of per_elem - 4 bytes, each chunk one region padded to the 4 KiB alignment
-    want = sum(align_up((4 + (per_elem - 4)) * n, 4096) for n in chunks)
-    assert StateFormat(2, state_dtype).bytes_per_element() == per_elem
+    if state_dtype == "int8":
+        assert info.chunk_numel % 2048 == 0  # every chunk's scales start at its first element
+
+    def region(n: int) -> int:
+        # master 4 + two states of (per_elem - 4) / 2 bytes each; int8: then two fp32 absmax per 2048
+        # elements, each tensor's start 64-byte aligned; the region padded to the 4 KiB alignment
+        if state_dtype != "int8":
+            return align_up(per_elem * n, 4096)
+        codes = align_up(align_up(4 * n, 64) + n, 64) + n
+        return align_up(align_up(align_up(codes, 64) + 4 * -(-n // 2048), 64) + 4 * -(-n // 2048), 4096)
+
+    want = sum(region(n) for n in chunks)
+    assert StateFormat(2, state_dtype).bytes_per_element() == per_elem + (
+        8 / 2048 if state_dtype == "int8" else 0
+    )
     assert info.pass_read_bytes == want
     assert info.disk_bytes == info.copies * len(chunks) * slot_bytes(info.chunk_numel, 2, 4096, state_dtype)
     for step in range(2):

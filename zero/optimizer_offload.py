@@ -25,6 +25,14 @@ from offload.swap.slots import QUANT_BLOCK, STATE_DTYPES, StateFormat
 __all__ = ["DeviceState", "UpdateRule", "ZeroOptimizer", "rule_from_client_optimizer", "rule_from_config"]
 
 N_STATES = {"adam": 2, "adamw": 2, "adagrad": 1, "lion": 1}
+# The kernels' names of each rule's states (their int8 scales are `<name>_absmax`), and which are signed.
+_STATE_NAMES = {
+    "adam": ("exp_avg", "exp_avg_sq"),
+    "adamw": ("exp_avg", "exp_avg_sq"),
+    "adagrad": ("state_sum",),
+    "lion": ("exp_avg",),
+}
+SIGNED_STATES = {"adam": (True, False), "adamw": (True, False), "adagrad": (False,), "lion": (True,)}
 
 _DEFAULTS: Dict[str, Dict[str, Any]] = {
     "adam": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "adamw_mode": True},
@@ -60,13 +68,22 @@ class UpdateRule:
         """The byte layout of one chunk of this rule's state (offload.swap.slots)."""
         return StateFormat(self.n_states, self.state_dtype)
 
-    def _state_kwargs(self, states: List[torch.Tensor], step: int) -> Dict[str, Any]:
-        """The kernel's extra arguments for non-fp32 states: int8 absmax scales, stochastic rounding."""
+    @property
+    def signed(self) -> Tuple[bool, ...]:
+        """Per state, whether its int8 codes are signed (momentum) or unsigned (squared gradients)."""
+        return SIGNED_STATES[self.kind]
+
+    def _state_kwargs(self, states: List[torch.Tensor], step: int, seed: int) -> Dict[str, Any]:
+        """The kernel's extra arguments for non-fp32 states: int8 absmax scales, stochastic rounding (bits
+        hashed from `seed`, the step and the element's index in the chunk)."""
         kw: Dict[str, Any] = {}
         if self.state_dtype == "int8":
-            kw["exp_avg_absmax"], kw["exp_avg_sq_absmax"] = states[2], states[3]
+            names = _STATE_NAMES[self.kind]
+            kw.update({f"{name}_absmax": a for name, a in zip(names, states[len(names) :])})
         if self.stochastic_rounding:
-            kw["stochastic_rounding"], kw["seed"] = True, step
+            kw["stochastic_rounding"], kw["seed"] = True, seed
+            if self.kind in ("adagrad", "lion"):
+                kw["step"] = step  # Adam's step is its own argument
         return kw
 
     def apply(
@@ -80,8 +97,13 @@ class UpdateRule:
         grad_scale: float,
         param_copy: Optional[torch.Tensor],
         check_finite: bool,
+        seed: int = 0,
     ) -> bool:
+        """Update one chunk in place (master, states, the 16-bit `param_copy`); False: a non-finite gradient.
+        `seed`: the stochastic-rounding seed of this chunk (the engine passes the chunk's first element)."""
         from offload import ops
+
+        extra = self._state_kwargs(states, step, seed)
 
         lr, wd = float(group["lr"]), float(group["weight_decay"])
         if self.kind in ("adam", "adamw"):
@@ -102,7 +124,7 @@ class UpdateRule:
                 grad_scale=grad_scale,
                 param_copy=param_copy,
                 check_finite=check_finite,
-                **self._state_kwargs(states, step),
+                **extra,
             )
         if self.kind == "adagrad":
             return ops.adagrad_update(
@@ -115,6 +137,7 @@ class UpdateRule:
                 grad_scale=grad_scale,
                 param_copy=param_copy,
                 check_finite=check_finite,
+                **extra,
             )
         b1, b2 = group["betas"]
         return ops.lion_update(
@@ -138,8 +161,6 @@ def check_state_dtype(kind: str, state_dtype: str, stochastic_rounding: bool) ->
     if state_dtype not in STATE_DTYPES:
         raise ValueError(f"optimizer state dtype must be one of {sorted(STATE_DTYPES)}, got {state_dtype!r}")
     if state_dtype == "int8":
-        if kind not in ("adam", "adamw"):
-            raise ValueError(f"int8 optimizer states are supported for Adam/AdamW only, not {kind!r}")
         if not hasattr(ops, "quantize_blockwise") or getattr(ops, "QUANT_BLOCK", None) != QUANT_BLOCK:
             raise ValueError(
                 "optimizer.params.state_dtype='int8' needs block-quantized states in offload.ops "
@@ -151,10 +172,11 @@ def check_state_dtype(kind: str, state_dtype: str, stochastic_rounding: bool) ->
                 "optimizer.params.stochastic_rounding=true rounds bf16 states; it needs state_dtype 'bf16' "
                 f"(fp32_optimizer_states false), not {state_dtype!r}"
             )
-        if kind not in ("adam", "adamw") or "stochastic_rounding" not in _kernel_params(ops.adam_update):
+        kernel = {"adagrad": ops.adagrad_update, "lion": ops.lion_update}.get(kind, ops.adam_update)
+        if "stochastic_rounding" not in _kernel_params(kernel):
             raise ValueError(
                 "optimizer.params.stochastic_rounding=true needs the kernel's stochastic rounding "
-                f"(ops.adam_update(..., stochastic_rounding=True)), which this build has not for {kind!r}"
+                f"({kernel.__name__}(..., stochastic_rounding=True)), which this build has not"
             )
 
 

@@ -371,6 +371,7 @@ class OptimizerState:
                 grad_scale=grad_scale,
                 param_copy=writer.param_copy(start, n),
                 check_finite=fused_check,
+                seed=start,
             )
             if ok:
                 self.pass_updates += 1
@@ -492,7 +493,7 @@ class OptimizerState:
         src, dst = format_of(states, self.rule.n_states), self.rule.format
         if src != dst:
             warn_if_lossy(src.dtype, dst.dtype, "load_optimizer_state_dict")
-            states = convert_states(states, src, dst)
+            states = convert_states(states, src, dst, self.rule.signed)
 
         numel = self.tier.numel
 

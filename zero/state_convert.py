@@ -9,16 +9,13 @@ block starting at element 0 of the tensors given). The master is fp32 in every f
 from __future__ import annotations
 
 import warnings
-from typing import List
+from typing import List, Sequence
 
 import torch
 
 from offload.swap.slots import StateFormat
 
 __all__ = ["convert_states", "format_of", "is_lossless", "warn_if_lossy"]
-
-# Which Adam state is signed (int8 codes of exp_avg are signed, of exp_avg_sq unsigned).
-_SIGNED = (True, False)
 
 
 def is_lossless(src: str, dst: str) -> bool:
@@ -48,31 +45,32 @@ def format_of(states: List[torch.Tensor], n_states: int) -> StateFormat:
     return fmt
 
 
-def _values(states: List[torch.Tensor], fmt: StateFormat) -> List[torch.Tensor]:
+def _values(states: List[torch.Tensor], fmt: StateFormat, signed: Sequence[bool]) -> List[torch.Tensor]:
     """The states as fp32 values (int8: dequantized with their absmax)."""
     if not fmt.quantized:
         return [t.float() for t in states]
     from offload import ops
 
     codes, scales = states[: fmt.n_states], states[fmt.n_states :]
-    return [
-        ops.dequantize_blockwise(q, a, _SIGNED[j % 2]).float() for j, (q, a) in enumerate(zip(codes, scales))
-    ]
+    return [ops.dequantize_blockwise(q, a, sg).float() for q, a, sg in zip(codes, scales, signed)]
 
 
-def convert_states(states: List[torch.Tensor], src: StateFormat, dst: StateFormat) -> List[torch.Tensor]:
+def convert_states(
+    states: List[torch.Tensor], src: StateFormat, dst: StateFormat, signed: Sequence[bool]
+) -> List[torch.Tensor]:
     """`states` in `src`'s format (host tensors of one chunk, or of a whole partition) as new tensors in
-    `dst`'s: cast between fp32 and bf16 (round to nearest), block-quantized to or from int8."""
+    `dst`'s: cast between fp32 and bf16 (round to nearest), block-quantized to or from int8 (`signed`: per
+    state, whether its codes are signed, `UpdateRule.signed`)."""
     if src.n_states != dst.n_states:
         raise ValueError(f"optimizer states: {src.n_states} saved, this optimizer keeps {dst.n_states}")
     if src.dtype == dst.dtype:
         return [t.clone() for t in states]
-    values = _values(states, src)
+    values = _values(states, src, signed)
     if dst.dtype == "fp32":
         return values
     if dst.dtype == "bf16":
         return [v.to(torch.bfloat16) for v in values]
     from offload import ops
 
-    pairs = [ops.quantize_blockwise(v.contiguous(), _SIGNED[j % 2]) for j, v in enumerate(values)]
+    pairs = [ops.quantize_blockwise(v.contiguous(), sg) for v, sg in zip(values, signed)]
     return [q for q, _ in pairs] + [a for _, a in pairs]

@@ -173,8 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--optimizer-state-dtype",
         choices=sorted(STATE_DTYPE_BYTES),
         default="fp32",
-        help="optimizer.params.state_dtype: master + states are 12 (fp32), 8 (bf16) or 6 + scales (int8, "
-        "adam only) bytes per parameter for Adam",
+        help="optimizer.params.state_dtype: master + states are 12 (fp32), 8 (bf16) or 6 + scales (int8) "
+        "bytes per parameter for Adam",
     )
 
     act = parser.add_argument_group("activations (counted when --batch-size and --seq-len are given)")

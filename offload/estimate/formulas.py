@@ -208,8 +208,6 @@ class TrainingSetup:
                 f"optimizer_state_dtype must be one of {', '.join(STATE_DTYPE_BYTES)}, "
                 f"got {self.optimizer_state_dtype!r}"
             )
-        if self.optimizer_state_dtype == "int8" and self.optimizer not in ("adam", "adamw"):
-            raise EstimateInputError(f"int8 optimizer states are for adam/adamw only, not {self.optimizer!r}")
 
     @property
     def world_size(self) -> int:

@@ -276,7 +276,7 @@ def read_optimizer(engine: CheckpointEngine, path: str, state_dtype: str = "fp32
             handle.async_pread(t, path, off)
         handle.wait()
         master.copy_(saved[0])
-        for t, v in zip(states, convert_states(saved[1:], src, dst)):
+        for t, v in zip(states, convert_states(saved[1:], src, dst, engine.rule.signed)):
             t.copy_(v)
 
     try:
