@@ -179,3 +179,31 @@ def test_step_report_moves_the_dtype_bytes(tmp_path, state_dtype, per_elem):
         assert engine.last_report.nvme_read_bytes == want
         assert engine.last_report.nvme_write_bytes == want
     engine.close()
+
+
+# ------------------------------------------------------------------------------- other rules, rounding
+@pytest.mark.parametrize("opt_type", ["Adagrad", "Lion"])
+@pytest.mark.parametrize("state_dtype", ["bf16", "int8"])
+def test_one_state_rules_on_nvme_equal_no_offload(tmp_path, opt_type, state_dtype):
+    def cfg(offload):
+        c = bf16_config(offload, tmp_path, 2)
+        c["optimizer"] = {"type": opt_type, "params": {"lr": 1e-3, "state_dtype": state_dtype}}
+        return c
+
+    got, want = run(cfg("nvme")), run(cfg("none"))
+    one_state = {"bf16": [torch.bfloat16], "int8": [torch.uint8, torch.float32]}[state_dtype]
+    assert [s.dtype for s in want[2]["states"]] == one_state
+    assert_same_run(got, want)
+
+
+def test_stochastic_rounding_runs_repeatably_and_differs_from_nearest(tmp_path):
+    """Stochastic rounding of bf16 states: the bits come from (step, chunk, element), so the same run
+    repeats bit for bit; its states differ from round-to-nearest's (the option really ran) while the
+    trajectory stays as close to fp32 states as round-to-nearest's."""
+    nearest = run(bf16_config("nvme", tmp_path, 2, state_dtype="bf16"))
+    cfg = bf16_config("nvme", tmp_path, 2, state_dtype="bf16", stochastic_rounding=True)
+    sr = [run(cfg) for _ in range(2)]
+    assert_same_run(sr[0], sr[1])
+    assert any(not torch.equal(a, b) for a, b in zip(sr[0][2]["states"], nearest[2]["states"]))
+    ref_losses, _ = torch_reference(STEPS)
+    assert max(abs(a - b) for a, b in zip(sr[0][0], ref_losses)) < 1e-3

@@ -17,6 +17,7 @@ import torch
 from test_engine import base_config, make_model, train
 
 import zero
+from offload import ops
 from zero.checkpoint.to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 
@@ -32,11 +33,14 @@ def snapshot(engine):
     return weights, sd
 
 
-@pytest.mark.parametrize("offload", ["nvme", "cpu"])
-def test_same_dtype_round_trip_is_bit_exact(tmp_path, offload):
+BYTES = {"bf16": 4 + 2 + 2, "int8": 4 + 1 + 1}
+
+
+@pytest.mark.parametrize("offload,dtype", [("nvme", "bf16"), ("cpu", "bf16"), ("nvme", "int8")])
+def test_same_dtype_round_trip_is_bit_exact(tmp_path, offload, dtype):
     nvme, ckpt = tmp_path / "nvme", tmp_path / "ckpt"
     nvme.mkdir()
-    cfg = config(offload, nvme, "bf16")
+    cfg = config(offload, nvme, dtype)
     engine, *_ = zero.initialize(model=make_model(), config=cfg)
     train(engine, 3)
     engine.save_checkpoint(str(ckpt), tag="t3")
@@ -45,12 +49,13 @@ def test_same_dtype_round_trip_is_bit_exact(tmp_path, offload):
     want = snapshot(engine)
     part = engine.optimizer_state_info().numel
     engine.close()
-    assert os.path.getsize(ckpt / "t3" / "optim_rank0.bin") == part * (4 + 2 + 2)
+    scales = 2 * 4 * -(-part // 2048) if dtype == "int8" else 0  # int8: the absmax beside the codes
+    assert os.path.getsize(ckpt / "t3" / "optim_rank0.bin") == part * BYTES[dtype] + scales
 
     engine, *_ = zero.initialize(model=make_model(seed=1), config=cfg)
     engine.load_checkpoint(str(ckpt), tag="t3")
     loaded = engine.optimizer.state_dict()["states"]
-    assert all(a.dtype == torch.bfloat16 and torch.equal(a, b) for a, b in zip(loaded, saved_states))
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(loaded, saved_states))
     assert train(engine, 2, start=3) == want_losses
     got = snapshot(engine)
     engine.close()
@@ -60,7 +65,21 @@ def test_same_dtype_round_trip_is_bit_exact(tmp_path, offload):
     assert all(torch.equal(a, b) for a, b in zip(got[1]["states"], want[1]["states"]))
 
 
-@pytest.mark.parametrize("src,dst", [("fp32", "bf16"), ("bf16", "fp32")])
+def as_dtype(states, src: str, dst: str):
+    """What loading `src` states into `dst` must give, computed with offload.ops directly."""
+    if src == "int8":
+        states = [
+            ops.dequantize_blockwise(q, a, sg) for q, a, sg in zip(states[:2], states[2:], (True, False))
+        ]
+    if dst == "int8":
+        pairs = [ops.quantize_blockwise(v.float(), sg) for v, sg in zip(states, (True, False))]
+        return [q for q, _ in pairs] + [a for _, a in pairs]
+    return [v.to(torch.bfloat16 if dst == "bf16" else torch.float32) for v in states]
+
+
+@pytest.mark.parametrize(
+    "src,dst", [("fp32", "bf16"), ("bf16", "fp32"), ("fp32", "int8"), ("int8", "fp32"), ("bf16", "int8")]
+)
 def test_checkpoint_loads_across_state_dtypes(tmp_path, src, dst):
     nvme, ckpt = tmp_path / "nvme", tmp_path / "ckpt"
     nvme.mkdir()
@@ -75,14 +94,16 @@ def test_checkpoint_loads_across_state_dtypes(tmp_path, src, dst):
         warnings.simplefilter("always")
         engine.load_checkpoint(str(ckpt), tag="t")
     rounded = [w for w in caught if "precision is lost" in str(w.message)]
-    assert len(rounded) == (1 if dst == "bf16" else 0)
+    assert len(rounded) == (0 if dst == "fp32" else 1)
     if rounded:
-        assert "saved as fp32" in str(rounded[0].message) and "keeps them as bf16" in str(rounded[0].message)
+        text = str(rounded[0].message)
+        assert f"saved as {src}" in text and f"keeps them as {dst}" in text
     got = engine.optimizer.state_dict()
     assert torch.equal(got["master"], saved["master"]) and got["step"] == saved["step"] == 3
-    want_dtype = torch.bfloat16 if dst == "bf16" else torch.float32
-    for a, b in zip(got["states"], saved["states"]):
-        assert a.dtype == want_dtype and torch.equal(a, b.to(want_dtype))
+    want = as_dtype(saved["states"], src, dst)
+    assert len(got["states"]) == len(want)
+    for a, b in zip(got["states"], want):
+        assert a.dtype == b.dtype and torch.equal(a, b)
     train(engine, 1, start=3)  # and it trains on
     engine.close()
 
@@ -101,10 +122,11 @@ def test_state_dict_loads_across_state_dtypes(tmp_path):
     engine.close()
 
 
-def test_zero_to_fp32_reads_the_master_of_bf16_states(tmp_path):
+@pytest.mark.parametrize("dtype", ["bf16", "int8"])
+def test_zero_to_fp32_reads_the_master_of_low_bit_states(tmp_path, dtype):
     nvme, ckpt = tmp_path / "nvme", tmp_path / "ckpt"
     nvme.mkdir()
-    engine, *_ = zero.initialize(model=make_model(), config=config("nvme", nvme, "bf16"))
+    engine, *_ = zero.initialize(model=make_model(), config=config("nvme", nvme, dtype))
     train(engine, 2)
     engine.save_checkpoint(str(ckpt), tag="t")
     want = engine.fp32_master_state_dict()

@@ -151,6 +151,7 @@ class UpdateRule:
             grad_scale=grad_scale,
             param_copy=param_copy,
             check_finite=check_finite,
+            **extra,
         )
 
 

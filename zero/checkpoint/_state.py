@@ -256,7 +256,6 @@ def read_optimizer(engine: CheckpointEngine, path: str, state_dtype: str = "fp32
     src, dst = state_format(engine, state_dtype), state_format(engine)
     if src != dst:
         warn_if_lossy(src.dtype, dst.dtype, path)
-    src_parts = _file_parts(src, part)
     handle = _aio_handle(engine)
     try:
         handle.register_file(path, writable=False)  # one descriptor for every read
@@ -271,7 +270,7 @@ def read_optimizer(engine: CheckpointEngine, path: str, state_dtype: str = "fp32
                 handle.async_pread(t, path, off)
             handle.wait()
             return
-        saved = [torch.empty(t.numel(), dtype=tdt) for t, (tdt, _, _) in zip([master, *states], src_parts)]
+        saved = [torch.empty(k, dtype=STATE_TORCH_DTYPES[d]) for d, k, _ in src.parts(n)]
         for t, off in zip(saved, offsets):
             handle.async_pread(t, path, off)
         handle.wait()
