@@ -586,6 +586,8 @@ def test_optimizer_types_are_case_insensitive_and_filled_in() -> None:
         "amsgrad": False,
         "torch_adam": False,
         "fp32_optimizer_states": True,
+        "state_dtype": "fp32",
+        "stochastic_rounding": False,
     }
     plain = load_config({"optimizer": {"type": "adam", "params": {"adam_w_mode": False}}}).optimizer
     assert plain.type == "adam" and plain.params["adam_w_mode"] is False
@@ -596,6 +598,8 @@ def test_optimizer_types_are_case_insensitive_and_filled_in() -> None:
         "weight_decay": 0.0,
         "amsgrad": False,
         "fp32_optimizer_states": True,
+        "state_dtype": "fp32",
+        "stochastic_rounding": False,
     }
     lion = load_config({"optimizer": {"type": "Lion", "params": {"betas": [0.95, 0.98]}}}).optimizer
     assert lion.params == {
@@ -603,6 +607,8 @@ def test_optimizer_types_are_case_insensitive_and_filled_in() -> None:
         "betas": (0.95, 0.98),
         "weight_decay": 0.0,
         "fp32_optimizer_states": True,
+        "state_dtype": "fp32",
+        "stochastic_rounding": False,
     }
 
 

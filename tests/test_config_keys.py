@@ -132,10 +132,9 @@ def test_parsed_section_keys_warn_when_they_ask_for_something(cfg, path, caplog)
     assert f"'{path}'" in caplog.text and "accepted but ignored" in caplog.text
 
 
-def test_16bit_optimizer_states_are_refused_while_parsing() -> None:
-    from offload.config import ConfigError
-
+def test_16bit_optimizer_states_are_read_while_parsing() -> None:
     for kind in ("AdamW", "Adagrad", "Lion"):
-        with pytest.raises(ConfigError, match="optimizer.params.fp32_optimizer_states"):
-            load_config({"optimizer": {"type": kind, "params": {"fp32_optimizer_states": False}}})
-        load_config({"optimizer": {"type": kind, "params": {"fp32_optimizer_states": True}}})
+        cfg = load_config({"optimizer": {"type": kind, "params": {"fp32_optimizer_states": False}}})
+        assert cfg.optimizer.params["state_dtype"] == "bf16"
+        cfg = load_config({"optimizer": {"type": kind, "params": {"fp32_optimizer_states": True}}})
+        assert cfg.optimizer.params["state_dtype"] == "fp32"

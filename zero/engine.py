@@ -221,9 +221,9 @@ class ZeroEngine:
         staging = 0  # pinned bytes the GPU copy-back needs besides the NVMe slots
         if self.device.type == "cuda":
             staging = 2 * min(sub_group, part) * torch.empty((), dtype=self.dtype).element_size()
-        copies = 2
+        copies, state_dtype = 2, self.rule.state_dtype
         if self.offload_device == "nvme":
-            copies = swap_copies(off.nvme_path, part, n_states)
+            copies = swap_copies(off.nvme_path, part, n_states, state_dtype, off.nvme_copies)
         tier, space = build_tier(
             part,
             n_states,
@@ -239,6 +239,7 @@ class ZeroEngine:
             alias=layout.master_alias(),
             device_staging_bytes=staging,
             swap_copies=copies,
+            state_dtype=state_dtype,
         )
         device_step = None
         if self.device.type == "cuda" and self.offload_device == "none":

@@ -20,10 +20,19 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 
 from offload.swap.optimizer_swapper import ChunkFn, SwapStats
+from offload.swap.slots import QUANT_BLOCK, STATE_DTYPES, StateFormat
 
 __all__ = ["DeviceState", "UpdateRule", "ZeroOptimizer", "rule_from_client_optimizer", "rule_from_config"]
 
 N_STATES = {"adam": 2, "adamw": 2, "adagrad": 1, "lion": 1}
+# The kernels' names of each rule's states (their int8 scales are `<name>_absmax`), and which are signed.
+_STATE_NAMES = {
+    "adam": ("exp_avg", "exp_avg_sq"),
+    "adamw": ("exp_avg", "exp_avg_sq"),
+    "adagrad": ("state_sum",),
+    "lion": ("exp_avg",),
+}
+SIGNED_STATES = {"adam": (True, False), "adamw": (True, False), "adagrad": (False,), "lion": (True,)}
 
 _DEFAULTS: Dict[str, Dict[str, Any]] = {
     "adam": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "adamw_mode": True},
@@ -37,13 +46,45 @@ _IGNORED_KEYS = {"torch_adam", "fused", "foreach", "capturable", "differentiable
 
 @dataclass(frozen=True)
 class UpdateRule:
-    """Which fused kernel updates a chunk, and how many fp32 state tensors it keeps per element."""
+    """Which fused kernel updates a chunk, how many state tensors it keeps per element and in which dtype.
+
+    `state_dtype`: "fp32", "bf16" or "int8" (uint8 codes with one fp32 absmax per `QUANT_BLOCK` elements,
+    handed to `apply` after the codes: `states = [codes..., absmax...]`); the master is always fp32.
+    `stochastic_rounding`: bf16 states rounded stochastically (the kernel's option)."""
 
     kind: str  # "adam" | "adamw" | "adagrad" | "lion"
+    state_dtype: str = "fp32"
+    stochastic_rounding: bool = False
+
+    def __post_init__(self) -> None:
+        check_state_dtype(self.kind, self.state_dtype, self.stochastic_rounding)
 
     @property
     def n_states(self) -> int:
         return N_STATES[self.kind]
+
+    @property
+    def format(self) -> StateFormat:
+        """The byte layout of one chunk of this rule's state (offload.swap.slots)."""
+        return StateFormat(self.n_states, self.state_dtype)
+
+    @property
+    def signed(self) -> Tuple[bool, ...]:
+        """Per state, whether its int8 codes are signed (momentum) or unsigned (squared gradients)."""
+        return SIGNED_STATES[self.kind]
+
+    def _state_kwargs(self, states: List[torch.Tensor], step: int, seed: int) -> Dict[str, Any]:
+        """The kernel's extra arguments for non-fp32 states: int8 absmax scales, stochastic rounding (bits
+        hashed from `seed`, the step and the element's index in the chunk)."""
+        kw: Dict[str, Any] = {}
+        if self.state_dtype == "int8":
+            names = _STATE_NAMES[self.kind]
+            kw.update({f"{name}_absmax": a for name, a in zip(names, states[len(names) :])})
+        if self.stochastic_rounding:
+            kw["stochastic_rounding"], kw["seed"] = True, seed
+            if self.kind in ("adagrad", "lion"):
+                kw["step"] = step  # Adam's step is its own argument
+        return kw
 
     def apply(
         self,
@@ -56,8 +97,13 @@ class UpdateRule:
         grad_scale: float,
         param_copy: Optional[torch.Tensor],
         check_finite: bool,
+        seed: int = 0,
     ) -> bool:
+        """Update one chunk in place (master, states, the 16-bit `param_copy`); False: a non-finite gradient.
+        `seed`: the stochastic-rounding seed of this chunk (the engine passes the chunk's first element)."""
         from offload import ops
+
+        extra = self._state_kwargs(states, step, seed)
 
         lr, wd = float(group["lr"]), float(group["weight_decay"])
         if self.kind in ("adam", "adamw"):
@@ -78,6 +124,7 @@ class UpdateRule:
                 grad_scale=grad_scale,
                 param_copy=param_copy,
                 check_finite=check_finite,
+                **extra,
             )
         if self.kind == "adagrad":
             return ops.adagrad_update(
@@ -90,6 +137,7 @@ class UpdateRule:
                 grad_scale=grad_scale,
                 param_copy=param_copy,
                 check_finite=check_finite,
+                **extra,
             )
         b1, b2 = group["betas"]
         return ops.lion_update(
@@ -103,25 +151,65 @@ class UpdateRule:
             grad_scale=grad_scale,
             param_copy=param_copy,
             check_finite=check_finite,
+            **extra,
         )
 
 
+def check_state_dtype(kind: str, state_dtype: str, stochastic_rounding: bool) -> None:
+    """ValueError unless the kernels can keep `kind`'s states in `state_dtype` (with stochastic rounding)."""
+    from offload import ops
+
+    if state_dtype not in STATE_DTYPES:
+        raise ValueError(f"optimizer state dtype must be one of {sorted(STATE_DTYPES)}, got {state_dtype!r}")
+    if state_dtype == "int8":
+        if not hasattr(ops, "quantize_blockwise") or getattr(ops, "QUANT_BLOCK", None) != QUANT_BLOCK:
+            raise ValueError(
+                "optimizer.params.state_dtype='int8' needs block-quantized states in offload.ops "
+                f"(ops.quantize_blockwise with QUANT_BLOCK={QUANT_BLOCK}), which this build does not have"
+            )
+    if stochastic_rounding:
+        if state_dtype != "bf16":
+            raise ValueError(
+                "optimizer.params.stochastic_rounding=true rounds bf16 states; it needs state_dtype 'bf16' "
+                f"(fp32_optimizer_states false), not {state_dtype!r}"
+            )
+        kernel = {"adagrad": ops.adagrad_update, "lion": ops.lion_update}.get(kind, ops.adam_update)
+        if "stochastic_rounding" not in _kernel_params(kernel):
+            raise ValueError(
+                "optimizer.params.stochastic_rounding=true needs the kernel's stochastic rounding "
+                f"({kernel.__name__}(..., stochastic_rounding=True)), which this build has not"
+            )
+
+
+def _kernel_params(fn: Callable[..., Any]) -> Iterable[str]:
+    import inspect
+
+    return inspect.signature(fn).parameters
+
+
 def rule_from_config(opt_type: str, params: Dict[str, Any]) -> Tuple[UpdateRule, Dict[str, Any]]:
-    """The rule and hyperparameters of a DeepSpeed `optimizer` block (type already lower-case)."""
+    """The rule and hyperparameters of a DeepSpeed `optimizer` block (type already lower-case).
+
+    `state_dtype` ("fp32" | "bf16" | "int8"; `fp32_optimizer_states: false` means "bf16") and
+    `stochastic_rounding` go into the rule, the rest into the hyperparameters."""
     kind = opt_type.lower()
     if kind not in _DEFAULTS:
         raise ValueError(f"optimizer.type {opt_type!r} is not supported; use one of {sorted(_DEFAULTS)}")
     hyper = dict(_DEFAULTS[kind])
-    for key, value in (params or {}).items():
+    params = dict(params or {})
+    fp32_states = params.pop("fp32_optimizer_states", True)
+    state_dtype = params.pop("state_dtype", "fp32" if fp32_states else "bf16")
+    if (state_dtype == "fp32") != bool(fp32_states):
+        raise ValueError(
+            f"optimizer.params.fp32_optimizer_states={bool(fp32_states)} contradicts "
+            f"optimizer.params.state_dtype={state_dtype!r}"
+        )
+    stochastic = bool(params.pop("stochastic_rounding", False))
+    for key, value in params.items():
         if key in _IGNORED_KEYS:
             continue
         if key == "adam_w_mode" and kind in ("adam", "adamw"):
             hyper["adamw_mode"] = bool(value)
-        elif key == "fp32_optimizer_states":
-            if not value:
-                raise ValueError(
-                    "optimizer.params.fp32_optimizer_states=false (16-bit states) is not supported"
-                )
         elif key == "amsgrad":
             if value:
                 raise ValueError("optimizer.params.amsgrad=true is not supported")
@@ -135,7 +223,7 @@ def rule_from_config(opt_type: str, params: Dict[str, Any]) -> Tuple[UpdateRule,
         hyper["adamw_mode"] = True
     if kind in ("adam", "adamw"):
         hyper.setdefault("bias_correction", True)
-    return UpdateRule(kind), hyper
+    return UpdateRule(kind, str(state_dtype), stochastic), hyper
 
 
 def rule_from_client_optimizer(opt: torch.optim.Optimizer) -> Tuple[UpdateRule, Dict[str, Any]]:
@@ -188,13 +276,22 @@ class DeviceState:
     """
 
     def __init__(
-        self, master: torch.Tensor, states: List[torch.Tensor], chunk_numel: int, pinned: bool
+        self,
+        master: torch.Tensor,
+        states: List[torch.Tensor],
+        chunk_numel: int,
+        pinned: bool,
+        fmt: Optional[StateFormat] = None,
     ) -> None:
         self.master = master
-        self.states = states
+        self.states = states  # the states in their dtype, then (int8) one absmax tensor per state
         self.numel = master.numel()
-        self.chunk_numel = max(1, min(int(chunk_numel), self.numel))
-        self.n_states = len(states)
+        self.fmt = fmt or StateFormat(len(states))
+        self.n_states = self.fmt.n_states
+        chunk = max(1, min(int(chunk_numel), self.numel))
+        if self.fmt.quantized and chunk < self.numel:  # a chunk's scales start at its first element
+            chunk = max(QUANT_BLOCK, chunk // QUANT_BLOCK * QUANT_BLOCK)
+        self.chunk_numel = chunk
         self.stats = SwapStats()
         self._pinned = pinned
 
@@ -205,15 +302,24 @@ class DeviceState:
         return sum(t.numel() * t.element_size() for t in [self.master, *self.states])
 
     disk_bytes = 0
-    state_bytes = property(lambda self: self.numel * (1 + self.n_states) * 4)
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of master + states (int8: with the absmax scales)."""
+        return self.fmt.whole_bytes(self.numel)
 
     def _chunks(self) -> Iterable[Tuple[int, int]]:
         for s in range(0, self.numel, self.chunk_numel):
             yield s, min(self.chunk_numel, self.numel - s)
 
+    def _views(self, s: int, n: int) -> List[torch.Tensor]:
+        values = [t[s : s + n] for t in self.states[: self.n_states]]
+        lo, hi = s // QUANT_BLOCK, -(-(s + n) // QUANT_BLOCK)
+        return values + [t[lo:hi] for t in self.states[self.n_states :]]
+
     def step(self, fn: ChunkFn) -> bool:
         for s, n in self._chunks():
-            if not fn(s, n, self.master[s : s + n], [t[s : s + n] for t in self.states]):
+            if not fn(s, n, self.master[s : s + n], self._views(s, n)):
                 return False
         return True
 
@@ -233,7 +339,7 @@ class DeviceState:
 
     def read_all(self, fn: Callable[[int, int, torch.Tensor, List[torch.Tensor]], None]) -> None:
         for s, n in self._chunks():
-            fn(s, n, self.master[s : s + n], [t[s : s + n] for t in self.states])
+            fn(s, n, self.master[s : s + n], self._views(s, n))
 
     def load(self, fn: Callable[[int, int, torch.Tensor, List[torch.Tensor]], None]) -> None:
         self.read_all(fn)

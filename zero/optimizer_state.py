@@ -24,13 +24,14 @@ from torch import nn
 
 from offload.config import AioConfig
 from offload.pinned import PINNED_BUDGET_ENV, PinnedPool
-from offload.swap.optimizer_swapper import OptimizerSwapper, SwapStats
-from offload.swap.slots import plan_slot_numel
+from offload.swap.optimizer_swapper import STATE_TORCH_DTYPES, OptimizerSwapper, SwapStats
+from offload.swap.slots import QUANT_BLOCK, StateFormat, plan_slot_numel
 from offload.swap.space import SwapSpace, check_nvme_path
 from zero.integrity import StateGuard
 from zero.optimizer_offload import DeviceState, UpdateRule, ZeroOptimizer
 from zero.param_writer import ParamWriter
 from zero.report import StepReport
+from zero.state_convert import convert_states, format_of, warn_if_lossy
 
 __all__ = ["FusedDeviceStep", "OptimizerState", "StateInfo", "StateTier", "build_tier", "sum_of_squares"]
 
@@ -90,14 +91,27 @@ def _disk_free(path: str) -> int:
     return shutil.disk_usage(path).free
 
 
-def swap_copies(nvme_path: str, numel: int, n_states: int) -> int:
-    """2 (atomic steps) when the disk at `nvme_path` has room for two copies of the state, else 1 (in
-    place, with a warning: a step that fails half way cannot be rolled back then)."""
+def swap_copies(
+    nvme_path: str, numel: int, n_states: int, state_dtype: str = "fp32", choice: Union[str, int] = "auto"
+) -> int:
+    """NVMe copies of the optimizer state (`offload_optimizer.nvme_copies`). "auto": 2 (atomic steps) when
+    the disk at `nvme_path` has room for two copies of the state, else 1 (in place, with a warning: a step
+    that fails half way cannot be rolled back then). 1: in place, as chosen. 2: ValueError with the sizes
+    when the disk cannot hold them."""
     nvme_path = check_nvme_path(nvme_path or "")  # a clear error for a missing or unusable path first
-    one = numel * (1 + n_states) * FP32_BYTES
+    if choice == 1:
+        return 1
+    one = StateFormat(n_states, state_dtype).whole_bytes(numel)
     free = _disk_free(nvme_path)
     if 2 * one * DISK_HEADROOM <= free:
         return 2
+    if choice == 2:
+        raise ValueError(
+            f"zero_optimization.offload_optimizer.nvme_copies=2: nvme_path={nvme_path!r} has {free} bytes "
+            f"free, two copies of the optimizer state need {2 * one} bytes (+{DISK_HEADROOM - 1:.0%} "
+            f"headroom: {int(2 * one * DISK_HEADROOM)}); free space, or use nvme_copies 1 (in place) or "
+            '"auto"'
+        )
     warnings.warn(
         f"offload_optimizer.nvme_path={nvme_path!r} has {free} bytes free, not enough for two copies "
         f"of the optimizer state ({2 * one} bytes): the state is updated in place, so a step that fails "
@@ -123,17 +137,20 @@ def build_tier(
     alias: Optional[torch.Tensor] = None,
     device_staging_bytes: int = 0,
     swap_copies: int = 2,
+    state_dtype: str = "fp32",
 ) -> tuple[StateTier, Optional[SwapSpace]]:
     """The tier for `offload_optimizer.device` = `tier`, filled with the initial master (`init`: the values,
-    or `fill(start, n, out)` so NVMe never needs them whole) and zero states. `alias`: a tensor the master
-    may be (fp32 weights on the host). `pinned(numel, what)` allocates within the pinned budget."""
+    or `fill(start, n, out)` so NVMe never needs them whole) and zero states in `state_dtype` (the master
+    is fp32). `alias`: a tensor the master may be (fp32 weights on the host). `pinned(numel, what)`
+    allocates fp32 elements within the pinned budget."""
+    fmt = StateFormat(n_states, state_dtype)
     if callable(init) and tier != "nvme" and alias is None:
         values = torch.empty(numel, dtype=torch.float32)
         init(0, numel, values)
         init = values
     if tier == "nvme":
         return _nvme_tier(
-            numel, n_states, init, pool, sub_group, offload, aio, rank, device_staging_bytes, swap_copies
+            numel, fmt, init, pool, sub_group, offload, aio, rank, device_staging_bytes, swap_copies
         )
     on_host = tier == "cpu"
     if alias is not None:
@@ -144,16 +161,21 @@ def build_tier(
         master = pinned(numel, "the fp32 master partition").copy_(init)
     else:
         master = init.to(device)
-    if on_host:
-        states = [pinned(numel, "the optimizer states") for _ in range(n_states)]  # fresh pages read as 0
-    else:
-        states = [torch.zeros(numel, dtype=torch.float32, device=device) for _ in range(n_states)]
-    return DeviceState(master, states, min(sub_group, numel), pinned=on_host), None
+    states = []
+    for dtype, k, _ in fmt.parts(numel)[1:]:
+        tdt = STATE_TORCH_DTYPES[dtype]
+        if on_host:  # fresh pages read as 0
+            nbytes = k * tdt.itemsize
+            raw = pinned(-(-nbytes // FP32_BYTES), "the optimizer states").view(torch.uint8)
+            states.append(raw[:nbytes].view(tdt))
+        else:
+            states.append(torch.zeros(k, dtype=tdt, device=device))
+    return DeviceState(master, states, min(sub_group, numel), pinned=on_host, fmt=fmt), None
 
 
 def _nvme_tier(
     numel: int,
-    n_states: int,
+    fmt: StateFormat,
     init: Union[torch.Tensor, Fill],
     pool: PinnedPool,
     sub_group: int,
@@ -168,22 +190,24 @@ def _nvme_tier(
     chunk = plan_slot_numel(
         sub_group,
         numel,
-        n_states,
+        fmt.n_states,
         buffer_count,
         cap_bytes=pool.cap_bytes,
         in_use_bytes=pool.bytes_in_use,
         reserved_bytes=device_staging_bytes,
         alignment=SWAP_ALIGNMENT,
         budget_source=f"zero_offload.pinned_budget_bytes / {PINNED_BUDGET_ENV}",
+        state_dtype=fmt.dtype,
     )
     space = SwapSpace(nvme_path, alignment=SWAP_ALIGNMENT, prefix=f"zero-offload-r{rank}-")
     try:
         swapper = OptimizerSwapper(
             space,
             numel,
-            n_states,
+            fmt.n_states,
             pool,
             chunk_numel=chunk,
+            state_dtype=fmt.dtype,
             buffer_count=buffer_count,
             aio=aio,
             name=f"optim-rank{rank}",
@@ -230,6 +254,12 @@ class FusedDeviceStep:
             raise NotImplementedError(
                 f"optimizer {rule.kind!r} without offload on CUDA is not supported; "
                 "use offload_optimizer.device cpu or nvme"
+            )
+        if rule.state_dtype != "fp32":
+            raise NotImplementedError(
+                f"optimizer.params.state_dtype={rule.state_dtype!r} (fp32_optimizer_states false) without "
+                "offload on CUDA is not supported: the device step is torch's fused Adam, which keeps fp32 "
+                "states; use offload_optimizer.device cpu or nvme for 16-bit or 8-bit states"
             )
         g = optimizer.param_groups[0]
         self.param = nn.Parameter(state.master, requires_grad=False)
@@ -341,6 +371,7 @@ class OptimizerState:
                 grad_scale=grad_scale,
                 param_copy=writer.param_copy(start, n),
                 check_finite=fused_check,
+                seed=start,
             )
             if ok:
                 self.pass_updates += 1
@@ -443,25 +474,34 @@ class OptimizerState:
     # ------------------------------------------------------------------------- whole-state access
     def master_and_states(self) -> tuple[torch.Tensor, List[torch.Tensor]]:
         """Copies of the committed master and states on the host."""
-        numel = self.tier.numel
-        master = torch.empty(numel, dtype=torch.float32)
-        states = [torch.empty(numel, dtype=torch.float32) for _ in range(self.rule.n_states)]
+        numel, fmt = self.tier.numel, self.rule.format
+        whole = [torch.empty(k, dtype=STATE_TORCH_DTYPES[d]) for d, k, _ in fmt.parts(numel)]
+        master, states = whole[0], whole[1:]
 
         def take(start: int, n: int, m: torch.Tensor, st: List[torch.Tensor]) -> None:
             master[start : start + n].copy_(m)
             for dst, src in zip(states, st):
-                dst[start : start + n].copy_(src)
+                lo = start if dst.numel() == numel else start // QUANT_BLOCK  # values, or int8 scales
+                dst[lo : lo + src.numel()].copy_(src)
 
         self.tier.read_all(take)
         return master, states
 
     def load_values(self, master: torch.Tensor, states: List[torch.Tensor]) -> None:
-        """Replace master and states (two NVMe copies: atomically; otherwise in place, poisoning on error)."""
+        """Replace master and states (two NVMe copies: atomically; otherwise in place, poisoning on error).
+        States in another dtype than this engine's are converted (with a warning when that rounds them)."""
+        src, dst = format_of(states, self.rule.n_states), self.rule.format
+        if src != dst:
+            warn_if_lossy(src.dtype, dst.dtype, "load_optimizer_state_dict")
+            states = convert_states(states, src, dst, self.rule.signed)
+
+        numel = self.tier.numel
 
         def put(start: int, n: int, m: torch.Tensor, st: List[torch.Tensor]) -> None:
             m.copy_(master[start : start + n])
             for dst, src in zip(st, states):
-                dst.copy_(src[start : start + n])
+                lo = start if src.numel() == numel else start // QUANT_BLOCK  # values, or int8 scales
+                dst.copy_(src[lo : lo + dst.numel()])
 
         try:
             self.tier.load(put)

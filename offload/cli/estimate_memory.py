@@ -157,13 +157,25 @@ def build_parser() -> argparse.ArgumentParser:
     zero.add_argument(
         "--no-pin-memory", action="store_true", help="offloaded states in pageable host memory (not pinned)"
     )
+    zero.add_argument(
+        "--nvme-copies",
+        choices=("auto", "1", "2"),
+        help="offload_optimizer.nvme_copies: copies of the NVMe optimizer state (default auto: two when "
+        "--nvme-path has room with --fit, else counted as two)",
+    )
 
     train = parser.add_argument_group("training")
     train.add_argument(
         "--precision", choices=PRECISIONS, help="bf16/fp16 mixed precision or fp32 (default bf16)"
     )
     train.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES_PER_PARAM), help="default adam")
-    train.add_argument("--optimizer-state-dtype", choices=sorted(STATE_DTYPE_BYTES), default="fp32")
+    train.add_argument(
+        "--optimizer-state-dtype",
+        choices=sorted(STATE_DTYPE_BYTES),
+        default="fp32",
+        help="optimizer.params.state_dtype: master + states are 12 (fp32), 8 (bf16) or 6 + scales (int8) "
+        "bytes per parameter for Adam",
+    )
 
     act = parser.add_argument_group("activations (counted when --batch-size and --seq-len are given)")
     act.add_argument("--batch-size", type=_positive_int("--batch-size"), help="micro-batch per GPU")
@@ -283,6 +295,8 @@ def _buffers(args: argparse.Namespace, config: Optional[ConfigChoices]) -> SwapB
     if args.no_pin_memory:
         values["optimizer_pin_memory"] = False
         values["param_pin_memory"] = False
+    if args.nvme_copies is not None:
+        values["optimizer_nvme_copies"] = "auto" if args.nvme_copies == "auto" else int(args.nvme_copies)
     return SwapBufferSettings(**values)  # type: ignore[arg-type]
 
 

@@ -90,7 +90,7 @@ def _adam_params(s: Section, kind: str) -> Dict[str, Any]:
         "bias_correction": s.bool("bias_correction", True),
         "amsgrad": False,
         "torch_adam": torch_adam,
-        "fp32_optimizer_states": _fp32_states(s),
+        **_state_dtype(s),
     }
 
 
@@ -106,7 +106,7 @@ def _adagrad_params(s: Section, kind: str) -> Dict[str, Any]:
         "eps": s.float("eps", 1e-10, min=0.0),
         "weight_decay": s.float("weight_decay", 0.0, min=0.0),
         "amsgrad": False,
-        "fp32_optimizer_states": _fp32_states(s),
+        **_state_dtype(s),
     }
 
 
@@ -115,7 +115,7 @@ def _lion_params(s: Section, kind: str) -> Dict[str, Any]:
         "lr": s.float("lr", 1e-3, min=0.0),
         "betas": s.float_pair("betas", (0.9, 0.999)),
         "weight_decay": s.float("weight_decay", 0.0, min=0.0),
-        "fp32_optimizer_states": _fp32_states(s),
+        **_state_dtype(s),
     }
 
 
@@ -130,6 +130,8 @@ _PARAM_KEYS: Dict[str, Tuple[str, ...]] = {
         "amsgrad",
         "torch_adam",
         "fp32_optimizer_states",
+        "state_dtype",
+        "stochastic_rounding",
         "max_grad_norm",
     ),
     "adagrad": (
@@ -140,9 +142,19 @@ _PARAM_KEYS: Dict[str, Tuple[str, ...]] = {
         "lr_decay",
         "initial_accumulator_value",
         "fp32_optimizer_states",
+        "state_dtype",
+        "stochastic_rounding",
         "max_grad_norm",
     ),
-    "lion": ("lr", "betas", "weight_decay", "fp32_optimizer_states", "max_grad_norm"),
+    "lion": (
+        "lr",
+        "betas",
+        "weight_decay",
+        "fp32_optimizer_states",
+        "state_dtype",
+        "stochastic_rounding",
+        "max_grad_norm",
+    ),
 }
 _PARAM_KEYS["adamw"] = _PARAM_KEYS["adam"]
 
@@ -333,8 +345,21 @@ def parse_scheduler(raw: Any, ctx: Context, path: str = "scheduler") -> Optional
     return SchedulerConfig(type=kind, params=_SCHEDULER_PARSERS[kind](p))
 
 
-def _fp32_states(s: Section) -> bool:
-    """`fp32_optimizer_states`: only true (fp32 states) is supported by the engine."""
-    value = s.bool("fp32_optimizer_states", True)
-    s.off_only("fp32_optimizer_states", lambda v: v is True, "16-bit optimizer states (false)")
-    return value
+STATE_DTYPES = ("fp32", "bf16", "int8")
+
+
+def _state_dtype(s: Section) -> Dict[str, Any]:
+    """The optimizer states' dtype: DeepSpeed's `fp32_optimizer_states` (false: bf16) and our `state_dtype`
+    ("fp32" | "bf16" | "int8"), which must agree; `stochastic_rounding` (bf16 states only)."""
+    fp32 = s.bool("fp32_optimizer_states", True)
+    dtype = s.choice("state_dtype", "fp32" if fp32 else "bf16", STATE_DTYPES)
+    if s.has("fp32_optimizer_states") and s.has("state_dtype") and fp32 != (dtype == "fp32"):
+        raise s.fail(
+            "state_dtype",
+            f"'{dtype}' contradicts '{s.key('fp32_optimizer_states')}': {str(fp32).lower()} (true means fp32 "
+            "states; give one of the two keys)",
+        )
+    rounding = s.bool("stochastic_rounding", False)
+    if rounding and dtype != "bf16":
+        raise s.fail("stochastic_rounding", f"rounds bf16 states; it needs state_dtype 'bf16', not '{dtype}'")
+    return {"fp32_optimizer_states": dtype == "fp32", "state_dtype": dtype, "stochastic_rounding": rounding}

@@ -115,6 +115,7 @@ FIELD_USAGE: Dict[str, Usage] = {
     _OO + "pipeline_read": _r("zero/engine.py (optimizer steps during backward, via .pipeline)"),
     _OO + "pipeline_write": _r("zero/engine.py (optimizer steps during backward, via .pipeline)"),
     _OO + "fast_init": _i("the initial NVMe state is always written in full", False),
+    _OO + "nvme_copies": _r("zero/optimizer_state.py (swap_copies: NVMe copies of the optimizer state)"),
     _OO + "ratio": _r("refused below 1.0 at parse time (partial optimizer offload is not supported)"),
     _OP + "device": _r("zero/stage3/store.py (parameter tier)"),
     _OP + "nvme_path": _r("zero/stage3/store.py (swap space)"),

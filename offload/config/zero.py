@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Union
 
 from ._reader import Context, Section, is_off_value
 from .usage import warn_ignored
@@ -45,6 +45,7 @@ _OFFLOAD_OPTIMIZER_KEYS = (
     "super_offload",
     "convert_grad_on_cpu",
     "cpuadam_cores_perc",
+    "nvme_copies",
 )
 
 _OFFLOAD_PARAM_KEYS = ("device", "nvme_path", "pin_memory", "buffer_count", "buffer_size", "max_in_cpu")
@@ -125,6 +126,7 @@ class OffloadOptimizerConfig:
     pipeline_write: bool = False
     fast_init: bool = False
     ratio: float = 1.0
+    nvme_copies: Union[str, int] = "auto"  # NVMe copies of the state: "auto" | 1 (in place) | 2 (atomic)
 
     @property
     def pipeline(self) -> bool:
@@ -191,6 +193,14 @@ def _nvme_path(s: Section, device: str) -> Optional[str]:
     return path
 
 
+def _nvme_copies(s: Section) -> Union[str, int]:
+    """`nvme_copies`: "auto" (two copies when the disk has room, else one), 1 or 2."""
+    value = s.get("nvme_copies", OffloadOptimizerConfig.nvme_copies)
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value in (1, 2)):
+        return value
+    raise s.fail("nvme_copies", f'must be "auto", 1 or 2, got {value!r}')
+
+
 def _nvme_min(device: str) -> int:
     """Staging-buffer keys are only read for NVMe; there 0 buffers (or 0 elements each) cannot work."""
     return 1 if device == "nvme" else 0
@@ -232,7 +242,14 @@ def parse_offload_optimizer(raw: Any, ctx: Context, path: str) -> OffloadOptimiz
         pipeline_write=s.bool("pipeline_write", OffloadOptimizerConfig.pipeline_write),
         fast_init=s.bool("fast_init", OffloadOptimizerConfig.fast_init),
         ratio=ratio,
+        nvme_copies=_nvme_copies(s),
     )
+    if out.nvme_copies == 1 and out.pipeline and device == "nvme":
+        raise s.fail(
+            "nvme_copies",
+            "1 cannot be combined with pipeline_read/pipeline_write: stepping sub-groups during backward "
+            'needs a second copy to fall back to when the pass is dropped (use 2 or "auto")',
+        )
     warn_ignored(s, "zero_optimization.offload_optimizer.", out)
     return out
 

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Dict, Iterable, List, Mapping, Optional, Tuple, Union
 
-from offload.swap.slots import MIN_SLOT_NUMEL, swap_chunk  # noqa: F401 - the engine's slot sizing
+# the engine's slot sizing
+from offload.swap.slots import MIN_SLOT_NUMEL, QUANT_BLOCK, state_chunk, swap_chunk  # noqa: F401
 
 from .activations import ActivationSettings, activation_placement
 from .errors import EstimateInputError
@@ -37,7 +38,10 @@ PRECISIONS: Tuple[str, ...] = ("bf16", "fp16", "fp32")
 # Elements of optimizer state per parameter. sgd counts its momentum buffer (torch's SGD with
 # momentum=0 keeps none; the estimate is then 4 bytes/param high for the states).
 OPTIMIZER_STATES_PER_PARAM: Dict[str, int] = {"adam": 2, "adamw": 2, "adagrad": 1, "lion": 1, "sgd": 1}
-STATE_DTYPE_BYTES: Dict[str, int] = {"fp32": 4, "bf16": 2}
+# Bytes per element of each optimizer-state dtype (optimizer.params.state_dtype); int8 states also keep one
+# fp32 absmax per QUANT_BLOCK elements of each state (TrainingSetup.optimizer_scale_bytes).
+STATE_DTYPE_BYTES: Dict[str, int] = {"fp32": 4, "bf16": 2, "int8": 1}
+NVME_COPIES: Tuple[Union[str, int], ...] = ("auto", 1, 2)
 FP32_BYTES = 4
 
 # ---------------------------------------------------------------------------------------------------
@@ -149,8 +153,14 @@ class SwapBufferSettings:
     # offload_param.max_in_cpu: with NVMe parameters, the first partitions up to this many elements stay
     # in host memory (DeepSpeed's default 1e9 keeps a model under 1e9 parameters off the disk entirely).
     param_max_in_cpu: int = DEFAULT_PARAM_MAX_IN_CPU
+    # offload_optimizer.nvme_copies: "auto" (two when nvme_path has room, else one), 1 or 2
+    optimizer_nvme_copies: Union[str, int] = "auto"
 
     def __post_init__(self) -> None:
+        if self.optimizer_nvme_copies not in NVME_COPIES or isinstance(self.optimizer_nvme_copies, bool):
+            raise EstimateInputError(
+                f'optimizer_nvme_copies must be "auto", 1 or 2, got {self.optimizer_nvme_copies!r}'
+            )
         for name in ("optimizer_buffer_count", "sub_group_size", "param_buffer_count", "param_buffer_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -216,6 +226,48 @@ class TrainingSetup:
     def optimizer_state_bytes(self) -> int:
         """K without the master copy: optimizer state bytes per parameter."""
         return OPTIMIZER_STATES_PER_PARAM[self.optimizer] * STATE_DTYPE_BYTES[self.optimizer_state_dtype]
+
+    def optimizer_scale_bytes(self, numel: int) -> int:
+        """int8 states: the fp32 absmax scales of `numel` elements' states (0 for other dtypes)."""
+        if self.optimizer_state_dtype != "int8":
+            return 0
+        return OPTIMIZER_STATES_PER_PARAM[self.optimizer] * FP32_BYTES * math.ceil(numel / QUANT_BLOCK)
+
+    @property
+    def optimizer_bytes_per_param(self) -> float:
+        """Master + states per parameter (int8: with the scales), as the tiers hold them: 12 for fp32 Adam,
+        8 for bf16, 6 + 8/QUANT_BLOCK for int8."""
+        scales = self.optimizer_scale_bytes(QUANT_BLOCK) / QUANT_BLOCK
+        return FP32_BYTES + self.optimizer_state_bytes + scales
+
+    def nvme_chunk(self, part: int) -> int:
+        """Elements per chunk of NVMe optimizer state (the engine's `state_chunk`)."""
+        n_states = OPTIMIZER_STATES_PER_PARAM[self.optimizer]
+        return state_chunk(self.buffers.sub_group_size, part, n_states, self.optimizer_state_dtype)
+
+
+def _nvme_copies(
+    setup: TrainingSetup, one_copy: int, nvme_free_bytes: Optional[int], notes: List[str]
+) -> int:
+    """Copies of the NVMe optimizer state the engine keeps (offload_optimizer.nvme_copies) for a rank whose
+    one copy is `one_copy` bytes; `nvme_free_bytes`: per node, or None (unknown: room for two)."""
+    choice = setup.buffers.optimizer_nvme_copies
+    if choice == 1:
+        return 1
+    need_two = 2 * one_copy * ENGINE_PLACEMENT.stage3_nvme_copies_headroom * setup.gpus_per_node
+    if nvme_free_bytes is None or need_two <= nvme_free_bytes:
+        return 2
+    if choice == 2:
+        notes.append(
+            f"nvme_copies 2 needs {int(need_two)} bytes at nvme_path ({nvme_free_bytes} free): the engine "
+            "refuses to start"
+        )
+        return 2
+    notes.append(
+        "nvme_path cannot hold two copies of the optimizer state: the engine updates one copy in "
+        "place (a step that fails half way cannot be rolled back)"
+    )
+    return 1
 
 
 @dataclass(frozen=True)
@@ -392,22 +444,16 @@ def _stage3(
     # Optimizer: fp32 master (its own copy at stage 3) and states.
     chunk = min(bufs.sub_group_size, part)
     if offload_optimizer == "nvme":
-        chunk = swap_chunk(bufs.sub_group_size, part, state_bytes)
+        chunk = setup.nvme_chunk(part)
     n_chunks = math.ceil(part / chunk)
     spare_copies = 0
+    scales = setup.optimizer_scale_bytes(part)
     if offload_optimizer == "nvme":
         # swap files hold whole chunk regions [master | states] (the engine pads each to 4 KiB: not counted)
-        region = chunk * (FP32_BYTES + state_bytes)
-        copies = plan.optimizer_nvme_copies
-        need_two = copies * part * (FP32_BYTES + state_bytes) * plan.stage3_nvme_copies_headroom
-        if nvme_free_bytes is not None and need_two * setup.gpus_per_node > nvme_free_bytes:
-            copies = 1
-            notes.append(
-                "nvme_path cannot hold two copies of the optimizer state: the engine updates one copy in "
-                "place (a step that fails half way cannot be rolled back)"
-            )
+        region = chunk * (FP32_BYTES + state_bytes) + setup.optimizer_scale_bytes(chunk)
+        copies = _nvme_copies(setup, part * (FP32_BYTES + state_bytes) + scales, nvme_free_bytes, notes)
         ledger.add("nvme", "master_params_fp32", copies * n_chunks * chunk * FP32_BYTES)
-        ledger.add("nvme", "optimizer_states", copies * n_chunks * chunk * state_bytes)
+        ledger.add("nvme", "optimizer_states", copies * n_chunks * (region - chunk * FP32_BYTES))
         spare_copies = (copies - 1) * n_chunks * region
         slots = min(bufs.optimizer_buffer_count, n_chunks)
         ledger.add("cpu_pinned", "swap_buffers", slots * region)
@@ -416,12 +462,12 @@ def _stage3(
                 f"optimizer swap buffers ({slots} x {chunk} elements) are over "
                 "half the state they stage, so NVMe saves little host memory: lower sub_group_size (e.g. 1e8)"
             )
-        nvme_read += part * (FP32_BYTES + state_bytes)
-        nvme_write += part * (FP32_BYTES + state_bytes)
+        nvme_read += part * (FP32_BYTES + state_bytes) + scales
+        nvme_write += part * (FP32_BYTES + state_bytes) + scales
     else:
         tier = host_opt if opt_home == "cpu" else opt_home
         ledger.add(tier, "master_params_fp32", part * FP32_BYTES)
-        ledger.add(tier, "optimizer_states", part * state_bytes)
+        ledger.add(tier, "optimizer_states", part * state_bytes + scales)
 
     # Staging: updated 16-bit weights pass through one pageable chunk; NVMe units are assembled in a
     # pageable buffer of one partition and read through pinned slots of the largest layer's partition.
@@ -445,9 +491,9 @@ def estimate(
 ) -> MemoryEstimate:
     """Bytes per GPU, per node's host memory (pinned and pageable) and per node's NVMe for one setting.
 
-    `nvme_free_bytes` (free space at nvme_path, per node): at stage 3 the engine keeps one copy of the
-    NVMe optimizer state instead of two when the disk cannot hold two; given, the estimate does the same.
-    `nvme_min_bytes` is the NVMe needed with one copy either way."""
+    `nvme_free_bytes` (free space at nvme_path, per node): with `nvme_copies` "auto" the engine keeps one
+    copy of the NVMe optimizer state instead of two when the disk cannot hold two; given, the estimate does
+    the same. `nvme_min_bytes` is the NVMe needed with one copy either way."""
     check_combination(stage, offload_optimizer, offload_param)
     if stage == 3:
         return _estimate_stage3(setup, offload_optimizer, offload_param, nvme_free_bytes)
@@ -502,16 +548,23 @@ def estimate(
     if plan.cap_swap_buffers_to_partition:
         sub_group = min(sub_group, opt_part)
     if offload_optimizer == "nvme":  # the swapper's chunk: what files are padded to and slots hold
-        sub_group = swap_chunk(bufs.sub_group_size, opt_part, state_bytes)
+        sub_group = setup.nvme_chunk(opt_part)
     n_sub_groups = math.ceil(opt_part / sub_group)
+    spare_copy = None
+    scales = setup.optimizer_scale_bytes(sub_group)
     if offload_optimizer == "nvme":
-        # Swap files hold whole sub-group regions (the last one padded), in optimizer_nvme_copies copies.
-        stored = plan.optimizer_nvme_copies * n_sub_groups * sub_group
+        # Swap files hold whole sub-group regions (the last one padded), in nvme_copies copies.
+        one = opt_part * (FP32_BYTES + state_bytes) + setup.optimizer_scale_bytes(opt_part)
+        copies = _nvme_copies(setup, one, nvme_free_bytes, notes)
+        stored = copies * n_sub_groups * sub_group
+        spare_copy = (copies - 1) * n_sub_groups * (sub_group * (FP32_BYTES + state_bytes) + scales)
+        scales *= copies * n_sub_groups
     else:
         stored = opt_part
+        scales = setup.optimizer_scale_bytes(opt_part)
     if mixed or master_tier != param_tier:
         ledger.add(master_tier, "master_params_fp32", stored * FP32_BYTES)
-    ledger.add(states_tier, "optimizer_states", stored * state_bytes)
+    ledger.add(states_tier, "optimizer_states", stored * state_bytes + scales)
     if mixed or grads32_tier != "gpu":
         ledger.add(grads32_tier, "grads_fp32", opt_part * FP32_BYTES)
 
@@ -524,7 +577,7 @@ def estimate(
         if plan.cap_swap_buffers_to_partition:
             slots = min(slots, n_sub_groups)
         staged_bytes = FP32_BYTES + state_bytes
-        buffer_bytes = slots * sub_group * staged_bytes
+        buffer_bytes = slots * (sub_group * staged_bytes + setup.optimizer_scale_bytes(sub_group))
         ledger.add("cpu_pinned", "swap_buffers", buffer_bytes)
         if 2 * buffer_bytes > opt_part * staged_bytes:
             notes.append(
@@ -532,8 +585,8 @@ def estimate(
                 "half the state they stage, so NVMe saves little host memory: lower sub_group_size (e.g. 1e8)"
             )
         # Each step reads and writes back master + states of the whole partition.
-        nvme_read += opt_part * (FP32_BYTES + state_bytes)
-        nvme_write += opt_part * (FP32_BYTES + state_bytes)
+        nvme_read += opt_part * (FP32_BYTES + state_bytes) + setup.optimizer_scale_bytes(opt_part)
+        nvme_write += opt_part * (FP32_BYTES + state_bytes) + setup.optimizer_scale_bytes(opt_part)
     if offload_param == "nvme":
         buffer_elems = bufs.param_buffer_size
         if plan.cap_swap_buffers_to_partition:
@@ -553,7 +606,7 @@ def estimate(
     nvme_read, nvme_write = nvme_read + read, nvme_write + write
 
     return _estimate_from(
-        setup, ledger, stage, offload_optimizer, offload_param, nvme_read, nvme_write, notes
+        setup, ledger, stage, offload_optimizer, offload_param, nvme_read, nvme_write, notes, spare_copy
     )
 
 

@@ -2,11 +2,12 @@
 
 Layout. The partition is cut into chunks of at most `chunk_numel` elements (a sub-group, or a piece of one
 when a sub-group is larger than a staging slot). A chunk of n elements is stored as one aligned region,
-`[master | state_1 | ... | state_k]` (n fp32 each), so one read and one write move it. There are two copies
-of the whole layout (files `.a` and `.b`): a step reads every chunk from the live copy and writes the
-updated chunk to the other one, and only `commit()` makes the other copy live. A step that fails half way
-(disk full, an I/O error, a gradient overflow found in the fused pass) therefore leaves the previous state
-intact, at the price of twice the disk space.
+`[master | state_1 | ... | state_k]` (an fp32 master, states in their dtype: fp32, bf16, or int8 codes
+followed by their fp32 absmax scales; `offload.swap.slots.StateFormat`), so one read and one write move
+it. There are two copies of the whole layout (files `.a` and `.b`): a step reads every chunk from the live
+copy and writes the updated chunk to the other one, and only `commit()` makes the other copy live. A step
+that fails half way (disk full, an I/O error, a gradient overflow found in the fused pass) therefore leaves
+the previous state intact, at the price of twice the disk space.
 
 Pipeline. `buffer_count` pinned staging slots, each with its own aio handle (a handle's `wait()` waits for
 everything queued on it, so one handle per slot lets us wait for exactly one slot). For chunk i the step
@@ -42,10 +43,13 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 
 from offload.config.aio import AioConfig
-from offload.swap.slots import FP32_BYTES, slot_bytes
+from offload.swap.slots import FP32_BYTES, StateFormat, slot_bytes
 from offload.swap.space import SwapFile, SwapSpace, align_up
 
-__all__ = ["ChunkFn", "DeferredWriteError", "OptimizerSwapper", "ReadyFn", "SwapStats"]
+__all__ = ["STATE_TORCH_DTYPES", "ChunkFn", "DeferredWriteError", "OptimizerSwapper", "ReadyFn", "SwapStats"]
+
+# How each state dtype is held in torch (int8 states are uint8 codes with fp32 absmax scales beside them).
+STATE_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}
 
 
 # (start element within the partition, numel, master view, state views) -> all values finite
@@ -84,7 +88,8 @@ class DeferredWriteError(OSError):
 
 
 class OptimizerSwapper:
-    """Master + `n_states` fp32 states of `numel` elements in swap files, stepped chunk by chunk."""
+    """Master + `n_states` states of `numel` elements in swap files, stepped chunk by chunk. The master
+    is fp32; the states are in `state_dtype` ("fp32", "bf16", or "int8" codes with per-block absmax)."""
 
     def __init__(
         self,
@@ -99,6 +104,7 @@ class OptimizerSwapper:
         name: str = "optimizer",
         copies: int = 2,
         defer_writes: bool = True,
+        state_dtype: str = "fp32",
     ) -> None:
         if numel <= 0:
             raise ValueError(f"numel must be positive, got {numel}")
@@ -111,13 +117,14 @@ class OptimizerSwapper:
         self.space = space
         self.numel = int(numel)
         self.n_states = int(n_states)
-        self.n_tensors = 1 + self.n_states
+        self.fmt = StateFormat(self.n_states, state_dtype)
+        self.n_tensors = self.fmt.n_tensors
         self.chunk_numel = min(int(chunk_numel), self.numel)
         self.chunks: List[Tuple[int, int]] = [
             (s, min(self.chunk_numel, self.numel - s)) for s in range(0, self.numel, self.chunk_numel)
         ]
         self.alignment = space.alignment
-        self.region_bytes = slot_bytes(self.chunk_numel, self.n_states, self.alignment)
+        self.region_bytes = slot_bytes(self.chunk_numel, self.n_states, self.alignment, state_dtype)
         self.stats = SwapStats()
         self._pool = pool
         self._aio = aio or AioConfig()
@@ -181,8 +188,8 @@ class OptimizerSwapper:
 
     @property
     def state_bytes(self) -> int:
-        """Bytes of live state (one copy), what a step reads and writes."""
-        return self.numel * self.n_tensors * FP32_BYTES
+        """Bytes of live state (one copy) in the states' dtype, before the swap alignment pads each chunk."""
+        return self.fmt.whole_bytes(self.numel)
 
     # ------------------------------------------------------------------------------------------------- I/O
     @property
@@ -191,12 +198,16 @@ class OptimizerSwapper:
         return sum(self._io_bytes(n) for _, n in self.chunks)
 
     def _io_bytes(self, n: int) -> int:
-        return align_up(self.n_tensors * n * FP32_BYTES, self.alignment)
+        return align_up(self.fmt.chunk_bytes(n), self.alignment)
 
     def _views(self, slot: int, n: int) -> Tuple[torch.Tensor, List[torch.Tensor]]:
-        buf = self._slots[slot]
-        master = buf[:n]
-        return master, [buf[(j + 1) * n : (j + 2) * n] for j in range(self.n_states)]
+        """The chunk's master, states and (int8) absmax scales inside slot `slot`."""
+        raw = self._slots[slot].view(torch.uint8)
+        views = [
+            raw[off : off + numel * STATE_TORCH_DTYPES[d].itemsize].view(STATE_TORCH_DTYPES[d])
+            for d, numel, off in self.fmt.parts(n)
+        ]
+        return views[0], views[1:]
 
     def _read(self, i: int, slot: int, f: SwapFile) -> None:
         nbytes = self._io_bytes(self.chunks[i][1])

@@ -15,8 +15,11 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from offload.swap.optimizer_swapper import STATE_TORCH_DTYPES
+from offload.swap.slots import QUANT_BLOCK, StateFormat
 from zero.checkpoint._engine import CheckpointEngine
 from zero.checkpoint._files import Entry, StreamDigest, create_private, digest_file, fsync_path
+from zero.state_convert import convert_states, warn_if_lossy
 
 
 def is_stage3(engine: CheckpointEngine) -> bool:
@@ -169,23 +172,55 @@ def _close_quietly(handle: Any) -> None:
         pass
 
 
-def optimizer_nbytes(engine: CheckpointEngine) -> int:
-    return engine.part_numel * (1 + engine.rule.n_states) * 4
+def state_format(engine: CheckpointEngine, state_dtype: Optional[str] = None) -> StateFormat:
+    """The layout of the engine's optimizer state, or of the same optimizer with states in `state_dtype`."""
+    return StateFormat(engine.rule.n_states, state_dtype or engine.rule.state_dtype)
+
+
+def saved_state_dtype(meta: Dict[str, Any]) -> str:
+    """The dtype a checkpoint's optimizer states were saved in (checkpoints before it was recorded: fp32)."""
+    return str(meta.get("state_dtype", "fp32"))
+
+
+def _file_parts(fmt: StateFormat, part: int) -> List[Tuple[torch.dtype, int, int]]:
+    """(dtype, numel, byte offset) of each tensor in `optim_rank<r>.bin`: the fp32 master, the states in
+    their dtype, then (int8) their absmax scales, back to back."""
+    out, off = [], 0
+    for dtype, numel, _ in fmt.parts(part):
+        tdt = STATE_TORCH_DTYPES[dtype]
+        out.append((tdt, numel, off))
+        off += numel * tdt.itemsize
+    return out
+
+
+def _chunk_offsets(fmt: StateFormat, part: int, start: int) -> List[int]:
+    """Byte offset in the file of each tensor of the chunk starting at element `start`."""
+    n_values = 1 + fmt.n_states
+    return [
+        off + (start if k < n_values else start // QUANT_BLOCK) * tdt.itemsize
+        for k, (tdt, _, off) in enumerate(_file_parts(fmt, part))
+    ]
+
+
+def optimizer_nbytes(engine: CheckpointEngine, state_dtype: Optional[str] = None) -> int:
+    return state_format(engine, state_dtype).whole_bytes(engine.part_numel)
 
 
 def write_optimizer(engine: CheckpointEngine, path: str) -> Entry:
-    """Stream master + states into `path`, tensor after tensor, hashing each region on the way."""
+    """Stream master + states (in the dtype they live in) into `path`, tensor after tensor, hashing each
+    region on the way (fp32 states: equal regions; otherwise the file is digested after it is written)."""
     part = engine.part_numel
+    fmt = state_format(engine)
     os.close(create_private(path))  # 0600 from the start; the aio handle writes into it, never truncating
-    digests = [StreamDigest() for _ in range(1 + engine.rule.n_states)]
+    digests = [StreamDigest() for _ in range(fmt.n_tensors)]
     handle = _aio_handle(engine)
-    expect, in_order = 0, True
+    expect, in_order = 0, fmt.dtype == "fp32"
 
     def put(start: int, n: int, master: torch.Tensor, states: List[torch.Tensor]) -> None:
         nonlocal expect, in_order
         tensors = [master, *states]
-        for k, t in enumerate(tensors):
-            handle.async_pwrite(t, path, (k * part + start) * 4)
+        for t, off in zip(tensors, _chunk_offsets(fmt, part, start)):
+            handle.async_pwrite(t, path, off)
         in_order = in_order and start == expect
         if in_order:  # hash while the writes run
             for d, t in zip(digests, tensors):
@@ -210,11 +245,17 @@ def write_optimizer(engine: CheckpointEngine, path: str) -> Entry:
     }
 
 
-def read_optimizer(engine: CheckpointEngine, path: str) -> None:
+def read_optimizer(engine: CheckpointEngine, path: str, state_dtype: str = "fp32") -> None:
+    """Fill the engine's optimizer state from `path`, saved with states in `state_dtype`: straight into the
+    tier's buffers when that is the engine's dtype, else converted chunk by chunk (a warning when that
+    rounds them)."""
     part = engine.part_numel
     size = os.path.getsize(path)
-    if size != optimizer_nbytes(engine):
-        raise ValueError(f"{path}: {size} bytes, expected {optimizer_nbytes(engine)}")
+    if size != optimizer_nbytes(engine, state_dtype):
+        raise ValueError(f"{path}: {size} bytes, expected {optimizer_nbytes(engine, state_dtype)}")
+    src, dst = state_format(engine, state_dtype), state_format(engine)
+    if src != dst:
+        warn_if_lossy(src.dtype, dst.dtype, path)
     handle = _aio_handle(engine)
     try:
         handle.register_file(path, writable=False)  # one descriptor for every read
@@ -223,9 +264,19 @@ def read_optimizer(engine: CheckpointEngine, path: str) -> None:
         raise
 
     def fill(start: int, n: int, master: torch.Tensor, states: List[torch.Tensor]) -> None:
-        for k, t in enumerate([master, *states]):
-            handle.async_pread(t, path, (k * part + start) * 4)
+        offsets = _chunk_offsets(src, part, start)
+        if src == dst:
+            for t, off in zip([master, *states], offsets):
+                handle.async_pread(t, path, off)
+            handle.wait()
+            return
+        saved = [torch.empty(k, dtype=STATE_TORCH_DTYPES[d]) for d, k, _ in src.parts(n)]
+        for t, off in zip(saved, offsets):
+            handle.async_pread(t, path, off)
         handle.wait()
+        master.copy_(saved[0])
+        for t, v in zip(states, convert_states(saved[1:], src, dst, engine.rule.signed)):
+            t.copy_(v)
 
     try:
         engine.load_optimizer_state(fill)
@@ -266,6 +317,7 @@ def optimizer_meta(engine: CheckpointEngine) -> Dict[str, Any]:
         "step": engine.optimizer.step_count,
         "partition": [engine.lo, engine.hi],
         "n_states": engine.rule.n_states,
+        "state_dtype": engine.rule.state_dtype,
     }
 
 

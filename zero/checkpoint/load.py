@@ -132,10 +132,11 @@ def _plan(
         _check_meta(engine, plan, strict, optimizer)
         if optimizer:
             size = os.path.getsize(os.path.join(path, f"optim_rank{engine.rank}.bin"))
-            if size != st.optimizer_nbytes(engine):
+            need = st.optimizer_nbytes(engine, st.saved_state_dtype(plan.rs["optimizer"]))
+            if size != need:
                 raise ValueError(
                     f"{path}: optim_rank{engine.rank}.bin has {size} bytes, this model and "
-                    f"optimizer need {st.optimizer_nbytes(engine)}"
+                    f"optimizer need {need}"
                 )
         if st.is_stage3(engine):
             size = os.path.getsize(os.path.join(path, f"param_rank{engine.rank}.bin"))
@@ -179,7 +180,10 @@ def _plan(
     for name in big:
         if name not in listed:
             raise CheckpointIntegrityError(f"{path}: {MANIFEST} does not list {name}")
-    expected = {f"optim_rank{r}.bin": st.optimizer_nbytes(engine)} if optimizer else {}
+    expected = {}
+    if optimizer:
+        saved_dtype = st.saved_state_dtype(plan.rs["optimizer"])
+        expected[f"optim_rank{r}.bin"] = st.optimizer_nbytes(engine, saved_dtype)
     if st.is_stage3(engine):
         expected[f"param_rank{r}.bin"] = st.check_units(engine, plan.rs["stage3_units"], path)
     for name in big:  # sizes first: a truncated file is found without reading the others
@@ -207,7 +211,9 @@ def _apply(engine: CheckpointEngine, plan: _Plan, strict: bool, optimizer: bool,
             engine.module.load_state_dict(ms["module"], strict=strict)
     if optimizer:
         meta = rs["optimizer"]
-        st.read_optimizer(engine, os.path.join(path, f"optim_rank{engine.rank}.bin"))
+        st.read_optimizer(
+            engine, os.path.join(path, f"optim_rank{engine.rank}.bin"), st.saved_state_dtype(meta)
+        )
         engine.optimizer.param_groups[0].update(meta["param_groups"][0])
         engine.optimizer.step_count = int(meta["step"])
         if engine.loss_scaler is not None and ms["loss_scaler"] is not None:
