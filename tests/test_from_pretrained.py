@@ -138,6 +138,35 @@ def test_generation_and_logits_equal_transformers(ckpts, tmp_path, arch, tier):
     assert_no_swap_left(tmp_path)
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_max_in_cpu_keeps_the_first_layers_in_ram(ckpts, tmp_path, arch):
+    """nvme with max_in_cpu half the model: the first partitions are filled in host memory (no swap file),
+    the rest streamed into swap files; generation and logits equal transformers; a forward reads from NVMe
+    only the partitions that are not resident (untied Llama: each exactly once)."""
+    path = ckpts[arch]
+    ref, ids = hf(path), prompt()
+    with torch.no_grad():
+        want_tokens, want_logits = generate(ref, ids), ref(ids).logits
+    budget = sum(p.numel() for p in ref.parameters()) // 2
+    cfg = config("nvme", tmp_path)
+    cfg["zero_optimization"]["offload_param"]["max_in_cpu"] = budget
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    engine = zero.from_pretrained(path, config=cfg)
+    store, units = engine.layout.partitioner.store, engine.layout.partitioner.units
+    resident = [u for u in units if not store.on_nvme(u)]
+    assert 0 < sum(u.part_numel for u in resident) <= budget and len(resident) < len(units)
+    assert all(store.swap_file(u) is None for u in resident)
+    assert torch.equal(generate(engine.module, ids), want_tokens)
+    engine.layout.partitioner.take_io_report()
+    with torch.no_grad():
+        assert torch.equal(engine(ids).logits, want_logits)
+    read = engine.layout.partitioner.take_io_report().param_nvme_read_bytes
+    streamed = sum(u.part_nbytes for u in units if store.on_nvme(u))
+    assert read == streamed if arch == "llama" else 0 < read <= 2 * streamed
+    engine.close()
+    assert_no_swap_left(tmp_path)
+
+
 def test_load_writes_each_partition_once_per_file(tmp_path, monkeypatch):
     torch.manual_seed(0)
     path = save(gpt2(), tmp_path / "gpt2", max_shard_size=12_000)  # some modules' weight and bias split
