@@ -42,7 +42,7 @@ __all__ = [
     "unit_codec",
 ]
 
-_CHUNK = 1 << 20  # elements encoded or decoded at once: bounds the float32 temporaries
+_CHUNK = 1 << 18  # elements encoded or decoded at once: bounds the float32 temporaries (1 MiB each)
 _F16_MAX = 65504.0
 _MIN_SCALE = 2.0**-14  # float16's smallest normal: the scale never loses precision to subnormals
 _ROUND_UP = 1.0 + 2.0**-10  # a float32 scale times this, rounded to float16, is >= the float32 scale
