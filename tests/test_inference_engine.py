@@ -17,6 +17,7 @@ import torch
 
 import zero
 from offload.config import ConfigError
+from zero.stage3 import Stage3PinnedBudgetError
 
 transformers = pytest.importorskip("transformers")
 
@@ -250,6 +251,65 @@ def test_load_checkpoint_of_a_training_engine(tmp_path, placement):
     sd = zero.consolidated_state_dict(engine)
     assert all(torch.equal(sd[k], v) for k, v in trained.items())
     engine.close()
+
+
+def resident_config(tmp, max_in_cpu, **off):
+    cfg = inference_config("stage3-nvme", tmp)
+    cfg["zero_optimization"]["offload_param"].update(max_in_cpu=max_in_cpu, **off)
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # every unit read at each use
+    return cfg
+
+
+@pytest.mark.parametrize("arch", list(BUILDERS))
+def test_max_in_cpu_keeps_the_first_layers_in_ram_and_streams_the_rest(tmp_path, arch):
+    """offload_param.max_in_cpu with nvme for inference: the first partitions, up to that many elements,
+    stay in host memory (no swap file), the rest are streamed; generation and logits equal transformers
+    exactly, and the report's NVMe bytes per forward shrink by the resident partitions' bytes (untied
+    Llama: each unit used once per forward, so exactly)."""
+    model = build(arch)
+    ref = copy.deepcopy(model)
+    ids = prompt()
+    with torch.no_grad():
+        want_tokens, want_logits = generate(ref, ids), ref(ids).logits
+    budget = sum(p.numel() for p in model.parameters()) // 2
+    streamed, *_ = zero.initialize(model=copy.deepcopy(model), config=resident_config(tmp_path, 0))
+    engine, *_ = zero.initialize(model=model, config=resident_config(tmp_path, budget))
+    store, units = engine.partitioner.store, engine.partitioner.units
+    resident = [u for u in units if not store.on_nvme(u)]
+    assert 0 < sum(u.part_numel for u in resident) <= budget and len(resident) < len(units)
+    assert [store.swap_file(u) for u in resident] == [None] * len(resident)
+    assert sum(u.part_nbytes for u in units if store.on_nvme(u)) <= engine.nvme_bytes < streamed.nvme_bytes
+    assert torch.equal(generate(engine.module, ids), want_tokens)
+    reads = {}
+    for name, e in (("streamed", streamed), ("resident", engine)):
+        e.partitioner.take_io_report()
+        with torch.no_grad():
+            assert torch.equal(e(ids).logits, want_logits)
+        reads[name] = e.partitioner.take_io_report().param_nvme_read_bytes
+    resident_bytes = sum(u.part_nbytes for u in resident)
+    if arch == "llama":
+        assert reads["resident"] == reads["streamed"] - resident_bytes
+        assert reads["resident"] == sum(u.part_nbytes for u in units if store.on_nvme(u))
+    else:  # GPT-2's tied embedding (resident: it comes first) is used twice per forward
+        assert reads["resident"] <= reads["streamed"] - resident_bytes
+    engine.close(), streamed.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_pinned_budget_too_small_for_the_resident_layers_fails_at_initialize(tmp_path):
+    """max_in_cpu itself is a cap, not a budget (0 is valid: every partition streamed), so no value of it
+    is too small for a layer; the pinned budget is: with pin_memory the resident partitions are
+    page-locked, and a budget below them fails at initialize naming the layer and sizes, before any
+    forward, with no swap file left."""
+    cfg = resident_config(tmp_path, 10**9, pin_memory=True)
+    cfg["zero_offload"] = {"pinned_budget_bytes": 4096}
+    with pytest.raises(
+        Stage3PinnedBudgetError,
+        match=r"pinned memory budget of 4096 bytes .* "
+        r"the largest 'model.embed_tokens' with a partition of 4096 elements \(16384 bytes\)",
+    ):
+        zero.initialize(model=build("llama"), config=cfg)  # fmt: skip
+    assert os.listdir(tmp_path) == []
 
 
 def test_swap_space_removed_on_close_and_when_collected(tmp_path):

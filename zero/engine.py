@@ -148,6 +148,7 @@ class ZeroEngine:
         lr_scheduler: Optional[Any],
     ) -> None:
         """The parts, in dependency order: layout, optimizer state, overlap, update pass, scheduler."""
+        inference.refuse_weight_quantization(self.config)
         zcfg = self.config.zero_optimization
         self.layout: Layout
         if self.stage == 3:

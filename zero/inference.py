@@ -9,7 +9,11 @@ the training parts (docs/inference.md):
 * `NoOptimizerState` and `NoUpdatePass` in place of the optimizer state and the update pass: nothing on a
   tier, no swap space, nothing to settle; whatever needs optimizer state raises `NoOptimizerError`;
 * `check_inference_config`: a scheduler without an optimizer is an error; training-only keys are accepted
-  with one warning that names them.
+  with one warning that names them; `weight_quantization` needs stage 3 (`refuse_weight_quantization` is
+  the training engine's refusal).
+
+With `weight_quantization` the stage-3 store keeps the selected weights quantized in their partitions
+(zero.stage3.quant) and dequantizes them after each read, just before their module runs.
 
 At stage 3 a backward the user runs through the module (`loss.backward()`; `engine.backward` refuses)
 still gathers the weights it needs and gives inputs their gradients; the parameters' gradients are dropped
@@ -38,6 +42,7 @@ __all__ = [
     "PartitionedLayout",
     "ReplicatedLayout",
     "check_inference_config",
+    "refuse_weight_quantization",
     "inference_layout",
     "no_optimizer_error",
 ]
@@ -95,9 +100,26 @@ def _value(cfg: Any, path: str) -> Any:
     return obj
 
 
+def refuse_weight_quantization(cfg: Any) -> None:
+    """The training engine's check: `weight_quantization` (weights stored quantized, never updated) is
+    for an engine without an optimizer; with one it is a ConfigError."""
+    if cfg.weight_quantization.enabled:
+        raise ConfigError(
+            "weight_quantization stores the weights quantized for inference and cannot be trained: remove "
+            "the 'optimizer' block (and optimizer=) to run inference, or the weight_quantization block to "
+            "train"
+        )
+
+
 def check_inference_config(cfg: Any, lr_scheduler: Optional[Any]) -> None:
     """Refuse a scheduler (the config's `scheduler` block or `lr_scheduler=`): it has no optimizer to
-    drive. Warn once, naming them, about training-only keys given with a non-default value."""
+    drive; refuse `weight_quantization` below stage 3 (nothing is partitioned there). Warn once, naming
+    them, about training-only keys given with a non-default value."""
+    if cfg.weight_quantization.enabled and int(cfg.zero_optimization.stage) != 3:
+        raise ConfigError(
+            f"weight_quantization stores the weights quantized in their stage-3 partitions and needs "
+            f"zero_optimization.stage 3, got {cfg.zero_optimization.stage}"
+        )
     if cfg.scheduler is not None:
         raise ConfigError(
             f"scheduler (type {cfg.scheduler.type!r}) needs an optimizer, and the config has no 'optimizer' "
@@ -243,15 +265,12 @@ class PartitionedLayout(_WeightsOnly):
     ) -> None:
         """`params`: the trainable parameters (counted for `trainable_numel`, this rank's share)."""
         from zero.layout.units import _cast_unpartitioned, _check_dtypes
-        from zero.stage3.partitioner import Stage3Partitioner
 
         self.place = place
         _check_dtypes(model, place.dtype)
         _cast_unpartitioned(model, place.device, place.dtype)
         self.module = model
-        self.partitioner = Stage3Partitioner.for_model(
-            model, config, grad_sink=_DroppedGradients(), device=place.device, pool=pool
-        )
+        self.partitioner = _partitioner(model, config, place, pool)
         self.pool = self.partitioner.store.pool  # built under zero.Init: the Init's pinned budget
         wanted = {id(p) for p in params}
         self.trainable_numel = sum(
@@ -265,6 +284,20 @@ class PartitionedLayout(_WeightsOnly):
     def take_param_io(self) -> Optional[Dict[str, int]]:
         """The parameter tier's counts since the last call (zero.stage3.partitioner.ParamIOReport)."""
         return self.partitioner.take_io_report().as_dict()
+
+    def quantization(self) -> Dict[str, int]:
+        """What weight quantization holds on this rank: `units` stored quantized, their `quantized_numel`
+        (weight elements as codes), `stored_bytes` of every partition on its tier and `unquantized_bytes`
+        (the same partitions in the model dtype). Without quantization the two byte counts are equal."""
+        store = self.partitioner.store
+        units = self.partitioner.units
+        codecs = [c for c in (store.codec(u) for u in units) if c is not None]
+        return {
+            "units": len(codecs),
+            "quantized_numel": sum(c.quantized_numel for c in codecs),
+            "stored_bytes": sum(store.stored_nbytes(u) for u in units),
+            "unquantized_bytes": sum(u.part_nbytes for u in units),
+        }
 
     @property
     def param_nvme_bytes(self) -> int:
@@ -281,10 +314,41 @@ class PartitionedLayout(_WeightsOnly):
 
     def describe(self) -> str:
         """For the engine's repr."""
+        q = self.quantization()
+        quant = f", {q['units']} units quantized" if q["units"] else ""
         return (
             f"stage=3, offload_param={self.partitioner.store.tier}, units={len(self.partitioner.units)}, "
-            f"params={self.trainable_numel}, no optimizer"
+            f"params={self.trainable_numel}{quant}, no optimizer"
         )
+
+
+def _partitioner(model: nn.Module, config: Any, place: Placement, pool: PinnedPool) -> Any:
+    """The stage-3 partitioner of an inference engine: the one that partitioned the model (zero.Init,
+    zero.from_pretrained), else a new one - with the config's weight quantization set before the model is
+    partitioned, so each selected weight is stored quantized from the start."""
+    from zero.stage3.partitioner import Stage3Partitioner
+    from zero.stage3.quant import quantization_plan
+
+    cfg = config if hasattr(config, "weight_quantization") else load_config(config)
+    wq = cfg.weight_quantization
+    sink = _DroppedGradients()
+    owners = {id(p.ds_unit.owner): p.ds_unit.owner for p in model.parameters() if hasattr(p, "ds_unit")}
+    if not wq.enabled or owners:
+        if wq.enabled and not all(o.store.quantizes for o in owners.values()):
+            raise ConfigError(
+                "weight_quantization: the model was partitioned without it (built under zero.Init?); its "
+                "weights are quantized as they are partitioned: build the model normally and pass it to "
+                "zero.initialize, or load it with zero.from_pretrained(path, config=...)"
+            )
+        return Stage3Partitioner.for_model(model, config, grad_sink=sink, device=place.device, pool=pool)
+    part = Stage3Partitioner(config, grad_sink=sink, device=place.device, pool=pool)
+    try:
+        part.store.set_quantization(quantization_plan(model, wq))
+        part.attach(model)
+    except BaseException:
+        part.close()
+        raise
+    return part
 
 
 def inference_layout(

@@ -346,8 +346,8 @@ def _stream(part: Stage3Partitioner, model: nn.Module, plan: _Plan) -> int:
             with safe_open(file, framework="pt") as f:
                 for index in sorted(by_unit):
                     unit = part.units[index]
-                    on_nvme = part.store.on_nvme(unit)
-                    if not on_nvme:
+                    in_place = part.store.memory_partition(unit) is not None  # raw, in memory
+                    if in_place:
                         values = part.read_partition(unit)  # the partition itself: filled in place
                     elif index in written:
                         values = part.read_partition(unit, torch.empty(unit.part_numel, dtype=unit.dtype))
@@ -361,8 +361,11 @@ def _stream(part: Stage3Partitioner, model: nn.Module, plan: _Plan) -> int:
                             values[lo - unit.lo : hi - unit.lo].copy_(flat[lo - a : hi - a])
                         nbytes += flat.numel() * flat.element_size()
                         del flat
-                    if on_nvme:
-                        part.write_partition(unit, values)
+                    if part.store.codec(unit) is not None and index in written:
+                        # quantized: encode only this file's parameters (the others are not rounded twice)
+                        part.store.write(unit, values, only={i for _, i in by_unit[index]})
+                    elif not in_place:
+                        part.write_partition(unit, values)  # a swap file, or quantized: encoded as written
                     written.add(index)
                     del values
                 for key, (fname, name) in plan.buffers.items():
@@ -447,6 +450,10 @@ def _load(
         compute = _compute_dtype(dtype, loaded, json.load(f))
     raw = _with_dtype(raw, compute)
     loaded = load_config(raw, world_size)
+    if loaded.weight_quantization.enabled and loaded.optimizer is not None:
+        from zero.inference import refuse_weight_quantization
+
+        refuse_weight_quantization(loaded)  # before any weight is read
 
     trust = {k: hf_kwargs[k] for k in ("trust_remote_code",) if k in hf_kwargs}
     hf_config = transformers.AutoConfig.from_pretrained(root, **trust)
@@ -463,6 +470,10 @@ def _load(
 
     part = Stage3Partitioner(loaded, device=compute_device(local_rank))
     try:
+        if loaded.weight_quantization.enabled:  # each selected weight is quantized as it streams in
+            from zero.stage3.quant import quantization_plan
+
+            part.store.set_quantization(quantization_plan(model, loaded.weight_quantization))
         part.partition_model(model)  # zero partitions; the pinned budget is checked here
         nbytes = _stream(part, model, plan)
     except BaseException:

@@ -12,6 +12,7 @@ from .activation import ActivationCheckpointingConfig, parse_activation_checkpoi
 from .aio import AioConfig, parse_aio
 from .optimizer import OptimizerConfig, SchedulerConfig, parse_optimizer, parse_scheduler
 from .precision import BF16Config, FP16Config, parse_bf16, parse_fp16
+from .quantization import WeightQuantizationConfig, parse_weight_quantization
 from .zero import ZeroConfig, parse_zero
 
 _MODELLED = (
@@ -29,6 +30,7 @@ _MODELLED = (
     "aio",
     "zero_offload",
     "activation_checkpointing",
+    "weight_quantization",
 )
 
 # Legacy spellings DeepSpeed still reads.
@@ -89,7 +91,6 @@ OFF_ONLY_TOP_LEVEL: Dict[str, Tuple[Any, str]] = {
     "hybrid_engine": (_enabled_false, "the RLHF hybrid engine (hybrid_engine.enabled: true)"),
     "compile": (_enabled_false, "DeepSpeed compile (compile.enabled: true)"),
     "nebula": (_enabled_false, "the Nebula checkpoint service (nebula.enabled: true)"),
-    "weight_quantization": (lambda v: v is None or v == {}, "weight quantization"),
     "tensor_parallel": (
         lambda v: v is None or (isinstance(v, Mapping) and v.get("autotp_size", 0) in (0, 1)),
         "automatic tensor parallelism (tensor_parallel.autotp_size > 1)",
@@ -141,6 +142,7 @@ class ZeroOffloadConfig:
     activation_checkpointing: ActivationCheckpointingConfig = field(
         default_factory=ActivationCheckpointingConfig
     )
+    weight_quantization: WeightQuantizationConfig = field(default_factory=WeightQuantizationConfig)
 
     def to_dict(self) -> Dict[str, Any]:
         """Every modelled key with its resolved value, as JSON-ready dicts and lists; loads back equal."""
@@ -238,6 +240,7 @@ def _parse(raw: Any, ctx: Context, world_size: int) -> ZeroOffloadConfig:
         aio=parse_aio(top.get("aio"), ctx),
         zero_offload=_parse_zero_offload(top.get("zero_offload"), ctx),
         activation_checkpointing=parse_activation_checkpointing(top.get("activation_checkpointing"), ctx),
+        weight_quantization=parse_weight_quantization(top.get("weight_quantization"), ctx),
     )
 
 

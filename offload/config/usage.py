@@ -42,6 +42,7 @@ def _i(why: str, *honoured: Any) -> Usage:
 _Z = "zero_optimization."
 _OO = "zero_optimization.offload_optimizer."
 _OP = "zero_optimization.offload_param."
+_WQ = "weight_quantization."
 
 FIELD_USAGE: Dict[str, Usage] = {
     "train_batch_size": _r("zero/engine.py (train_batch_size(), global_samples)"),
@@ -144,6 +145,13 @@ FIELD_USAGE: Dict[str, Usage] = {
     "zero_offload.report": _r("zero/engine.py (prints the step report)"),
     "zero_offload.report_every": _r("zero/engine.py"),
     "zero_offload.pinned_budget_bytes": _r("zero/engine.py, zero/stage3 (pinned pool cap)"),
+    "weight_quantization": _r("zero/inference.py (stage 3 without an optimizer; refused with one)"),
+    _WQ + "quantized_initialization": _r("zero/stage3/quant.py (every Linear/Embedding/Conv1D weight)"),
+    _WQ + "quantized_initialization.num_bits": _r("zero/stage3/quant.py (int8 or int4 codes)"),
+    _WQ + "quantized_initialization.group_size": _r("zero/stage3/quant.py (elements per scale)"),
+    _WQ + "quantized_initialization.group_dim": _r("zero/stage3/quant.py (1 only: refused otherwise)"),
+    _WQ + "quantized_initialization.symmetric": _r("zero/stage3/quant.py (offset or not)"),
+    _WQ + "post_init_quant": _r("zero/stage3/quant.py (modules by name substring)"),
 }
 
 

@@ -48,6 +48,7 @@ class ParamIOReport:
 
     param_nvme_read_bytes: int = 0
     param_nvme_write_bytes: int = 0
+    param_cpu_read_bytes: int = 0  # read from partitions in host memory (cpu tier, nvme's max_in_cpu share)
     param_reads: int = 0  # partition reads from NVMe (prefetched or on demand)
     param_prefetches: int = 0
     param_prefetch_hits: int = 0  # gathers that found their prefetch done or in flight
@@ -394,6 +395,7 @@ class Stage3Partitioner:
         report = ParamIOReport(
             param_nvme_read_bytes=st.bytes_read,
             param_nvme_write_bytes=st.bytes_written,
+            param_cpu_read_bytes=st.cpu_bytes_read,
             param_reads=st.reads,
             param_prefetches=st.prefetches,
             param_prefetch_hits=st.prefetch_hits,
@@ -401,7 +403,7 @@ class Stage3Partitioner:
             peak_full_bytes=self.peak_full_bytes,
             device_to_host_bytes=self.grads.device_to_host_bytes,
         )
-        st.bytes_read = st.bytes_written = st.reads = st.prefetches = st.prefetch_hits = 0
+        st.bytes_read = st.bytes_written = st.reads = st.prefetches = st.prefetch_hits = st.cpu_bytes_read = 0
         self.gathers = self.grads.device_to_host_bytes = 0
         self.peak_full_bytes = self.live_full_bytes
         return report

@@ -7,6 +7,11 @@ module that owns it, and moves it through `buffer_count` pinned staging slots of
 elements: a partition that fits a slot is read with one request (and can be prefetched); a larger one is
 streamed through a slot chunk by chunk. Each slot has its own aio handle, so waiting for one prefetch never
 waits for the others. With `max_in_cpu`, the first partitions (up to that many elements) stay in host memory.
+
+With weight quantization (`set_quantization`, zero.stage3.quant), the units it selects are stored encoded
+(`PartitionCodec`: int8/int4 codes and float16 constants, the rest raw) on whatever tier they live: their
+memory slot, swap file and reads are `stored_nbytes` long, and `read` decodes after the transfer, on the
+destination's device. `memory_partition` is None for them: their bytes are not values.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from offload.config.aio import AioConfig
 from offload.config.zero import OffloadParamConfig
 from offload.pinned import PinnedMemoryBudgetError, PinnedPool
 from offload.swap.space import SwapFile, SwapSpace, check_nvme_path
+from zero.stage3.quant import PartitionCodec, QuantTarget, planned_nbytes, unit_codec
 from zero.stage3.unit import PartitionStatus, Unit, safe_file_name, set_status
 
 __all__ = ["PartitionStore", "Stage3PinnedBudgetError", "StoreStats", "UnitSize"]
@@ -47,9 +53,11 @@ class UnitSize(NamedTuple):
 
 @dataclass
 class StoreStats:
-    """The store's I/O counters (bytes read and written, reads, prefetches and prefetch hits)."""
+    """The store's I/O counters (NVMe bytes read and written, reads, prefetches and prefetch hits; bytes
+    read from partitions in host memory)."""
 
     bytes_read: int = 0
+    cpu_bytes_read: int = 0
     bytes_written: int = 0
     reads: int = 0
     prefetches: int = 0
@@ -131,6 +139,8 @@ class PartitionStore:
         # The optimizer may write partitions from its own thread during backward (pipelined steps) while
         # the main thread prefetches others: the slot bookkeeping is shared, the writer's I/O is not.
         self._slots_lock = threading.RLock()
+        self._plan: Dict[str, QuantTarget] = {}  # unit (module) name -> what to quantize
+        self._codecs: Dict[int, PartitionCodec] = {}
         self._stream: Any = None
         self._write_handle: Any = None
         on_device = tier == "none"
@@ -154,7 +164,12 @@ class PartitionStore:
                 if u.part_numel > budget:
                     continue
                 budget -= u.part_numel
-            totals[u.dtype] = totals.get(u.dtype, 0) + u.part_numel
+            t = self._plan.get(u.name)
+            if t is not None:
+                n = planned_nbytes(t.numels, t.index, u.part_numel, self.rank, t.spec, u.dtype)
+                totals[torch.uint8] = totals.get(torch.uint8, 0) + n
+            else:
+                totals[u.dtype] = totals.get(u.dtype, 0) + u.part_numel
         for dtype, n in totals.items():
             self._guard(lambda n=n, dtype=dtype: self.arena.reserve(n, dtype), units, n)
 
@@ -180,27 +195,53 @@ class PartitionStore:
         zeros). In memory, `dst` is the partition's own slot, so the values are written once."""
         self._names[unit.index] = unit.name
         self._units[unit.index] = unit
+        codec = unit_codec(unit, self._plan.get(unit.name))
+        if codec is not None:
+            self._codecs[unit.index] = codec
         in_memory = self.tier != "nvme" or self.in_cpu_numel + unit.part_numel <= self.max_in_cpu
         if in_memory:
             if self.tier == "nvme":
                 self.in_cpu_numel += unit.part_numel
-            seg, off, view = self._guard(
-                lambda: self.arena.take(unit.part_numel, unit.dtype), [unit], unit.part_numel
-            )
+            numel, dtype = (codec.nbytes, torch.uint8) if codec is not None else (unit.part_numel, unit.dtype)
+            seg, off, view = self._guard(lambda: self.arena.take(numel, dtype), [unit], numel)
             self._mem[unit.index] = (seg, off, view)
             if fill is None:
-                view.zero_()
-            else:
+                view.zero_()  # zero bytes decode to zeros
+            elif codec is None:
                 fill(view)
+            else:
+                values = torch.empty(unit.part_numel, dtype=unit.dtype, device=view.device)
+                fill(values)
+                codec.encode(values, view)
             return
         self._files[unit.index] = self._new_file(unit)
-        if self._largest is None or unit.part_nbytes > self._largest.part_nbytes:
+        if self._largest is None or self.stored_nbytes(unit) > self.stored_nbytes(self._largest):
             self._largest = unit
         if fill is None:
             return  # a new swap file is preallocated and reads as zeros: writing them would double the I/O
         values = torch.empty(unit.part_numel, dtype=unit.dtype)
         fill(values)
         self.write(unit, values)
+
+    # ----------------------------------------------------------------------------------------- quantization
+    def set_quantization(self, plan: Dict[str, QuantTarget]) -> None:
+        """Store the weights `plan` selects (by module name: zero.stage3.quant.quantization_plan) encoded,
+        in every unit placed from now on."""
+        self._plan = dict(plan)
+
+    @property
+    def quantizes(self) -> bool:
+        """Whether a quantization plan was set (zero.stage3.quant)."""
+        return bool(self._plan)
+
+    def codec(self, unit: Unit) -> Optional[PartitionCodec]:
+        """The unit's codec when its partition is stored quantized, else None."""
+        return self._codecs.get(unit.index)
+
+    def stored_nbytes(self, unit: Unit) -> int:
+        """Bytes the unit's partition occupies on its tier and moves per read (quantized: encoded)."""
+        codec = self._codecs.get(unit.index)
+        return codec.nbytes if codec is not None else unit.part_nbytes
 
     def _new_file(self, unit: Unit) -> SwapFile:
         if self._space is None:
@@ -210,21 +251,23 @@ class PartitionStore:
         k = self._file_names.get(base, 0)
         self._file_names[base] = k + 1
         name = f"{base}.param.swp" if k == 0 else f"{base}.{k}.param.swp"
-        return self._space.create(name, unit.part_nbytes)
+        return self._space.create(name, self.stored_nbytes(unit))
 
     def on_nvme(self, unit: Unit) -> bool:
         """Whether the unit's partition lives in a swap file."""
         return unit.index in self._files
 
     def memory_partition(self, unit: Unit) -> Optional[torch.Tensor]:
-        """The unit's partition tensor when it lives in memory (a view into a segment), else None."""
+        """The unit's partition tensor when it lives in memory (a view into a segment), else None (also
+        when it is stored quantized: its bytes are not values)."""
         entry = self._mem.get(unit.index)
-        return entry[2] if entry is not None else None
+        return entry[2] if entry is not None and unit.index not in self._codecs else None
 
     def memory_location(self, unit: Unit) -> Optional[Tuple[int, int]]:
-        """(segment index, element offset) of a memory-tier partition inside `arena.segments`."""
+        """(segment index, element offset) of a memory-tier partition inside `arena.segments` (None when
+        it is stored quantized)."""
         entry = self._mem.get(unit.index)
-        return (entry[0], entry[1]) if entry is not None else None
+        return (entry[0], entry[1]) if entry is not None and unit.index not in self._codecs else None
 
     def swap_file(self, unit: Unit) -> Optional[str]:
         """The path of the unit's swap file, or None (memory tier)."""
@@ -247,7 +290,7 @@ class PartitionStore:
         if self._slots or self._largest is None:
             return
         big = self._largest
-        self._slot_bytes = min(self.buffer_size * big.element_size, big.part_nbytes)
+        self._slot_bytes = min(self.buffer_size * big.element_size, self.stored_nbytes(big))
         for _ in range(self.buffer_count):
             try:
                 buf = self.pool.allocate(self._slot_bytes, torch.uint8)
@@ -258,7 +301,7 @@ class PartitionStore:
                 raise Stage3PinnedBudgetError(
                     f"pinned memory budget of {e.cap} bytes ({e.cap - e.in_use} free) is too small for the "
                     f"stage-3 NVMe staging buffers: the largest layer {big.name!r} has a partition of "
-                    f"{big.part_numel} elements ({big.part_nbytes} bytes) and offload_param asks for "
+                    f"{big.part_numel} elements ({self.stored_nbytes(big)} bytes) and offload_param asks for "
                     f"buffer_count={self.buffer_count} buffers of {self._slot_bytes} bytes "
                     f"(buffer_size={self.buffer_size} elements); raise the pinned budget or lower "
                     "offload_param.buffer_size / buffer_count",
@@ -319,7 +362,8 @@ class PartitionStore:
         if path is None or unit.index in self._inflight:
             return False
         self.ensure_slots()
-        if unit.part_nbytes > self._slot_bytes:
+        nbytes = self.stored_nbytes(unit)
+        if nbytes > self._slot_bytes:
             return False
         with self._slots_lock:
             s = self._free_slot(evict=False)
@@ -328,7 +372,7 @@ class PartitionStore:
             s.unit = unit.index  # taken: no other thread's _free_slot returns it now
             self._inflight[unit.index] = s
         self._wait_copy(s)
-        s.handle.async_pread(s.buf[: unit.part_nbytes], path, 0)
+        s.handle.async_pread(s.buf[:nbytes], path, 0)
         self.stats.prefetches += 1
         if unit.full is None:
             set_status(unit, PartitionStatus.INFLIGHT)  # DeepSpeed's meaning: being fetched
@@ -339,12 +383,34 @@ class PartitionStore:
         return unit.index in self._inflight
 
     def read(self, unit: Unit, dst: torch.Tensor) -> None:
-        """Copy the unit's partition into `dst` (part_numel elements, contiguous, on any device)."""
-        mem = self.memory_partition(unit)
-        if mem is not None:
+        """Copy the unit's partition into `dst` (part_numel elements, contiguous, on any device); a
+        quantized one is read encoded and decoded on `dst`'s device."""
+        codec = self._codecs.get(unit.index)
+        if codec is None:
+            self._read_stored(unit, dst, unit.part_nbytes)
+            return
+        entry = self._mem.get(unit.index)
+        if entry is not None and entry[2].device == dst.device:
+            self._count_memory_read(entry[2], codec.nbytes)
+            codec.decode(entry[2], dst)  # straight from the partition: no copy of the bytes
+            return
+        stored = torch.empty(codec.nbytes, dtype=torch.uint8, device=dst.device)
+        self._read_stored(unit, stored, codec.nbytes)
+        codec.decode(stored, dst)
+
+    def _count_memory_read(self, mem: torch.Tensor, nbytes: int) -> None:
+        if mem.device.type == "cpu":
+            self.stats.cpu_bytes_read += nbytes
+
+    def _read_stored(self, unit: Unit, dst: torch.Tensor, nbytes: int) -> None:
+        """Copy the `nbytes` the unit's partition occupies on its tier into `dst` (of its stored dtype)."""
+        entry = self._mem.get(unit.index)
+        if entry is not None:
+            mem = entry[2]
+            self._count_memory_read(mem, nbytes)
             if dst.device.type == "cuda" and mem.device.type == "cpu":
                 s = _Slot(mem.view(torch.uint8), None)
-                self._copy_out(s, dst.view(torch.uint8), unit.part_nbytes)
+                self._copy_out(s, dst.view(torch.uint8), nbytes)
             else:
                 dst.copy_(mem)
             return
@@ -352,7 +418,6 @@ class PartitionStore:
         if path is None:
             raise KeyError(f"unit {unit.name!r} has no partition in this store")
         dst_bytes = dst.view(torch.uint8)
-        nbytes = unit.part_nbytes
         self.stats.reads += 1
         self.stats.bytes_read += nbytes
         with self._slots_lock:
@@ -367,32 +432,46 @@ class PartitionStore:
         with self._slots_lock:
             s = self._free_slot(evict=True)
         assert s is not None
-        chunk = self._slot_bytes // unit.element_size * unit.element_size
+        esize = dst.element_size()
+        chunk = self._slot_bytes // esize * esize
         for off in range(0, nbytes, chunk):
             n = min(chunk, nbytes - off)
             self._wait_copy(s)
             s.handle.sync_pread(s.buf[:n], path, off)
             self._copy_out(s, dst_bytes[off : off + n], n)
 
-    def write(self, unit: Unit, src: torch.Tensor) -> None:
-        """Replace the unit's partition with `src` (part_numel elements, any device)."""
+    def write(self, unit: Unit, src: torch.Tensor, only: Optional[set] = None) -> None:
+        """Replace the unit's partition with `src` (part_numel elements, any device). A quantized unit is
+        encoded; `only` (indices of its parameters) re-encodes just those parameters' quantized shares and
+        keeps the others as stored (no second rounding of values already quantized)."""
         src = src.reshape(-1)
         if src.numel() != unit.part_numel or src.dtype != unit.dtype:
             raise ValueError(
                 f"partition of {unit.name!r} is {unit.part_numel} x {unit.dtype}, "
                 f"got {src.numel()} x {src.dtype}"
             )
-        mem = self.memory_partition(unit)
-        if mem is not None:
-            mem.copy_(src)
+        codec = self._codecs.get(unit.index)
+        entry = self._mem.get(unit.index)
+        if entry is not None:
+            if codec is None:
+                entry[2].copy_(src)
+            else:
+                codec.encode(src.to(entry[2].device), entry[2], only)
             return
         path = self.swap_file(unit)
         if path is None:
             raise KeyError(f"unit {unit.name!r} has no partition in this store")
         self._drop_inflight(unit.index)  # a prefetch of the old values must not be used
         host = src.detach().to("cpu").contiguous()
+        if codec is not None:
+            encoded = torch.empty(codec.nbytes, dtype=torch.uint8)
+            if only is not None:
+                self._own_handle().sync_pread(encoded, path, 0)
+                self.stats.bytes_read += codec.nbytes
+            codec.encode(host, encoded, only)
+            host = encoded
         self._aio_write(host, path)  # failures raise AioError naming the file, offset and errno
-        self.stats.bytes_written += unit.part_nbytes
+        self.stats.bytes_written += self.stored_nbytes(unit)
 
     def read_private(self, unit: Unit, dst: torch.Tensor) -> None:
         """`read` into a host tensor through the writer's own handle, never a staging slot: for the thread
@@ -401,8 +480,14 @@ class PartitionStore:
         if path is None:
             self.read(unit, dst)  # memory tier: a plain copy, no slot
             return
-        self._own_handle().sync_pread(dst.view(torch.uint8), path, 0)
-        self.stats.bytes_read += unit.part_nbytes
+        codec = self._codecs.get(unit.index)
+        if codec is None:
+            self._own_handle().sync_pread(dst.view(torch.uint8), path, 0)
+        else:
+            stored = torch.empty(codec.nbytes, dtype=torch.uint8)
+            self._own_handle().sync_pread(stored, path, 0)
+            codec.decode(stored, dst)
+        self.stats.bytes_read += self.stored_nbytes(unit)
 
     def _own_handle(self) -> Any:
         if self._write_handle is None:
