@@ -110,6 +110,7 @@ class FlatLayout:
                 device=device,
                 dtype=dtype,
                 pinned=lambda numel, dt: allocate_pinned(pool, numel, "the gradient bucket staging", dt),
+                unpin=pool.free,
                 on_final=self._final_grad,
             )
             self.reducer = self.buckets
@@ -183,8 +184,10 @@ class FlatLayout:
     def grad_gate(self, chunks: List[Tuple[int, int]]) -> Tuple[GradReadiness, Optional[DeviceGradFetch]]:
         """Readiness of the optimizer's chunks; sources are the flat buffer's parameters. On a GPU each
         chunk's gradients are copied to the pinned host partition as the chunk completes. Stage 2: a
-        parameter is ready once its bucket reached grad_host; nothing to fetch."""
+        parameter is ready once its bucket reached grad_host (buckets no larger than a chunk); nothing to
+        fetch."""
         if self.buckets is not None:
+            self.buckets.cap(max(n for _, n in chunks))
             return GradReadiness.for_flat(self.flat, self.lo, chunks), None
         if self.place.device.type == "cuda":
             src = self.flat.grad_buffer[self.lo : self.hi]

@@ -76,6 +76,7 @@ class GradBuckets:
         device: torch.device,
         dtype: torch.dtype,
         pinned: Optional[Allocator] = None,
+        unpin: Optional[Callable[[torch.Tensor], None]] = None,
         on_final: Optional[Callable[[int], None]] = None,
         group: Optional[dist.ProcessGroup] = None,
     ) -> None:
@@ -89,15 +90,11 @@ class GradBuckets:
         # 0: one bucket per parameter (DeepSpeed's meaning); never larger than the model
         self.per_param = int(bucket_numel) <= 0
         self.capacity = min(largest if self.per_param else int(bucket_numel), flat.numel)
-        to_host = dest.device.type == "cpu" and self.cuda
+        self._to_host = dest.device.type == "cpu" and self.cuda
+        self._dtype, self._pinned, self._unpin = dtype, pinned, unpin
         self.buckets: List[_Bucket] = []
         for _ in range(2 if overlap else 1):
-            staging = None
-            if to_host:
-                assert pinned is not None, "a host destination from CUDA needs pinned staging"
-                staging = pinned(self.capacity, dtype)
-            buf = torch.empty(self.capacity, dtype=dtype, device=device)
-            self.buckets.append(_Bucket(buf, staging, event=torch.cuda.Event() if self.cuda else None))
+            self.buckets.append(self._new_bucket())
         self.stream = torch.cuda.Stream(device=device) if self.cuda else None
         self._cur = 0
         self._pending: Deque[_Bucket] = collections.deque()
@@ -108,6 +105,33 @@ class GradBuckets:
         self.bytes_sent = 0  # sent to other ranks (the engine's comm_bytes)
         self.bytes_to_host = 0  # device-to-host bytes since take_host_bytes()
         self.buckets_reduced = 0  # buckets flushed since construction
+
+    def _new_bucket(self) -> _Bucket:
+        staging = None
+        if self._to_host:
+            assert self._pinned is not None, "a host destination from CUDA needs pinned staging"
+            staging = self._pinned(self.capacity, self._dtype)
+        buf = torch.empty(self.capacity, dtype=self._dtype, device=self.device)
+        return _Bucket(buf, staging, event=torch.cuda.Event() if self.cuda else None)
+
+    def cap(self, numel: int) -> None:
+        """Make the buckets at most `numel` elements (reallocated, smaller): the optimizer pass during
+        backward steps a chunk once its gradients reached the partition, so they must leave the device
+        at least once per chunk's worth of elements, not once per large bucket."""
+        numel = max(1, int(numel))
+        if numel >= self.capacity or self.active:
+            return
+        self._drain()
+        self._release_staging()
+        self.capacity = numel
+        self.buckets = [self._new_bucket() for _ in self.buckets]
+        self._cur = 0
+
+    def _release_staging(self) -> None:
+        for b in self.buckets:
+            if b.staging is not None and self._unpin is not None:
+                self._unpin(b.staging)
+            b.staging = None
 
     # ------------------------------------------------------------------------------- memory
     @property
@@ -284,6 +308,7 @@ class GradBuckets:
             self._complete()
 
     def close(self) -> None:
-        """Wait for what is in flight."""
+        """Wait for what is in flight and give the pinned staging back."""
         self._drain()
+        self._release_staging()
         self.active = False
