@@ -178,7 +178,9 @@ def test_swap_buffers_never_exceed_the_partition_and_large_ones_are_flagged():
     est = estimate(SETUP, 3, "nvme")  # default sub_group_size 1e9 -> one sub-group, the whole partition
     # per rank: one optimizer slot of 250 x 12 B (stage 3 has no pinned copy-back slots)
     assert est.cpu_pinned["swap_buffers"] == 2 * 250 * 12
-    assert estimate(SETUP, 2, "nvme").cpu_pinned["swap_buffers"] == 2 * (250 * 12 + 2 * 250 * 2)
+    # stage 2 per rank: the optimizer slot, two copy-back slots and the staging of one 1000-element
+    # gradient bucket (the default reduce_bucket_size capped at the model)
+    assert estimate(SETUP, 2, "nvme").cpu_pinned["swap_buffers"] == 2 * (250 * 12 + 2 * 250 * 2 + 1000 * 2)
     assert any("sub_group_size" in note for note in est.notes)
     small = TrainingSetup(1000, 100, 2, 2, buffers=SwapBufferSettings(sub_group_size=10))
     assert not estimate(small, 3, "nvme").notes
@@ -206,7 +208,8 @@ def test_pin_memory_false_puts_offloaded_state_in_pageable_memory():
     setup = TrainingSetup(1000, 100, 2, 2, buffers=SwapBufferSettings(optimizer_pin_memory=False))
     est = estimate(setup, 2, "cpu")
     assert nonzero(est.cpu_pageable) == HOST_PARTITION
-    assert nonzero(est.cpu_pinned) == {"swap_buffers": 2000}  # staging stays pinned
+    # staging stays pinned: per rank two copy-back slots and the gradient bucket's staging
+    assert nonzero(est.cpu_pinned) == {"swap_buffers": 2 * (2 * 250 * 2 + 1000 * 2)}
 
 
 def test_fp32_has_no_16bit_copies_and_one_master():

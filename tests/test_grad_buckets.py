@@ -114,7 +114,57 @@ def test_one_rank_equals_flat_buffer_bit_for_bit(tmp_path, name):
         assert got[3] == 1  # the overflowing step was skipped, by both
     mem = got[2]
     assert mem.full_buffer_bytes == 0 and flat[2].full_buffer_bytes > 0
-    assert mem.buckets_reduced > 0
+    # one rank on a CPU-only machine: nothing to reduce or move, the gradients go straight into the
+    # partition (no bucket); the buckets run with two ranks below and on a GPU
+    assert mem.bucket_bytes == 0 and mem.buckets_reduced == 0
+
+
+@pytest.mark.parametrize("device", ["cuda"], indirect=True)  # tests/conftest.py: skipped without CUDA
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(gas=2, reduce_bucket_size=3000, overlap_comm=True),
+        dict(bf16=True, offload="cpu", reduce_bucket_size=3000, overlap_comm=True),
+        dict(bf16=True, offload="cpu", reduce_bucket_size=3000),
+        dict(bf16=True, offload="nvme", reduce_bucket_size=3000, pipeline=True),
+    ],
+)
+def test_cuda_side_stream_equals_flat_buffer_bit_for_bit(tmp_path, device, kw):
+    """On a GPU the buckets are reduced and moved on a side stream (to the host through pinned staging):
+    the same weights as the flat buffer, and gradient memory on the device is the buckets (+ partition)."""
+    kw = dict(kw)
+    zero_keys = {k: kw.pop(k) for k in ("reduce_bucket_size", "overlap_comm") if k in kw}
+    pipeline = kw.pop("pipeline", False)
+
+    def cuda_run(cfg):
+        engine, *_ = zero.initialize(model=make_model(), config=cfg)
+        assert engine.device.type == "cuda"
+        try:
+            losses = []
+            gas = engine.gradient_accumulation_steps()
+            micro = engine.train_micro_batch_size_per_gpu()
+            for step in range(STEPS):
+                x, y = (t.to(engine.device) for t in get_batch(DATA, BATCH, TINY.seq_len, step))
+                for k in range(gas):
+                    loss = engine(x[k * micro : (k + 1) * micro], y[k * micro : (k + 1) * micro])
+                    engine.backward(loss)
+                    engine.step()
+                    losses.append(loss.item())
+            params = torch.cat([p.detach().float().cpu().reshape(-1) for p in engine.module.parameters()])
+            return losses, params, engine.gradient_memory()
+        finally:
+            engine.close()
+
+    flat = cuda_run(config(0, tmp=tmp_path, **kw))
+    cfg2 = config(2, tmp=tmp_path, **kw, **zero_keys)
+    if pipeline:
+        cfg2["zero_optimization"]["offload_optimizer"]["pipeline_read"] = True
+    got = cuda_run(cfg2)
+    assert got[0] == flat[0] and torch.equal(got[1], flat[1])
+    mem = got[2]
+    assert mem.full_buffer_bytes == 0 and mem.buckets_reduced > 0
+    if kw.get("offload"):
+        assert mem.device_bytes == mem.bucket_bytes and mem.staging_bytes == mem.bucket_bytes
 
 
 def _reference(steps, gas, clip):
@@ -142,45 +192,20 @@ def test_matches_torch_adamw_with_accumulation_and_clipping(stage):
     losses, params, mem, _ = train(config(stage, gas=2, clip=0.05, reduce_bucket_size=3000))
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= LOSS_ATOL
     assert (params - ref_params).abs().max().item() <= PARAM_ATOL
-    assert (mem.buckets_reduced > 0) == (stage == 2)
+    assert (mem.full_buffer_bytes == 0) == (stage == 2)
 
 
-def _estimated_grads(engine_numel, stage, offload, bucket, overlap, world_size=1):
+def _estimated_grads(numel, offload, bucket, overlap, world_size):
+    """The estimator's 16-bit gradient bytes on the device for stage 2 (bf16 or fp16: 2 bytes)."""
     setup = TrainingSetup(
-        engine_numel,
+        numel,
         LARGEST,
         gpus_per_node=world_size,
         precision="bf16",
         optimizer="adamw",
         buffers=SwapBufferSettings(reduce_bucket_size=bucket, overlap_comm=overlap),
     )
-    return estimate(setup, stage, offload).gpu.get("grads_16bit", 0)
-
-
-@pytest.mark.parametrize("offload", ["none", "cpu"])
-@pytest.mark.parametrize("bucket, overlap", [(3000, False), (3000, True), (10**9, False), (0, True)])
-def test_gradient_memory_is_partition_plus_buckets(offload, bucket, overlap):
-    cfg = config(2, offload=offload, bf16=True, reduce_bucket_size=bucket, overlap_comm=overlap)
-    model = make_model()
-    n = count_parameters(model).params
-    engine, *_ = zero.initialize(model=model, config=cfg)
-    try:
-        run(engine, steps=1)
-        mem = engine.gradient_memory()
-        assert mem.buckets_reduced > 0
-        cap = min(bucket, n) if bucket > 0 else LARGEST
-        assert mem.bucket_bytes == (2 if overlap else 1) * cap * 2  # bf16 buckets
-        assert mem.full_buffer_bytes == 0
-        if offload == "none":  # the partition in the model dtype, on the device
-            assert mem.partition_device_bytes == engine.part_numel * 2 and mem.partition_host_bytes == 0
-        else:  # the fp32 partition in pinned host memory; on the device only the buckets
-            assert mem.partition_host_bytes == engine.part_numel * 4 and mem.partition_device_bytes == 0
-            assert mem.device_bytes == mem.bucket_bytes
-        # the estimator's device gradients: the same buckets, the partition up to the flat buffer's padding
-        est = _estimated_grads(n, 2, offload, bucket, overlap)
-        assert 0 <= mem.device_bytes - est <= PAD_ELEMS * 2
-    finally:
-        engine.close()
+    return estimate(setup, 2, offload).gpu["grads_16bit"]
 
 
 def test_stage1_keeps_the_full_gradient_buffer():
@@ -201,18 +226,25 @@ def test_gradient_keys_are_warned_when_ignored(caplog):
 
 
 # ------------------------------------------------------------------------------------------- two ranks
+# different halves per rank, one micro-batch: stage 2 and stage 1 sum the same two gradients -> identical.
+# 3000-element buckets are smaller than the embedding (8192): it passes through in pieces.
+TWO_RANK = {
+    "fp16-cpu-clip": dict(fp16=True, offload="cpu", clip=0.05, reduce_bucket_size=3000, overlap_comm=True),
+    "fp32-none": dict(reduce_bucket_size=3000, overlap_comm=True),
+    "bf16-nvme": dict(bf16=True, offload="nvme", reduce_bucket_size=3000, overlap_comm=True),
+    "bf16-cpu-whole": dict(bf16=True, offload="cpu", reduce_bucket_size=10**9),
+    "bf16-none-per-param": dict(bf16=True, reduce_bucket_size=0, overlap_comm=True),
+    "fp16-none-one-bucket": dict(fp16=True, reduce_bucket_size=3000),
+}
+
+
 def _two_rank_main(rank, world_size, nvme_dir, out_dir):
     out = {}
-    # different halves, one micro-batch: stage 2 and stage 1 sum the same two gradients -> identical
-    for name, kw in {
-        "fp16-cpu-clip": dict(fp16=True, offload="cpu", clip=0.05),
-        "fp32-none": dict(),
-        "bf16-nvme": dict(bf16=True, offload="nvme", tmp=nvme_dir),
-    }.items():
+    for name, kw in TWO_RANK.items():
         poison = 2 if kw.get("fp16") else None
         res = {}
         for stage in (1, 2):
-            cfg = config(stage, reduce_bucket_size=3000, overlap_comm=True, **kw)
+            cfg = config(stage, tmp=nvme_dir, **kw)
             engine, *_ = zero.initialize(model=make_model(), config=cfg)
             losses, params = run(engine, rank, world_size, poison_step=poison)
             res[stage] = (losses, params, engine.gradient_memory(), engine.skipped_steps, engine.part_numel)
@@ -234,7 +266,7 @@ def two_ranks(tmp_path_factory):
     return results
 
 
-@pytest.mark.parametrize("name", ["fp16-cpu-clip", "fp32-none", "bf16-nvme"])
+@pytest.mark.parametrize("name", list(TWO_RANK))
 def test_two_ranks_stage2_equals_stage1_bit_for_bit(two_ranks, name):
     for r in range(2):
         res = two_ranks[r][name]
@@ -247,19 +279,30 @@ def test_two_ranks_stage2_equals_stage1_bit_for_bit(two_ranks, name):
     assert torch.equal(two_ranks[0][name][2][1], two_ranks[1][name][2][1])  # all-gathered weights
 
 
-@pytest.mark.parametrize("name", ["fp16-cpu-clip", "fp32-none"])
+@pytest.mark.parametrize("name", list(TWO_RANK))
 def test_two_ranks_gradient_memory_is_the_partition_plus_buckets(two_ranks, name):
+    kw = TWO_RANK[name]
+    offload, bucket, overlap = (
+        kw.get("offload", "none"),
+        kw["reduce_bucket_size"],
+        kw.get("overlap_comm", False),
+    )
+    elem = 4 if not (kw.get("fp16") or kw.get("bf16")) else 2
+    numel = count_parameters(make_model()).params
+    capacity = min(bucket, numel) if bucket > 0 else LARGEST
     for r in range(2):
         res = two_ranks[r][name]
         mem, part = res[2][2], res[2][4]
-        flat1 = res[1][2]
-        elem = 2 if name.startswith("fp16") else 4
-        assert mem.full_buffer_bytes == 0 and mem.bucket_bytes == 2 * 3000 * elem
-        if "cpu" in name:
+        assert mem.buckets_reduced > 0
+        assert mem.full_buffer_bytes == 0 and mem.bucket_bytes == (2 if overlap else 1) * capacity * elem
+        if offload != "none":  # the fp32 partition in pinned host memory; on the device only the buckets
             assert mem.partition_host_bytes == part * 4 and mem.device_bytes == mem.bucket_bytes
-        else:
-            assert mem.partition_device_bytes == part * elem
-        assert flat1.full_buffer_bytes == 2 * part * elem  # stage 1: the whole model's gradients
+        else:  # the partition in the model dtype, on the device
+            assert mem.partition_device_bytes == part * elem and mem.partition_host_bytes == 0
+        assert res[1][2].full_buffer_bytes == 2 * part * elem  # stage 1: the whole model's gradients
+        if elem == 2:  # the estimator's device gradients: the same, up to the flat buffer's padding
+            est = _estimated_grads(numel, offload, bucket, overlap, world_size=2)
+            assert 0 <= mem.device_bytes - est <= PAD_ELEMS * 2
 
 
 def test_two_ranks_accumulation_matches_one_rank(two_ranks):

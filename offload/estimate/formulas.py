@@ -533,6 +533,9 @@ def estimate(
     # Pinned staging buffers (always pinned: DMA and O_DIRECT I/O go through them).
     if offload_optimizer != "none":
         ledger.add("cpu_pinned", "swap_buffers", plan.param_copy_back_slots * sub_group * cb)
+        if stage >= partitioned_from["grads"] and not plan.full_grad_buffer_on_gpu:
+            # stage 2: each gradient bucket has a pinned staging twin it reaches the host through
+            ledger.add("cpu_pinned", "swap_buffers", grad_bucket_numel(bufs, P, L) * cb)
     nvme_read = nvme_write = 0
     if offload_optimizer == "nvme":
         slots = bufs.optimizer_buffer_count

@@ -218,6 +218,11 @@ class FlatLayout:
             torch.cuda.current_stream(self.place.device).synchronize()
         return self.part_numel * self.flat.grad_buffer.element_size()
 
+    def moved_grad_bytes(self) -> int:
+        """Gradient bytes stage 2's buckets moved from the device to the host since the last call (0 at
+        stages 0-1, whose copies the overlap's fetch or `gradients_to_host` count)."""
+        return self.buckets.take_host_bytes() if self.buckets is not None else 0
+
     def device_grad(self, grad_scale: float) -> torch.Tensor:
         """The partition's gradients as fp32, divided by `grad_scale` (a new tensor from 16 bits; in place
         from fp32)."""

@@ -12,7 +12,9 @@ On CUDA the reduction and the move run on a side stream ordered after the copies
 to the host they go through a pinned staging buffer (model dtype) and the host adds them once the copy
 finished. With `overlap_comm` there are two buckets, so backward fills one while the other is reduced and
 moved; without it one, and each reduction finishes before backward goes on. On the CPU the same code runs
-synchronously (gloo's collectives may still complete in the background with two buckets).
+synchronously (gloo's collectives may still complete in the background with two buckets); with one rank
+on a CPU-only machine there is nothing to reduce or move, and gradients go straight into the partition
+(no bucket, which would only be one more copy).
 
 Gradients accumulate over a window in the destination. After `zero()` (the step) the first gradient a
 parameter gets is copied instead of added, so the partition is never cleared; at the end of that backward
@@ -90,12 +92,19 @@ class GradBuckets:
         # 0: one bucket per parameter (DeepSpeed's meaning); never larger than the model
         self.per_param = int(bucket_numel) <= 0
         self.capacity = min(largest if self.per_param else int(bucket_numel), flat.numel)
+        # one rank on a CPU-only machine: nothing to reduce and nothing to move between devices, so a
+        # bucket would only be one more copy; gradients go straight into the partition
+        self.direct = world_size == 1 and not self.cuda
+        if self.direct:
+            self.capacity = 0
         self._to_host = dest.device.type == "cpu" and self.cuda
         self._dtype, self._pinned, self._unpin = dtype, pinned, unpin
         self.buckets: List[_Bucket] = []
-        for _ in range(2 if overlap else 1):
+        for _ in range(0 if self.direct else 2 if overlap else 1):
             self.buckets.append(self._new_bucket())
         self.stream = torch.cuda.Stream(device=device) if self.cuda else None
+        if flat.numel < self.hi:  # the padding at the end: no gradient ever lands there
+            self.dest[max(0, flat.numel - lo) :].zero_()
         self._cur = 0
         self._pending: Deque[_Bucket] = collections.deque()
         self._on_final = on_final
@@ -119,7 +128,7 @@ class GradBuckets:
         backward steps a chunk once its gradients reached the partition, so they must leave the device
         at least once per chunk's worth of elements, not once per large bucket."""
         numel = max(1, int(numel))
-        if numel >= self.capacity or self.active:
+        if self.direct or numel >= self.capacity or self.active:
             return
         self._drain()
         self._release_staging()
@@ -165,6 +174,16 @@ class GradBuckets:
         off, n = self.flat.offsets[index], self.flat.numels[index]
         overwrite = self._overwrite and index not in self._seen
         self._seen.add(index)
+        if self.direct:
+            dst = self.dest[off - self.lo : off - self.lo + n]
+            if overwrite:
+                dst.copy_(g)
+            else:
+                dst.add_(g)
+            param.grad = None
+            if self._on_final is not None:
+                self._on_final(index)
+            return
         done = 0
         while done < n:
             b = self.buckets[self._cur]
@@ -236,6 +255,8 @@ class GradBuckets:
 
     def _flush(self) -> None:
         """Reduce the current bucket and start its move; the next bucket is made free for backward."""
+        if self.direct:
+            return
         b = self.buckets[self._cur]
         if b.fill == 0:
             return
