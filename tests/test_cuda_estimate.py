@@ -16,13 +16,15 @@ import torch
 
 import zero
 from offload.estimate import SwapBufferSettings, TrainingSetup, count_parameters, estimate
-from zero.grad_fetch import D2H_PIECE_NUMEL
 
 # tests/conftest.py: the GPU case of the `device` fixture only (engines compute there; skipped without CUDA).
 pytestmark = pytest.mark.parametrize("device", ["cuda"], indirect=True)
 
 WIDTH = 2048
 SUB_GROUP = 4_000_000
+# stage 2's gradient bucket: smaller than the model (16.8M) and than its largest parameter (8.4M), which
+# passes through it in pieces
+BUCKET = 2_000_000
 # flat-buffer padding, a few scalars (loss scale, step counters), the input batch, allocator rounding
 PADDING = 2 << 20
 
@@ -40,6 +42,8 @@ def _config(tmp_path, stage: int, optim: str, param: str) -> dict:
         "sub_group_size": SUB_GROUP,
         "offload_optimizer": {"device": optim, "nvme_path": str(tmp_path), "buffer_count": 4},
     }
+    if stage == 2:
+        zo["reduce_bucket_size"] = BUCKET
     if stage == 3:
         zo["stage3_param_persistence_threshold"] = 0
         zo["offload_param"] = {
@@ -77,6 +81,7 @@ def _measure(tmp_path, device: torch.device, stage: int, optim: str, param: str)
         steady = torch.cuda.memory_allocated(device) - base
         peak = torch.cuda.max_memory_allocated(device) - base
         pinned = engine.pinned_bytes
+        grads = engine.gradient_memory()
     finally:
         engine.close()
     buffers = SwapBufferSettings(
@@ -85,32 +90,37 @@ def _measure(tmp_path, device: torch.device, stage: int, optim: str, param: str)
         param_buffer_count=3,
         param_buffer_size=10_000_000,
         param_max_in_cpu=0,
+        reduce_bucket_size=BUCKET,
     )
     setup = TrainingSetup(
         count.params, count.largest_layer_params, precision="bf16", optimizer="adamw", buffers=buffers
     )
     est = estimate(setup, stage, optim, param)
-    return count, steady, peak, pinned, est
+    return count, steady, peak, pinned, est, grads
 
 
 @pytest.mark.parametrize("optim", ["none", "cpu", "nvme"])
 def test_stage2_gpu_and_pinned_bytes(tmp_path, device, optim):
-    count, steady, peak, pinned, est = _measure(tmp_path, device, 2, optim, "none")
-    # Stages 0-2 keep the whole model's 16-bit weights and one flat 16-bit gradient buffer on the GPU.
-    assert abs(steady - est.per_gpu_bytes) <= PADDING, (steady, est.gpu)
-    # Transients the estimate leaves out, at different moments: during backward autograd's new gradient of
-    # one parameter before it is added into the flat buffer; at the step, the fp32 conversion of one piece
-    # of the gradients on their way to the host.
+    count, steady, peak, pinned, est, grads = _measure(tmp_path, device, 2, optim, "none")
+    # Stage 2 keeps the whole model's 16-bit weights, one gradient bucket and, without offload, the rank's
+    # gradient partition (bf16) and the optimizer's partition on the GPU - no gradient buffer of the model.
+    # Between steps the step's fp32 copy of the gradient partition (estimated, without offload) is freed.
+    assert grads.full_buffer_bytes == 0 and grads.bucket_bytes == BUCKET * 2 and grads.buckets_reduced > 0
+    assert 0 <= grads.device_bytes - est.gpu["grads_16bit"] <= PADDING, (grads, est.gpu)
+    assert abs(steady - (est.per_gpu_bytes - est.gpu["grads_fp32"])) <= PADDING, (steady, est.gpu)
+    if optim != "none":  # on the GPU: 2 bytes/param of weights plus the bucket
+        assert steady <= count.params * 2 + BUCKET * 2 + PADDING, (steady, est.gpu)
+    # Transient the estimate leaves out: during backward autograd's new gradient of one parameter before it
+    # is copied into the bucket (the buckets reach the host in bf16: no fp32 conversion on the GPU).
     autograd = count.largest_layer_params * 2
-    transfer = min(count.params, D2H_PIECE_NUMEL) * 4 if optim != "none" else 0
-    assert peak <= est.per_gpu_bytes + max(autograd, transfer) + PADDING, (peak, est.gpu)
-    if optim != "none":  # the copy-back slots exist on CUDA: the estimate's pinned bytes, all of them
+    assert peak <= est.per_gpu_bytes + autograd + PADDING, (peak, est.gpu)
+    if optim != "none":  # copy-back slots and the bucket's pinned staging exist on CUDA: all estimated
         assert 0 <= pinned - est.per_cpu_pinned_bytes <= 64 * 1024, (pinned, est.cpu_pinned)
 
 
 @pytest.mark.parametrize("param, optim", [(p, o) for p in ("none", "cpu", "nvme") for o in ("cpu", "nvme")])
 def test_stage3_gpu_bytes(tmp_path, device, param, optim):
-    count, steady, peak, pinned, est = _measure(tmp_path, device, 3, optim, param)
+    count, steady, peak, pinned, est, _ = _measure(tmp_path, device, 3, optim, param)
     # The estimate is the step's peak: resident partitions plus the working set. Between steps the
     # working set may be released, so what stays lies between the resident part and the peak.
     assert peak <= est.per_gpu_bytes + PADDING, (peak, est.gpu)

@@ -1,5 +1,6 @@
-"""The GPU-only part of optimizer steps during backward: at stages 0-2 each chunk's gradients are copied
-to pinned host memory after an event recorded on backward's stream, chunk by chunk.
+"""The GPU-only part of optimizer steps during backward: at stages 0-1 each chunk's gradients are copied
+to pinned host memory after an event recorded on backward's stream, chunk by chunk (stage 2's gradients
+reach the host in buckets during backward: tests/test_grad_buckets.py).
 
 The engine-level overlap tests themselves (tests/test_overlap.py, tests/test_stage3_overlap.py) run on
 the CPU and the GPU through the `device` fixture (tests/conftest.py). Skipped on machines without CUDA.
@@ -17,12 +18,17 @@ from zero.models import GPT, corpus_bytes, get_batch
 pytestmark = pytest.mark.parametrize("device", ["cuda"], indirect=True)  # tests/conftest.py: GPU only
 
 
+def _stage1(cfg: dict) -> dict:
+    cfg["zero_optimization"]["stage"] = 1
+    return cfg
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_stage2_gradients_leave_the_gpu_chunk_by_chunk_during_backward(tmp_path, dtype, device):
+def test_stage1_gradients_leave_the_gpu_chunk_by_chunk_during_backward(tmp_path, dtype, device):
     """Every chunk's gradients are fetched once a gradient hook completed it, not at the end of backward;
     each chunk is copied once."""
     torch.manual_seed(0)
-    engine = zero.initialize(model=GPT(MODEL), config=_config(str(tmp_path), True, dtype))[0]
+    engine = zero.initialize(model=GPT(MODEL), config=_stage1(_config(str(tmp_path), True, dtype)))[0]
     assert engine.device.type == device.type
     fetch = engine.overlap.fetch
     assert fetch is not None
@@ -47,5 +53,5 @@ def test_stage2_gradients_leave_the_gpu_chunk_by_chunk_during_backward(tmp_path,
     grad_bytes = engine.part_numel * engine.layout.flat.grad_buffer.element_size()
     assert engine.last_report.device_to_host_bytes == grad_bytes
     engine.close()
-    plain = _train(_config(str(tmp_path), False, dtype), steps=1)
+    plain = _train(_stage1(_config(str(tmp_path), False, dtype)), steps=1)
     assert plain["report"].device_to_host_bytes == grad_bytes

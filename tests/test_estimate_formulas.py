@@ -72,18 +72,45 @@ def test_stage1_cpu_offload_moves_the_partition_to_pinned_host_memory_per_node()
     assert est.per_cpu_pageable_bytes == 0
 
 
-def test_stage2_keeps_the_whole_16bit_gradient_buffer_on_the_gpu():
-    # The engine's stages 0-2 point every .grad into one flat buffer for the whole model (autograd
-    # accumulates in place), so stage 2 keeps all P gradients on each GPU, offloaded optimizer or not;
-    # DeepSpeed's stage 2 keeps a partition plus a bucket. tests/test_cuda_estimate.py measures it.
-    assert nonzero(estimate(SETUP, 2).gpu) == {
+def test_stage2_keeps_the_gradient_partition_and_buckets_on_the_gpu():
+    # Stage 2 (zero/layout/grad_buckets.py): gradients pass through reduce_bucket_size-element buckets
+    # (one; two with overlap_comm) and only the rank's partition (250 elements) stays on the GPU, in the
+    # model dtype; with the optimizer offloaded not even that. tests/test_cuda_estimate.py measures it.
+    small = dataclasses.replace(SETUP, buffers=SwapBufferSettings(reduce_bucket_size=100))
+    assert nonzero(estimate(small, 2).gpu) == {
         "params_16bit": 2000,
-        "grads_16bit": 2000,
+        "grads_16bit": 100 * 2 + 250 * 2,
         "master_params_fp32": 1000,
         "optimizer_states": 2000,
         "grads_fp32": 1000,
     }
-    assert nonzero(estimate(SETUP, 2, "cpu").gpu) == {"params_16bit": 2000, "grads_16bit": 2000}
+    assert nonzero(estimate(small, 2, "cpu").gpu) == {"params_16bit": 2000, "grads_16bit": 100 * 2}
+    overlap = dataclasses.replace(
+        SETUP, buffers=SwapBufferSettings(reduce_bucket_size=100, overlap_comm=True)
+    )
+    assert estimate(overlap, 2, "cpu").gpu["grads_16bit"] == 2 * 100 * 2
+    # a bucket is never larger than the model; size 0 means one parameter at a time (the largest layer)
+    assert estimate(SETUP, 2, "cpu").gpu["grads_16bit"] == 1000 * 2
+    per_param = dataclasses.replace(SETUP, buffers=SwapBufferSettings(reduce_bucket_size=0))
+    assert estimate(per_param, 2, "cpu").gpu["grads_16bit"] == 100 * 2
+    # stage 1 keeps DeepSpeed's stage-1 gradients: the whole model's, whatever the bucket
+    assert estimate(small, 1, "cpu").gpu["grads_16bit"] == 2000
+
+
+def test_stage2_matches_zero_paper_table1():
+    """ZeRO (Rajbhandari et al. 2020) Table 1: 7.5B parameters, 64 GPUs, Adam in fp16 mixed precision
+    (K = 12): P_os 31.4 GB, P_os+g 16.6 GB of model states per GPU. Model states are 16-bit parameters and
+    gradients, fp32 master and Adam states; the gradient buckets and the step's fp32 gradients are not."""
+    setup = TrainingSetup(7_500_000_000, 100_000_000, gpus_per_node=64, precision="fp16", optimizer="adam")
+
+    def model_states(stage):
+        gpu = estimate(setup, stage).gpu
+        buckets = 0 if stage == 1 else min(setup.buffers.reduce_bucket_size, setup.params) * 2
+        return sum(gpu.values()) - gpu["grads_fp32"] - buckets
+
+    assert round(model_states(1) / 1e9, 1) == 31.4
+    assert round(model_states(2) / 1e9, 1) == 16.6
+    assert model_states(2) == 2 * 7_500_000_000 + (2 + 12) * 7_500_000_000 // 64
 
 
 def test_stage3_on_one_rank_with_partitions_on_the_gpu_gathers_nothing():
@@ -151,7 +178,9 @@ def test_swap_buffers_never_exceed_the_partition_and_large_ones_are_flagged():
     est = estimate(SETUP, 3, "nvme")  # default sub_group_size 1e9 -> one sub-group, the whole partition
     # per rank: one optimizer slot of 250 x 12 B (stage 3 has no pinned copy-back slots)
     assert est.cpu_pinned["swap_buffers"] == 2 * 250 * 12
-    assert estimate(SETUP, 2, "nvme").cpu_pinned["swap_buffers"] == 2 * (250 * 12 + 2 * 250 * 2)
+    # stage 2 per rank: the optimizer slot, two copy-back slots and the staging of one 1000-element
+    # gradient bucket (the default reduce_bucket_size capped at the model)
+    assert estimate(SETUP, 2, "nvme").cpu_pinned["swap_buffers"] == 2 * (250 * 12 + 2 * 250 * 2 + 1000 * 2)
     assert any("sub_group_size" in note for note in est.notes)
     small = TrainingSetup(1000, 100, 2, 2, buffers=SwapBufferSettings(sub_group_size=10))
     assert not estimate(small, 3, "nvme").notes
@@ -179,7 +208,8 @@ def test_pin_memory_false_puts_offloaded_state_in_pageable_memory():
     setup = TrainingSetup(1000, 100, 2, 2, buffers=SwapBufferSettings(optimizer_pin_memory=False))
     est = estimate(setup, 2, "cpu")
     assert nonzero(est.cpu_pageable) == HOST_PARTITION
-    assert nonzero(est.cpu_pinned) == {"swap_buffers": 2000}  # staging stays pinned
+    # staging stays pinned: per rank two copy-back slots and the gradient bucket's staging
+    assert nonzero(est.cpu_pinned) == {"swap_buffers": 2 * (2 * 250 * 2 + 1000 * 2)}
 
 
 def test_fp32_has_no_16bit_copies_and_one_master():

@@ -41,7 +41,7 @@ from zero import checkpointing, inference
 from zero.accelerator import compute_device
 from zero.deepspeed_api import init_distributed  # noqa: F401 - its old home; zero.initialize uses it
 from zero.integrity import StateGuard
-from zero.layout.base import Layout, Placement, allocate_pinned, trainable_params
+from zero.layout.base import GradMemory, Layout, Placement, allocate_pinned, trainable_params
 from zero.layout.flat import FlatLayout
 from zero.optimizer_offload import UpdateRule, ZeroOptimizer, rule_from_client_optimizer, rule_from_config
 from zero.optimizer_state import FusedDeviceStep, OptimizerState, StateInfo, build_tier, swap_copies
@@ -370,7 +370,9 @@ class ZeroEngine:
         self.check_state_usable()
         boundary = self.is_gradient_accumulation_boundary()
         reducer = self.layout.reducer
-        if reducer is not None and boundary:
+        # stage 2's buckets reduce every backward; the stage 0-1 reducer at the end of the window only
+        reducing = reducer is not None and (boundary or getattr(reducer, "every_backward", False))
+        if reducing:
             reducer.begin()
         if boundary:
             # NVMe: the first sub-groups' states do not depend on the gradients; read them during backward.
@@ -391,11 +393,11 @@ class ZeroEngine:
             if early:
                 self._update.drop_overlapped()
             raise
+        if reducing:
+            with self._clock.phase("comm_s"):
+                reducer.finish()  # before the overlapped pass may read what no hook reported
         if early:
             self.overlap.backward_done()
-        if reducer is not None and boundary:
-            with self._clock.phase("comm_s"):
-                reducer.finish()
         if self._unused is not None and boundary:
             self._unused.check()
         self._clock.current.micro_batches += 1
@@ -479,6 +481,19 @@ class ZeroEngine:
         and before clipping (what torch's clip_grad_norm_ returns); None before the first step, inf/nan
         when that step overflowed."""
         return self._update.last_grad_norm
+
+    def gradient_memory(self) -> GradMemory:
+        """The gradient bytes this rank allocated, counted from the tensors (zero.layout.base.GradMemory):
+        at stage 2 the buckets and, without optimizer offload, the rank's partition on the device."""
+        layout = self.layout
+        if hasattr(layout, "grad_memory"):
+            return layout.grad_memory()
+        g = layout.grad_host  # stage 3 / inference: the gradient partition only
+        n = 0 if g is None else g.numel() * g.element_size()
+        on_device = self.offload_device == "none"
+        return GradMemory(
+            partition_device_bytes=n if on_device else 0, partition_host_bytes=0 if on_device else n
+        )
 
     @property
     def partitioner(self) -> Any:

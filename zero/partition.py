@@ -40,7 +40,10 @@ class FlatParams:
         params: Sequence[torch.nn.Parameter],
         world_size: int = 1,
         alloc: Optional[Allocator] = None,
+        grads: bool = True,
     ) -> None:
+        """`grads=False`: no flat gradient buffer (stage 2 moves gradients out in buckets; `.grad`s are
+        left to autograd)."""
         if not params:
             raise ValueError("the model has no trainable parameters (requires_grad=True)")
         dtypes = {p.dtype for p in params}
@@ -75,12 +78,14 @@ class FlatParams:
                 view.copy_(p.detach().reshape(-1))
                 p.data = view.view_as(p)  # the parameter's own storage is freed here
         # Allocated only now that the original parameters are gone: the peak stays at 2 x, not 3 x.
-        self.grad_buffer = new(self.dtype)
-        self._grad_views: List[torch.Tensor] = [
-            self.grad_buffer[off : off + n].view_as(p)
-            for p, off, n in zip(self.params, self.offsets, self.numels)
-        ]
-        self.attach_grads()
+        self.grad_buffer = new(self.dtype) if grads else torch.empty(0, dtype=self.dtype, device=self.device)
+        self._grad_views: List[torch.Tensor] = []
+        if grads:
+            self._grad_views = [
+                self.grad_buffer[off : off + n].view_as(p)
+                for p, off, n in zip(self.params, self.offsets, self.numels)
+            ]
+            self.attach_grads()
 
     def attach_grads(self) -> None:
         """Point every `.grad` at its view of the flat gradient buffer."""
@@ -89,6 +94,8 @@ class FlatParams:
 
     def claim_grad(self, index: int) -> None:
         """Make parameter `index`'s `.grad` its flat view again if something replaced it (zero_grad(None))."""
+        if not self._grad_views:
+            return
         p, view = self.params[index], self._grad_views[index]
         g = p.grad
         if g is None or g.data_ptr() == view.data_ptr():
@@ -103,6 +110,7 @@ class FlatParams:
         self.param_buffer = self.grad_buffer = torch.empty(0, dtype=self.dtype)
 
     def zero_grads(self) -> None:
+        """Zero the flat gradient buffer and point the `.grad`s at it again."""
         self.grad_buffer.zero_()
         self.attach_grads()
 

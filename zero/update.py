@@ -159,6 +159,9 @@ class UpdatePass:
         assert result is not None
         step = self.zopt.step_count + 1
         rep.device_to_host_bytes += self.overlap.take_fetched_bytes()
+        moved = getattr(self.layout, "moved_grad_bytes", None)  # stage 2: what its buckets moved
+        if moved is not None:
+            rep.device_to_host_bytes += moved()
         rep.optimizer_chunks_in_backward += self.overlap.chunks_in_backward
         if result.error is not None:
             self.opt.fail_pass(result.error, step)

@@ -73,10 +73,15 @@ FIELD_USAGE: Dict[str, Usage] = {
     "bf16.enabled": _r("zero/engine.py (model dtype)"),
     "bf16.check_grad_overflow": _r("zero/engine.py, zero/update.py (skip steps with inf/nan gradients)"),
     _Z + "stage": _r("zero/engine.py (the layout)"),
-    _Z + "contiguous_gradients": _i("gradients always accumulate into contiguous flat buffers", True),
-    _Z + "overlap_comm": _r("zero/layout/flat.py (bucket reductions during backward)"),
-    _Z + "reduce_scatter": _i("stages 1-2 always reduce each bucket only to the rank that owns it", True),
-    _Z + "reduce_bucket_size": _r("zero/layout/flat.py (GradReducer buckets)"),
+    _Z + "contiguous_gradients": _i(
+        "gradients always go into contiguous buffers (stage 2: the buckets; stages 0-1: a flat buffer)", True
+    ),
+    _Z + "overlap_comm": _r(
+        "zero/layout/flat.py, zero/layout/grad_buckets.py (bucket reductions during backward; stage 2: "
+        "two buckets)"
+    ),
+    _Z + "reduce_scatter": _i("stages 1-2 always reduce each bucket only to the ranks that own it", True),
+    _Z + "reduce_bucket_size": _r("zero/layout/flat.py (GradReducer buckets; stage 2: GradBuckets size)"),
     _Z + "use_multi_rank_bucket_allreduce": _i(
         "buckets are reduced one collective per bucket; the multi-rank all-reduce variant is not used", True
     ),

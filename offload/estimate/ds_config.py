@@ -136,6 +136,20 @@ def read_ds_config(path: str) -> ConfigChoices:
             )
         buffers["sub_group_size"] = sub_group
 
+    # stage 2's gradient buckets on the GPU
+    bucket = zero.get("reduce_bucket_size")
+    if bucket is not None and not _is_auto(bucket):
+        if isinstance(bucket, float) and bucket.is_integer():
+            bucket = int(bucket)
+        if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 0:
+            raise EstimateInputError(
+                f"{where}: zero_optimization.reduce_bucket_size must be an integer >= 0, got {bucket!r}"
+            )
+        buffers["reduce_bucket_size"] = bucket
+    overlap = _bool(zero, "overlap_comm", where, "zero_optimization.")
+    if overlap is not None:
+        buffers["overlap_comm"] = overlap
+
     precision = None
     for key in ("bf16", "bfloat16", "fp16"):
         enabled = _bool(_section(config, key, where), "enabled", where, key + ".")

@@ -66,13 +66,15 @@ class EnginePlacement:
     offload_param_stages: Tuple[int, ...]
     # Stage 3 working set on the GPU: gathered full layers (the current one plus prefetched ones).
     stage3_live_layers: int
-    # Stage 3 (and stage 2 without the full buffer): this many layers' gradients wait on the GPU, for the
-    # copy to the host partition or the reduce-scatter.
+    # Stage 3: this many layers' gradients wait on the GPU, for the copy to the host partition or the
+    # reduce-scatter.
     grad_bucket_layers: int
-    # True: one flat 16-bit gradient buffer for the whole model stays on the GPU at stages 0-2 (the engine's
-    # FlatParams: autograd accumulates every gradient in its place there), so stage 2 saves no gradient
-    # memory on the GPU; measured on a GPU by tests/test_cuda_estimate.py. False: ZeRO's stage-2
-    # accounting (the rank's partition plus a bucket).
+    # True: one flat 16-bit gradient buffer for the whole model stays on the GPU at stages 0-2, so stage 2
+    # saves no gradient memory on the GPU (the engine's first design). False (zero/layout/grad_buckets.py):
+    # ZeRO's stage-2 accounting - gradients pass through buckets of reduce_bucket_size elements (two with
+    # overlap_comm, one otherwise, never larger than the model; one parameter's worth with size 0), and the
+    # rank's partition stays on the GPU (model dtype) only when the optimizer is not offloaded. Stages 0-1
+    # keep the full buffer either way (DeepSpeed's stage 1). Measured on a GPU by tests/test_cuda_estimate.py.
     full_grad_buffer_on_gpu: bool
     # Host copies of offloaded state are pinned unless the config says pin_memory: false.
     pin_memory_default: bool
@@ -118,7 +120,7 @@ ENGINE_PLACEMENT = EnginePlacement(
     offload_param_stages=(3,),
     stage3_live_layers=2,
     grad_bucket_layers=1,
-    full_grad_buffer_on_gpu=True,
+    full_grad_buffer_on_gpu=False,
     pin_memory_default=True,
     cap_swap_buffers_to_partition=True,
     optimizer_nvme_copies=2,
@@ -136,6 +138,7 @@ DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
 DEFAULT_PARAM_BUFFER_COUNT = 5
 DEFAULT_PARAM_BUFFER_SIZE = 100_000_000
 DEFAULT_PARAM_MAX_IN_CPU = 1_000_000_000
+DEFAULT_REDUCE_BUCKET_SIZE = 500_000_000
 
 _TIERS = ("gpu", "cpu_pinned", "cpu_pageable", "nvme")
 
@@ -155,6 +158,9 @@ class SwapBufferSettings:
     param_max_in_cpu: int = DEFAULT_PARAM_MAX_IN_CPU
     # offload_optimizer.nvme_copies: "auto" (two when nvme_path has room, else one), 1 or 2
     optimizer_nvme_copies: Union[str, int] = "auto"
+    # zero_optimization.reduce_bucket_size / overlap_comm: stage 2's gradient buckets on the GPU.
+    reduce_bucket_size: int = DEFAULT_REDUCE_BUCKET_SIZE
+    overlap_comm: bool = False
 
     def __post_init__(self) -> None:
         if self.optimizer_nvme_copies not in NVME_COPIES or isinstance(self.optimizer_nvme_copies, bool):
@@ -165,11 +171,10 @@ class SwapBufferSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise EstimateInputError(f"buffer setting {name} must be a positive integer, got {value!r}")
-        value = self.param_max_in_cpu
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise EstimateInputError(
-                f"buffer setting param_max_in_cpu must be an integer >= 0, got {value!r}"
-            )
+        for name in ("param_max_in_cpu", "reduce_bucket_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise EstimateInputError(f"buffer setting {name} must be an integer >= 0, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -482,6 +487,15 @@ def _stage3(
     return nvme_read, nvme_write, spare_copies
 
 
+def grad_bucket_numel(bufs: SwapBufferSettings, params: int, largest_layer: int) -> int:
+    """Elements of stage 2's gradient buckets on the GPU (zero/layout/grad_buckets.py): one bucket, two
+    with overlap_comm, of reduce_bucket_size elements but never more than the model (size 0: one bucket
+    per parameter, the largest one's size)."""
+    size = bufs.reduce_bucket_size
+    capacity = min(size, params) if size > 0 else largest_layer
+    return (2 if bufs.overlap_comm else 1) * capacity
+
+
 def estimate(
     setup: TrainingSetup,
     stage: int,
@@ -528,12 +542,13 @@ def estimate(
     if stage == 3:
         ledger.add("gpu", param_component, plan.stage3_live_layers * L * cb)
 
-    # Gradients as backward produces them, on the GPU. From stage 2 only the rank's partition is kept,
-    # and with an offloaded optimizer not even that: each reduced gradient goes straight to the host.
+    # Gradients as backward produces them, on the GPU. From stage 2 only the buckets they pass through
+    # and the rank's partition are kept, and with an offloaded optimizer not even the partition: each
+    # reduced bucket goes straight to the host.
     if stage < partitioned_from["grads"] or (plan.full_grad_buffer_on_gpu and stage < 3):
         ledger.add("gpu", grad_component, P * cb)
     else:
-        ledger.add("gpu", grad_component, plan.grad_bucket_layers * L * cb)
+        ledger.add("gpu", grad_component, grad_bucket_numel(bufs, P, L) * cb)
         if offload_optimizer == "none":
             ledger.add("gpu", grad_component, partition(P, "grads") * cb)
 
@@ -571,6 +586,9 @@ def estimate(
     # Pinned staging buffers (always pinned: DMA and O_DIRECT I/O go through them).
     if offload_optimizer != "none":
         ledger.add("cpu_pinned", "swap_buffers", plan.param_copy_back_slots * sub_group * cb)
+        if stage >= partitioned_from["grads"] and not plan.full_grad_buffer_on_gpu:
+            # stage 2: each gradient bucket has a pinned staging twin it reaches the host through
+            ledger.add("cpu_pinned", "swap_buffers", grad_bucket_numel(bufs, P, L) * cb)
     nvme_read = nvme_write = 0
     if offload_optimizer == "nvme":
         slots = bufs.optimizer_buffer_count

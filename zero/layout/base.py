@@ -5,8 +5,9 @@ partitioned:
 
 * the rank's optimizer partition: a slice [lo, hi) of one flat buffer (flat) / the trainable units'
   partitions back to back (units);
-* the gradient source `grad_host`: the flat gradient buffer, copied to an fp32 partition / the unit
-  partitions the partitioner reduced into it;
+* the gradient source `grad_host`: the flat gradient buffer, copied to an fp32 partition (stages 0-1) /
+  the partition the gradient buckets add into during backward (stage 2) / the unit partitions the
+  partitioner reduced into it;
 * readiness of gradients for the overlapped pass: per parameter (post-accumulate-grad hooks) / per unit
   (the partitioner's gradient sink);
 * the parameter writer: `FlatParamWriter` / `UnitParamWriter` (zero.param_writer);
@@ -28,7 +29,7 @@ from zero.grad_fetch import DeviceGradFetch
 from zero.param_writer import ParamWriter
 from zero.partition import GradReadiness
 
-__all__ = ["Fill", "Layout", "Placement", "allocate_pinned", "index_names", "trainable_params"]
+__all__ = ["Fill", "GradMemory", "Layout", "Placement", "allocate_pinned", "index_names", "trainable_params"]
 
 Fill = Callable[[int, int, torch.Tensor], None]  # fill(start, n, out): fp32 values of [start, start + n)
 
@@ -48,6 +49,33 @@ class Placement:
     def grads_to_pinned(self) -> bool:
         """Whether the gradient partition lives in pinned host memory (any offload)."""
         return self.optimizer_tier != "none"
+
+
+@dataclass(frozen=True)
+class GradMemory:
+    """The gradient bytes one rank allocated (`ZeroEngine.gradient_memory()`), counted from the tensors.
+
+    The compute device holds `device_bytes`: at stages 0-1 a gradient buffer of the whole model (plus, on a
+    GPU, the fp32 partition for the optimizer); at stage 2 the buckets, and the rank's partition only when
+    the optimizer is not offloaded. Autograd's gradient of the parameter being produced is transient and
+    not counted."""
+
+    full_buffer_bytes: int = 0  # a gradient buffer of the whole model (stages 0-1)
+    partition_device_bytes: int = 0  # the rank's gradient partition, on the compute device
+    partition_host_bytes: int = 0  # the rank's gradient partition, in (pinned) host memory
+    bucket_bytes: int = 0  # stage 2: the buckets gradients pass through (compute device)
+    staging_bytes: int = 0  # stage 2 from a GPU to the host: pinned staging of the buckets
+    buckets_reduced: int = 0  # stage 2: buckets flushed so far (shows the bucketed path ran)
+
+    @property
+    def device_bytes(self) -> int:
+        """Gradient bytes on the compute device."""
+        return self.full_buffer_bytes + self.partition_device_bytes + self.bucket_bytes
+
+    @property
+    def host_bytes(self) -> int:
+        """Gradient bytes in host memory (pinned)."""
+        return self.partition_host_bytes + self.staging_bytes
 
 
 def allocate_pinned(

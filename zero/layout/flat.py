@@ -1,12 +1,19 @@
 """FlatLayout: stages 0-2. The trainable parameters are views of one flat buffer; the rank's optimizer
 partition is a slice [lo, hi) of it (stage 0, or one rank: all of it).
 
-Gradients accumulate straight into a flat gradient buffer (the parameters' `.grad`s are views of it).
-At the end of an accumulation window, post-accumulate-grad hooks send full buckets to the other ranks while
-backward goes on (`GradReducer`: stages 1-2 reduce each bucket only to the ranks owning it), and the
-rank's slice is copied once to the fp32 gradient partition `grad_host` (on a CPU-only machine with fp32
-weights the gradient buffer already is that partition). After the optimizer pass, stages 1-2 all-gather
-the updated partitions.
+Stages 0-1: gradients accumulate straight into a flat gradient buffer of the whole model (the parameters'
+`.grad`s are views of it), as DeepSpeed's stage 1 keeps them. At the end of an accumulation window,
+post-accumulate-grad hooks send full buckets to the other ranks while backward goes on (`GradReducer`:
+stage 1 reduces each bucket only to the ranks owning it, stage 0 all-reduces), and the rank's slice is
+copied once to the fp32 gradient partition `grad_host` (on a CPU-only machine with fp32 weights the
+gradient buffer already is that partition).
+
+Stage 2: no gradient buffer of the model's size. Every backward, each gradient goes into a bucket of
+`reduce_bucket_size` elements as autograd produces it, and each full bucket is reduced to the ranks owning
+its elements and added into the rank's gradient partition `grad_host` (`GradBuckets`): pinned fp32 host
+memory when the optimizer is offloaded, the device in the model dtype otherwise.
+
+After the optimizer pass, stages 1-2 all-gather the updated partitions.
 """
 
 from __future__ import annotations
@@ -20,7 +27,8 @@ from torch import nn
 from offload.pinned import PinnedPool
 from zero.comm import settle
 from zero.grad_fetch import DeviceGradFetch, copy_to_host
-from zero.layout.base import Fill, Placement, allocate_pinned, index_names
+from zero.layout.base import Fill, GradMemory, Placement, allocate_pinned, index_names
+from zero.layout.grad_buckets import GradBuckets
 from zero.param_writer import FlatParamWriter, ParamWriter
 from zero.partition import FlatParams, GradReadiness, GradReducer, partition_range
 
@@ -63,7 +71,9 @@ class FlatLayout:
             def alloc(numel: int, dt: torch.dtype) -> torch.Tensor:
                 return allocate_pinned(pool, numel, "the flat parameter buffers", dt)
 
-        self.flat = FlatParams(params, place.world_size, alloc=alloc)
+        self.buckets: Optional[GradBuckets] = None
+        bucketed = place.stage == 2
+        self.flat = FlatParams(params, place.world_size, alloc=alloc, grads=not bucketed)
         if place.stage == 0 or place.world_size == 1:
             self.lo, self.hi = 0, self.flat.padded_numel
         else:
@@ -72,19 +82,39 @@ class FlatLayout:
         self.padded_numel = self.flat.padded_numel  # all ranks' partitions together
         self.trainable_numel = self.flat.numel
 
-        # the rank's fp32 gradient partition
-        self._grads_on_host = host_is_device and dtype == torch.float32
+        # the rank's gradient partition as the optimizer reads it
+        self._grads_on_host = host_is_device and dtype == torch.float32 and not bucketed
         if self._grads_on_host:
             self.grad_host = self.flat.grad_buffer[self.lo : self.hi]
         elif tier == "none":
-            self.grad_host = torch.zeros(self.part_numel, dtype=torch.float32, device=device)
+            # stage 2: accumulated in the model dtype (DeepSpeed's 16-bit partition); fp32 at the step
+            self.grad_host = torch.zeros(
+                self.part_numel, dtype=dtype if bucketed else torch.float32, device=device
+            )
         else:
             # fresh pinned memory reads as zeros: a zero_() pass would only fault every page in now
             self.grad_host = allocate_pinned(pool, self.part_numel, "the fp32 gradient partition")
         self._fp32_weights = fp32_weights
+        self._on_grad = on_grad
 
-        self.reducer: Optional[GradReducer] = None
-        if place.world_size > 1:
+        self.reducer: Optional[Any] = None
+        if bucketed:
+            self.buckets = GradBuckets(
+                self.flat,
+                self.grad_host,
+                self.lo,
+                rank=place.rank,
+                world_size=place.world_size,
+                bucket_numel=int(zcfg.reduce_bucket_size),
+                overlap=bool(zcfg.overlap_comm),
+                device=device,
+                dtype=dtype,
+                pinned=lambda numel, dt: allocate_pinned(pool, numel, "the gradient bucket staging", dt),
+                unpin=pool.free,
+                on_final=self._final_grad,
+            )
+            self.reducer = self.buckets
+        elif place.world_size > 1:
             self.reducer = GradReducer(
                 self.flat,
                 stage=place.stage,
@@ -93,11 +123,17 @@ class FlatLayout:
                 bucket_numel=int(zcfg.reduce_bucket_size),
                 overlap=bool(zcfg.overlap_comm),
             )
-        self._on_grad = on_grad
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook(i)) for i, p in enumerate(params)]
+
+    def _final_grad(self, index: int) -> None:
+        if self._on_grad is not None:
+            self._on_grad(index)
 
     def _grad_hook(self, index: int) -> Any:
         def hook(param: torch.Tensor) -> None:
+            if self.buckets is not None:  # stage 2: into a bucket; ready once it reached grad_host
+                self.buckets.grad_ready(index, param)
+                return
             self.flat.claim_grad(index)
             if self.reducer is not None:
                 self.reducer.grad_ready(index)
@@ -147,7 +183,12 @@ class FlatLayout:
     # ----------------------------------------------------------------------------------- gradients
     def grad_gate(self, chunks: List[Tuple[int, int]]) -> Tuple[GradReadiness, Optional[DeviceGradFetch]]:
         """Readiness of the optimizer's chunks; sources are the flat buffer's parameters. On a GPU each
-        chunk's gradients are copied to the pinned host partition as the chunk completes."""
+        chunk's gradients are copied to the pinned host partition as the chunk completes. Stage 2: a
+        parameter is ready once its bucket reached grad_host (buckets no larger than a chunk); nothing to
+        fetch."""
+        if self.buckets is not None:
+            self.buckets.cap(max(n for _, n in chunks))
+            return GradReadiness.for_flat(self.flat, self.lo, chunks), None
         if self.place.device.type == "cuda":
             src = self.flat.grad_buffer[self.lo : self.hi]
             fetch = DeviceGradFetch(src, self.grad_host, chunks, self.place.device)
@@ -157,13 +198,18 @@ class FlatLayout:
     def early_grads(self, fetching: bool) -> torch.Tensor:
         """The gradients a pass during backward reads: the host partition the fetch fills, or else the
         gradient buffer itself (the kernel reads 16-bit gradients in place, never copied)."""
+        if self.buckets is not None:
+            return self.grad_host
         return self.grad_host if fetching else self.flat.grad_buffer[self.lo : self.hi]
 
     def gradients_to_host(self) -> int:
         """The partition's gradients into grad_host after backward; returns the bytes copied.
 
         From 16-bit GPU gradients in pieces (`D2H_PIECE_NUMEL`): a non-blocking copy that changes dtype
-        converts on the GPU first, into a temporary as large as what it copies."""
+        converts on the GPU first, into a temporary as large as what it copies. Stage 2: the buckets
+        already moved them; the bytes they moved to the host since the last step."""
+        if self.buckets is not None:
+            return self.buckets.take_host_bytes()
         if self._grads_on_host:
             return 0
         src = self.flat.grad_buffer[self.lo : self.hi]
@@ -172,11 +218,39 @@ class FlatLayout:
             torch.cuda.current_stream(self.place.device).synchronize()
         return self.part_numel * self.flat.grad_buffer.element_size()
 
+    def moved_grad_bytes(self) -> int:
+        """Gradient bytes stage 2's buckets moved from the device to the host since the last call (0 at
+        stages 0-1, whose copies the overlap's fetch or `gradients_to_host` count)."""
+        return self.buckets.take_host_bytes() if self.buckets is not None else 0
+
     def device_grad(self, grad_scale: float) -> torch.Tensor:
-        return self.grad_host.div_(grad_scale)
+        """The partition's gradients as fp32, divided by `grad_scale` (a new tensor from 16 bits; in place
+        from fp32)."""
+        return self.grad_host.float().div_(grad_scale)
 
     def zero_grads(self) -> None:
+        if self.buckets is not None:
+            self.buckets.zero()  # the next gradients overwrite the partition
+            return
         self.flat.zero_grads()
+
+    def grad_memory(self) -> GradMemory:
+        """The gradient bytes this rank allocated, by kind and place."""
+        g = self.grad_host
+        part = g.numel() * g.element_size()
+        on_device = self.place.optimizer_tier == "none"
+        full = self.flat.grad_buffer.numel() * self.flat.grad_buffer.element_size()
+        if self._grads_on_host:  # the partition is a slice of the full buffer
+            part = 0
+        b = self.buckets
+        return GradMemory(
+            full_buffer_bytes=full,
+            partition_device_bytes=part if on_device else 0,
+            partition_host_bytes=0 if on_device else part,
+            bucket_bytes=b.bucket_bytes if b is not None else 0,
+            staging_bytes=b.staging_bytes if b is not None else 0,
+            buckets_reduced=b.buckets_reduced if b is not None else 0,
+        )
 
     # ------------------------------------------------------------------------------ after the step
     def after_step(self) -> None:
@@ -231,6 +305,8 @@ class FlatLayout:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        if self.buckets is not None:
+            self.buckets.close()
         with torch.no_grad():
             for p in self.flat.params:
                 p.data = p.data.clone()
@@ -239,4 +315,5 @@ class FlatLayout:
         self.grad_host = None  # type: ignore[assignment]
 
     def describe(self) -> str:
-        return f"stage={self.place.stage}, params={self.flat.numel}"
+        buckets = f", grad buckets={self.buckets.capacity}" if self.buckets is not None else ""
+        return f"stage={self.place.stage}, params={self.flat.numel}{buckets}"
