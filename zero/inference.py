@@ -30,6 +30,7 @@ from offload.pinned import PinnedPool
 from zero.errors import NoOptimizerError
 from zero.layout.base import Placement
 from zero.optimizer_state import StateInfo
+from zero.report import ForwardMeter, InferenceReport, inference_report
 from zero.stage3.unit import Unit
 
 __all__ = [
@@ -193,6 +194,17 @@ class _WeightsOnly:
     module: nn.Module
     pool: PinnedPool
     trainable_numel: int
+    meter: ForwardMeter  # the root module's forwards, tokens and time (set by `inference_layout`)
+
+    def take_param_io(self) -> Optional[Dict[str, int]]:
+        """The parameter tier's counts since the last call (each layout gives its own)."""
+        raise NotImplementedError
+
+    def inference_report(
+        self, read_ceiling_gbs: Optional[float] = None, machine_profile: Optional[str] = None
+    ) -> InferenceReport:
+        """Forwards, tokens, time and parameter bytes read since the last call (zero.report)."""
+        return inference_report(self.meter, self.take_param_io, read_ceiling_gbs, machine_profile)
 
 
 class ReplicatedLayout(_WeightsOnly):
@@ -226,7 +238,8 @@ class ReplicatedLayout(_WeightsOnly):
         return {k: v.detach().to("cpu").clone() for k, v in self.module.state_dict().items()}
 
     def close(self) -> None:
-        """Nothing to free: the module stays usable."""
+        """Nothing to free: the module stays usable (the forward meter's hooks are removed)."""
+        self.meter.close()
 
     def describe(self) -> str:
         """For the engine's repr."""
@@ -277,6 +290,7 @@ class PartitionedLayout(_WeightsOnly):
 
     def close(self) -> None:
         """Hooks off, partitions freed, swap files removed; the parameters stay partitioned (empty)."""
+        self.meter.close()
         self.partitioner.close()
 
     def describe(self) -> str:
@@ -290,7 +304,12 @@ class PartitionedLayout(_WeightsOnly):
 def inference_layout(
     model: nn.Module, params: List[nn.Parameter], place: Placement, pool: PinnedPool, config: Any
 ) -> Union[ReplicatedLayout, PartitionedLayout]:
-    """The layout of an engine without an optimizer at `place.stage`."""
+    """The layout of an engine without an optimizer at `place.stage`, its forwards metered."""
     if place.stage == 3:
-        return PartitionedLayout(model, params, place, pool, config)
-    return ReplicatedLayout(model, params, place, pool)
+        layout: Union[ReplicatedLayout, PartitionedLayout] = PartitionedLayout(
+            model, params, place, pool, config
+        )
+    else:
+        layout = ReplicatedLayout(model, params, place, pool)
+    layout.meter = ForwardMeter(model)
+    return layout
