@@ -225,7 +225,7 @@ def estimate_inference(setup: InferenceSetup) -> InferenceEstimate:
         options += f", max_in_cpu={format_count(b.param_max_in_cpu)}"
     if setup.weight_bits is not None:
         options += f", weights int{setup.weight_bits} (group {setup.group_size})"
-        notes.append("quantized weights need zero_optimization weight_quantization support in the engine")
+        notes.append("quantized weights: the weight_quantization key needs the engine's weight quantization")
     return InferenceEstimate(options=options, rows=rows, notes=notes)
 
 
