@@ -15,8 +15,10 @@ Each run is its own process (peak RSS is its own) and the page cache is dropped 
 between its load and its generation, so that generation starts cold for both (root:
 ``/proc/sys/vm/drop_caches``; otherwise skipped, with a note in the output; ``--keep-cache-after-load`` skips
 the second drop); rounds alternate the contenders (A B A B). Ours reads with O_DIRECT and never uses the
-page cache; accelerate's offloaded weights are memory-mapped files, so its later forwards read from the page
-cache whatever RAM outside its budget can hold (this shows in its GB read from the disk per forward).
+page cache; accelerate (through transformers) reads its offloaded weights from the checkpoint's own
+safetensors files, memory-mapped (offload_folder is only written for weights that need converting), so its
+later forwards read from the page cache whatever RAM outside its budget can hold (this shows in its GB read
+from the disk per forward).
 Reported: tokens/s, s per forward, GB read from the disk per forward
 (``/proc/self/io`` read_bytes; ours also the engine's own count), the achieved read GB/s and its fraction of
 the disk's read ceiling (``--read-ceiling-gbs``, else measured with ``ds-nvme-bench --quick --read-only``),
@@ -197,7 +199,7 @@ def run_child(args: argparse.Namespace) -> Dict[str, Any]:
         ).eval()
     load_s = time.perf_counter() - t0
     if args.drop_after_load:
-        drop_page_cache()  # the load read the checkpoint (accelerate also wrote its offload folder)
+        drop_page_cache()  # the load read the checkpoint
     meter = ForwardMeter(model)
     read0 = _read_bytes()
     t0 = time.perf_counter()
