@@ -194,7 +194,7 @@ class _WeightsOnly:
     module: nn.Module
     pool: PinnedPool
     trainable_numel: int
-    meter: ForwardMeter  # the root module's forwards, tokens and time (set by `inference_layout`)
+    meter: Optional[ForwardMeter] = None  # the root module's forwards, tokens and time (`inference_layout`)
 
     def take_param_io(self) -> Optional[Dict[str, int]]:
         """The parameter tier's counts since the last call (each layout gives its own)."""
@@ -204,7 +204,13 @@ class _WeightsOnly:
         self, read_ceiling_gbs: Optional[float] = None, machine_profile: Optional[str] = None
     ) -> InferenceReport:
         """Forwards, tokens, time and parameter bytes read since the last call (zero.report)."""
+        if self.meter is None:
+            raise RuntimeError("this layout was not built by inference_layout: its forwards are not metered")
         return inference_report(self.meter, self.take_param_io, read_ceiling_gbs, machine_profile)
+
+    def _close_meter(self) -> None:
+        if self.meter is not None:
+            self.meter.close()
 
 
 class ReplicatedLayout(_WeightsOnly):
@@ -239,7 +245,7 @@ class ReplicatedLayout(_WeightsOnly):
 
     def close(self) -> None:
         """Nothing to free: the module stays usable (the forward meter's hooks are removed)."""
-        self.meter.close()
+        self._close_meter()
 
     def describe(self) -> str:
         """For the engine's repr."""
@@ -290,7 +296,7 @@ class PartitionedLayout(_WeightsOnly):
 
     def close(self) -> None:
         """Hooks off, partitions freed, swap files removed; the parameters stay partitioned (empty)."""
-        self.meter.close()
+        self._close_meter()
         self.partitioner.close()
 
     def describe(self) -> str:
