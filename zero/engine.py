@@ -46,7 +46,7 @@ from zero.layout.flat import FlatLayout
 from zero.optimizer_offload import UpdateRule, ZeroOptimizer, rule_from_client_optimizer, rule_from_config
 from zero.optimizer_state import FusedDeviceStep, OptimizerState, StateInfo, build_tier, swap_copies
 from zero.overlap import OverlapPass
-from zero.report import PhaseClock, StepReport
+from zero.report import InferenceReport, PhaseClock, StepReport
 from zero.unused import UnusedParameterCheck
 from zero.update import UpdatePass
 
@@ -516,6 +516,20 @@ class ZeroEngine:
     @property
     def hi(self) -> int:
         return self.layout.hi
+
+    def inference_report(
+        self, read_ceiling_gbs: Optional[float] = None, machine_profile: Optional[str] = None
+    ) -> InferenceReport:
+        """An engine without an optimizer: forwards, tokens, tokens/s, bytes read per forward and the achieved
+        read bandwidth since the last call, against the disk's read ceiling (`read_ceiling_gbs`, else the
+        `nvme_read_gbps` of a `ds-nvme-bench --json` profile). Resets the counts that
+        `partitioner.take_io_report()` also resets (docs/inference.md, "Throughput")."""
+        if self.rule is not None:
+            raise RuntimeError(
+                "inference_report() is the report of an engine without an optimizer; a training engine "
+                "reports each step in engine.last_report"
+            )
+        return self.layout.inference_report(read_ceiling_gbs, machine_profile)  # type: ignore[attr-defined]
 
     @property
     def pinned_bytes(self) -> int:

@@ -34,6 +34,7 @@ from offload.pinned import PinnedPool
 from zero.errors import NoOptimizerError
 from zero.layout.base import Placement
 from zero.optimizer_state import StateInfo
+from zero.report import ForwardMeter, InferenceReport, inference_report
 from zero.stage3.unit import Unit
 
 __all__ = [
@@ -215,6 +216,23 @@ class _WeightsOnly:
     module: nn.Module
     pool: PinnedPool
     trainable_numel: int
+    meter: Optional[ForwardMeter] = None  # the root module's forwards, tokens and time (`inference_layout`)
+
+    def take_param_io(self) -> Optional[Dict[str, int]]:
+        """The parameter tier's counts since the last call (each layout gives its own)."""
+        raise NotImplementedError
+
+    def inference_report(
+        self, read_ceiling_gbs: Optional[float] = None, machine_profile: Optional[str] = None
+    ) -> InferenceReport:
+        """Forwards, tokens, time and parameter bytes read since the last call (zero.report)."""
+        if self.meter is None:
+            raise RuntimeError("this layout was not built by inference_layout: its forwards are not metered")
+        return inference_report(self.meter, self.take_param_io, read_ceiling_gbs, machine_profile)
+
+    def _close_meter(self) -> None:
+        if self.meter is not None:
+            self.meter.close()
 
 
 class ReplicatedLayout(_WeightsOnly):
@@ -248,7 +266,8 @@ class ReplicatedLayout(_WeightsOnly):
         return {k: v.detach().to("cpu").clone() for k, v in self.module.state_dict().items()}
 
     def close(self) -> None:
-        """Nothing to free: the module stays usable."""
+        """Nothing to free: the module stays usable (the forward meter's hooks are removed)."""
+        self._close_meter()
 
     def describe(self) -> str:
         """For the engine's repr."""
@@ -310,6 +329,7 @@ class PartitionedLayout(_WeightsOnly):
 
     def close(self) -> None:
         """Hooks off, partitions freed, swap files removed; the parameters stay partitioned (empty)."""
+        self._close_meter()
         self.partitioner.close()
 
     def describe(self) -> str:
@@ -354,7 +374,12 @@ def _partitioner(model: nn.Module, config: Any, place: Placement, pool: PinnedPo
 def inference_layout(
     model: nn.Module, params: List[nn.Parameter], place: Placement, pool: PinnedPool, config: Any
 ) -> Union[ReplicatedLayout, PartitionedLayout]:
-    """The layout of an engine without an optimizer at `place.stage`."""
+    """The layout of an engine without an optimizer at `place.stage`, its forwards metered."""
     if place.stage == 3:
-        return PartitionedLayout(model, params, place, pool, config)
-    return ReplicatedLayout(model, params, place, pool)
+        layout: Union[ReplicatedLayout, PartitionedLayout] = PartitionedLayout(
+            model, params, place, pool, config
+        )
+    else:
+        layout = ReplicatedLayout(model, params, place, pool)
+    layout.meter = ForwardMeter(model)
+    return layout

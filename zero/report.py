@@ -1,4 +1,5 @@
-"""The per-step report: where one optimizer step's time went and how many bytes moved between tiers.
+"""The per-step report: where one optimizer step's time went and how many bytes moved between tiers; and the
+inference report: forwards, tokens and bytes streamed since the last call (`ForwardMeter`, `InferenceReport`).
 
 The engine always counts (perf_counter and integer adds cost nothing next to a training step); it prints a
 report when the config asks (`zero_offload.report` or DeepSpeed's `wall_clock_breakdown`). Times cover a
@@ -7,12 +8,24 @@ whole accumulation window: all micro-batches' forward and backward, then the opt
 
 from __future__ import annotations
 
+import json
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Dict, Iterator, Optional
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
-__all__ = ["PhaseClock", "StepReport", "format_bytes"]
+import torch
+from torch import nn
+
+__all__ = [
+    "ForwardMeter",
+    "InferenceReport",
+    "PhaseClock",
+    "StepReport",
+    "format_bytes",
+    "inference_report",
+    "read_ceiling",
+]
 
 
 def format_bytes(n: float) -> str:
@@ -123,3 +136,191 @@ class PhaseClock:
     def finish(self) -> StepReport:
         done, self.current = self.current, StepReport()
         return done
+
+
+@dataclass
+class InferenceReport:
+    """The forwards of an engine without an optimizer since the last report (`engine.inference_report()`).
+
+    `forward_s` is wall time from each root forward's start to its return, summed (on CUDA: kernels queued by
+    then may still run; generation reads each step's logits, which waits for them). Bytes are the parameter
+    tier's: `nvme_read_bytes` from the swap files, `host_to_device_bytes` from host memory (a `cpu` tier or
+    an NVMe staging slot) to a GPU (0 when the compute device is the CPU)."""
+
+    forwards: int = 0
+    tokens: int = 0  # input positions processed: batch x sequence length of each forward, summed
+    forward_s: float = 0.0
+    nvme_read_bytes: int = 0
+    nvme_write_bytes: int = 0  # weights are never written back in inference: stays 0
+    host_to_device_bytes: int = 0
+    param_reads: int = 0
+    param_prefetches: int = 0
+    param_prefetch_hits: int = 0
+    peak_prefetch_depth: int = 0
+    gathers: int = 0
+    read_ceiling_gbs: Optional[float] = None  # the disk's sequential read bandwidth, decimal GB/s
+    read_ceiling_source: str = "none"
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.forward_s if self.forward_s > 0 else 0.0
+
+    @property
+    def s_per_forward(self) -> float:
+        return self.forward_s / self.forwards if self.forwards else 0.0
+
+    @property
+    def nvme_read_bytes_per_forward(self) -> float:
+        return self.nvme_read_bytes / self.forwards if self.forwards else 0.0
+
+    @property
+    def host_to_device_bytes_per_forward(self) -> float:
+        return self.host_to_device_bytes / self.forwards if self.forwards else 0.0
+
+    @property
+    def nvme_read_gbps(self) -> float:
+        """NVMe bytes read per second of forward time (decimal GB/s)."""
+        return self.nvme_read_bytes / self.forward_s / 1e9 if self.forward_s > 0 else 0.0
+
+    @property
+    def read_ceiling_fraction(self) -> Optional[float]:
+        """`nvme_read_gbps` over the disk's read ceiling (None without a ceiling)."""
+        if not self.read_ceiling_gbs:
+            return None
+        return self.nvme_read_gbps / self.read_ceiling_gbs
+
+    def as_dict(self) -> Dict[str, Any]:
+        """The fields and the derived rates by name."""
+        d = asdict(self)
+        for name in (
+            "tokens_per_s",
+            "s_per_forward",
+            "nvme_read_bytes_per_forward",
+            "host_to_device_bytes_per_forward",
+            "nvme_read_gbps",
+            "read_ceiling_fraction",
+        ):
+            d[name] = getattr(self, name)
+        return d
+
+    def format(self) -> str:
+        """One line for a log."""
+        text = (
+            f"{self.forwards} forwards, {self.tokens} tokens, {self.tokens_per_s:.2f} tokens/s, "
+            f"{self.s_per_forward * 1e3:.1f} ms/forward, "
+            f"nvme r {format_bytes(self.nvme_read_bytes_per_forward)}/forward ({self.nvme_read_gbps:.3f} GB/s"
+        )
+        frac = self.read_ceiling_fraction
+        if frac is not None:
+            text += f", {frac:.0%} of {self.read_ceiling_gbs:g} GB/s"
+        text += f"), h2d {format_bytes(self.host_to_device_bytes_per_forward)}/forward"
+        return text
+
+
+def read_ceiling(
+    read_ceiling_gbs: Optional[float] = None, machine_profile: Optional[str] = None
+) -> Tuple[Optional[float], str]:
+    """(the disk's read ceiling in GB/s, where it came from): `read_ceiling_gbs` if given; else
+    `nvme_read_gbps` of a machine profile (what `ds-nvme-bench --json OUT` writes); else (None, "none")."""
+    if read_ceiling_gbs is not None:
+        if not read_ceiling_gbs > 0:
+            raise ValueError(f"read_ceiling_gbs must be positive, got {read_ceiling_gbs!r}")
+        return float(read_ceiling_gbs), "argument"
+    if machine_profile is not None:
+        try:
+            with open(machine_profile) as f:
+                value = json.load(f).get("nvme_read_gbps")
+        except (OSError, ValueError, AttributeError) as e:
+            raise ValueError(f"machine profile {machine_profile}: cannot read nvme_read_gbps: {e}") from None
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+            raise ValueError(
+                f"machine profile {machine_profile}: nvme_read_gbps is {value!r}, not a bandwidth"
+            )
+        return float(value), f"ds-nvme-bench profile {machine_profile}"
+    return None, "none"
+
+
+def _tokens_of(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> int:
+    """Input positions of one forward: batch x sequence of `input_ids` (or `inputs_embeds`, or the first
+    tensor argument); 0 when there is none."""
+    for key in ("input_ids", "inputs_embeds"):
+        t = kwargs.get(key)
+        if isinstance(t, torch.Tensor):
+            return int(t.shape[0] * t.shape[1]) if t.dim() >= 2 else int(t.numel())
+    for t in args:
+        if isinstance(t, torch.Tensor):
+            return int(t.shape[0] * t.shape[1]) if t.dim() >= 2 else int(t.numel())
+    return 0
+
+
+class ForwardMeter:
+    """Counts the root module's forwards, their input tokens and their wall time (forward pre- and post-hooks
+    on the root module; a forward that raises is not counted). Nested calls of the root count once."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.forwards = 0
+        self.tokens = 0
+        self.forward_s = 0.0
+        self._start: Optional[float] = None
+        self._pending_tokens = 0
+        self._depth = 0
+        self._handles = [
+            module.register_forward_pre_hook(self._pre, with_kwargs=True, prepend=True),
+            module.register_forward_hook(self._post, always_call=True),
+        ]
+
+    def _pre(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+        self._depth += 1
+        if self._depth == 1:
+            self._pending_tokens = _tokens_of(args, kwargs)
+            self._start = time.perf_counter()
+
+    def _post(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._depth -= 1
+        if self._depth == 0 and self._start is not None and output is not None:  # None: it raised
+            self.forward_s += time.perf_counter() - self._start
+            self.forwards += 1
+            self.tokens += self._pending_tokens
+        if self._depth == 0:
+            self._start = None
+
+    def take(self) -> Tuple[int, int, float]:
+        """(forwards, tokens, seconds) since the last call; starts counting afresh."""
+        out = (self.forwards, self.tokens, self.forward_s)
+        self.forwards = self.tokens = 0
+        self.forward_s = 0.0
+        return out
+
+    def close(self) -> None:
+        """Remove the hooks."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+def inference_report(
+    meter: ForwardMeter,
+    take_param_io: Callable[[], Optional[Dict[str, int]]],
+    read_ceiling_gbs: Optional[float] = None,
+    machine_profile: Optional[str] = None,
+) -> InferenceReport:
+    """The report over the forwards `meter` counted and the parameter I/O `take_param_io()` returns (both
+    since their last call; None: no parameter tier). The ceiling is checked before anything is taken."""
+    ceiling, source = read_ceiling(read_ceiling_gbs, machine_profile)
+    forwards, tokens, seconds = meter.take()
+    io = take_param_io() or {}
+    return InferenceReport(
+        forwards=forwards,
+        tokens=tokens,
+        forward_s=seconds,
+        nvme_read_bytes=io.get("param_nvme_read_bytes", 0),
+        nvme_write_bytes=io.get("param_nvme_write_bytes", 0),
+        host_to_device_bytes=io.get("host_to_device_bytes", 0),
+        param_reads=io.get("param_reads", 0),
+        param_prefetches=io.get("param_prefetches", 0),
+        param_prefetch_hits=io.get("param_prefetch_hits", 0),
+        peak_prefetch_depth=io.get("peak_prefetch_depth", 0),
+        gathers=io.get("gathers", 0),
+        read_ceiling_gbs=ceiling,
+        read_ceiling_source=source,
+    )

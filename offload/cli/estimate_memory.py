@@ -9,10 +9,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from offload.estimate.activations import ActivationSettings
-from offload.estimate.counting import count_parameters, hf_activation_shape, load_model_on_meta
+from offload.estimate.counting import (
+    count_parameters,
+    hf_activation_shape,
+    hf_config_path,
+    load_model_on_meta,
+    read_json_file,
+)
 from offload.estimate.deepspeed_compat import DEFAULT_ADDITIONAL_BUFFER_FACTOR, deepspeed_rows
 from offload.estimate.ds_config import ConfigChoices, read_ds_config
 from offload.estimate.errors import EstimateInputError
@@ -29,6 +35,14 @@ from offload.estimate.formulas import (
     estimate_all,
     largest_layer_heuristic,
 )
+from offload.estimate.inference import (
+    InferenceSetup,
+    estimate_inference,
+    inference_choices,
+    kv_cache_shape,
+    render_inference,
+    unit_numels,
+)
 from offload.estimate.machine import (
     MachineProfile,
     check_fit,
@@ -37,7 +51,7 @@ from offload.estimate.machine import (
     recommend,
 )
 from offload.estimate.report import deepspeed_json, estimates_json, render_deepspeed, render_estimates
-from offload.estimate.units import parse_count
+from offload.estimate.units import format_count, parse_count
 
 PROG = "ds-estimate-memory"
 HEURISTIC_SOURCE = "heuristic; pass --largest-layer for the exact value"
@@ -193,6 +207,26 @@ def build_parser() -> argparse.ArgumentParser:
         " --activation-checkpointing; default: the --config's section, else none)",
     )
 
+    inf = parser.add_argument_group(
+        "inference (--inference: an engine without an optimizer; --seq-len: prompt plus new tokens)"
+    )
+    inf.add_argument(
+        "--inference",
+        action="store_true",
+        help="estimate ZeRO-Inference: weights per tier, gathered layer, prefetch buffers and KV cache",
+    )
+    inf.add_argument("--kv-heads", type=_positive_int("--kv-heads"), help="key/value heads (default: heads)")
+    inf.add_argument("--head-dim", type=_positive_int("--head-dim"), help="default hidden size / heads")
+    inf.add_argument(
+        "--weight-bits",
+        type=int,
+        choices=(4, 8),
+        help="quantized weights (weight_quantization.quantized_initialization.num_bits)",
+    )
+    inf.add_argument(
+        "--weight-group-size", type=_positive_int("--weight-group-size"), help="quantization group (64)"
+    )
+
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print JSON instead of a table")
     out.add_argument(
@@ -340,6 +374,8 @@ def run(argv: Optional[Sequence[str]] = None) -> str:
     """Parse argv and return the text to print; raises EstimateInputError on bad input."""
     args = build_parser().parse_args(argv)
     config = read_ds_config(args.config) if args.config else None
+    if args.inference:
+        return _run_inference(args, config)
     stages, opts, pars = _choices(args, config)
 
     if args.deepspeed_compat:
@@ -396,6 +432,92 @@ def run(argv: Optional[Sequence[str]] = None) -> str:
     if args.json:
         return json.dumps(estimates_json(setup, estimates, source, checks, machine, recommended), indent=2)
     return render_estimates(setup, estimates, source, checks, machine, recommended)
+
+
+def _inference_units(args: argparse.Namespace) -> Tuple[List[int], Dict[str, object]]:
+    """(the stage-3 units, the model's config.json or {}): counted on the meta device with --model; with
+    --params, units of --largest-layer elements (the heuristic's without it) and one with the rest."""
+    if args.model is not None and args.params is not None:
+        raise EstimateInputError("give either --params or --model, not both")
+    if args.model is not None:
+        units = unit_numels(load_model_on_meta(args.model))
+        path = hf_config_path(args.model)
+        hf = read_json_file(path, "--model") if path else {}
+        return units, hf if isinstance(hf, dict) else {}
+    params, largest, _ = _model_sizes(args)
+    whole, rest = divmod(params, largest)
+    return [largest] * whole + ([rest] if rest else []), {}
+
+
+def _run_inference(args: argparse.Namespace, config: Optional[ConfigChoices]) -> str:
+    """--inference: one estimate per offload_param choice (the flag, else the config's, else all three)."""
+    if args.offload_optimizer is not None or args.optimizer is not None:
+        raise EstimateInputError(
+            "--inference has no optimizer: leave out --offload-optimizer and --optimizer"
+        )
+    if args.stage not in (None, 3) or (config is not None and config.stage not in (None, 3)):
+        raise EstimateInputError("--inference estimates stage 3 (weights streamed from offload_param)")
+    units, hf = _inference_units(args)
+    extra = inference_choices(args.config)
+    if args.weight_bits is not None:
+        extra["weight_bits"] = args.weight_bits
+    if args.weight_group_size is not None:
+        extra["group_size"] = args.weight_group_size
+    kv = None
+    if args.seq_len is not None:
+        shape = dict(hf)
+        for key, flag in (
+            ("num_hidden_layers", args.num_layers),
+            ("num_attention_heads", args.num_heads),
+            ("hidden_size", args.hidden_size),
+            ("num_key_value_heads", args.kv_heads),
+            ("head_dim", args.head_dim),
+        ):
+            if flag is not None:
+                shape[key] = flag
+        kv = kv_cache_shape(shape, "--model" if hf else "--num-layers/--num-heads/--hidden-size")
+    batch = args.batch_size if args.batch_size is not None else (config.micro_batch_size if config else None)
+    if args.seq_len is not None and batch is None:
+        raise EstimateInputError(
+            "--seq-len needs --batch-size (or train_micro_batch_size_per_gpu in --config)"
+        )
+    precision = args.precision or (config.precision if config else None) or "bf16"
+    tiers = [args.offload_param] if args.offload_param else None
+    if tiers is None:
+        tiers = [config.offload_param] if config and config.offload_param else ["none", "cpu", "nvme"]
+    estimates = [
+        estimate_inference(
+            InferenceSetup(
+                units=tuple(units),
+                precision=precision,
+                offload_param=tier,
+                buffers=_buffers(args, config),
+                world_size=args.gpus_per_node * args.nodes,
+                batch_size=batch if kv is not None else None,
+                seq_len=args.seq_len,
+                kv=kv,
+                **extra,  # type: ignore[arg-type]
+            )
+        )
+        for tier in tiers
+    ]
+    params = sum(units)
+    header = [
+        f"Inference (no optimizer), stage 3: {format_count(params)} params in {len(units)} units, largest "
+        f"{format_count(max(units))}, {precision}, {args.gpus_per_node * args.nodes} rank(s); bytes per rank",
+        "KV cache: "
+        + (
+            f"batch {batch} x {args.seq_len} positions, {kv.num_layers} layers x {kv.num_kv_heads} kv "
+            f"heads x head dim {kv.head_dim}"
+            if kv is not None
+            else "not counted (give --batch-size and --seq-len)"
+        ),
+    ]
+    if args.json:
+        return json.dumps(
+            {"params": params, "units": len(units), "rows": [e.to_dict() for e in estimates]}, indent=2
+        )
+    return render_inference(estimates, header)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -55,6 +55,8 @@ class ParamIOReport:
     gathers: int = 0  # units made whole
     peak_full_bytes: int = 0  # most bytes of whole (gathered) units alive at once, over the interval
     device_to_host_bytes: int = 0  # gradients copied to the host partition parameter by parameter
+    host_to_device_bytes: int = 0  # partitions copied from host memory (tier or staging slot) to a GPU
+    peak_prefetch_depth: int = 0  # most NVMe prefetches in flight at once over the interval
 
     def as_dict(self) -> Dict[str, int]:
         """The counts by field name."""
@@ -117,6 +119,8 @@ class Stage3Partitioner:
         self.live_numel = 0
         self.peak_live_numel = 0
         self.gathers = 0
+        self.host_to_device_bytes = 0
+        self.peak_prefetch_depth = 0
         self._closed = False
         self.hooks: Optional[Stage3Hooks] = None
 
@@ -200,6 +204,10 @@ class Stage3Partitioner:
             self._free(kept)
         full = self.partition_as_full(unit)
         if full is None:
+            if self.device.type != "cpu":
+                mem = self.store.memory_partition(unit)
+                if mem is None or mem.device.type == "cpu":  # from a host tier or an NVMe staging slot
+                    self.host_to_device_bytes += unit.part_nbytes
             full = torch.empty(unit.padded_numel, dtype=unit.dtype, device=self.device)
             if self.world_size == 1:
                 self.store.read(unit, full)
@@ -232,6 +240,9 @@ class Stage3Partitioner:
         """Record a use of `unit` (after its read: prefetches queued now must not take the slot it needs)."""
         if self.use_trace.record(unit, self.live_numel):
             self._drop_kept()
+        if self.store.tier == "nvme":
+            depth = sum(1 for u in self.units if self.store.prefetching(u))
+            self.peak_prefetch_depth = max(self.peak_prefetch_depth, depth)
 
     def fetch(self, unit: Unit) -> None:
         """Hold `unit` whole on the device until the matching `release`."""
@@ -402,9 +413,12 @@ class Stage3Partitioner:
             gathers=self.gathers,
             peak_full_bytes=self.peak_full_bytes,
             device_to_host_bytes=self.grads.device_to_host_bytes,
+            host_to_device_bytes=self.host_to_device_bytes,
+            peak_prefetch_depth=self.peak_prefetch_depth,
         )
         st.bytes_read = st.bytes_written = st.reads = st.prefetches = st.prefetch_hits = st.cpu_bytes_read = 0
-        self.gathers = self.grads.device_to_host_bytes = 0
+        self.gathers = self.grads.device_to_host_bytes = self.host_to_device_bytes = 0
+        self.peak_prefetch_depth = 0
         self.peak_full_bytes = self.live_full_bytes
         return report
 
