@@ -527,6 +527,69 @@ def test_sr_independent_of_threads_and_level():
     assert all(torch.equal(r, results[0]) for r in results)
 
 
+def test_optimizer_classes_with_stochastic_rounding_match_functional():
+    gen = torch.Generator().manual_seed(5)
+    shapes = [(300, 7), (5000,)]
+    params = [torch.randn(s, generator=gen) for s in shapes]
+    grads = [[torch.randn(s, generator=gen) * 1e-2 for s in shapes] for _ in range(3)]
+    ours = [p.clone().requires_grad_() for p in params]
+    adam = ops.CPUAdam(
+        ours, lr=1e-3, weight_decay=0.01, fp32_optimizer_states=False, stochastic_rounding=True, seed=9
+    )
+    ref = [p.clone() for p in params]
+    ref_states = [
+        (torch.zeros(s, dtype=torch.bfloat16), torch.zeros(s, dtype=torch.bfloat16)) for s in shapes
+    ]
+    for step, gs in enumerate(grads, start=1):
+        for p, g in zip(ours, gs):
+            p.grad = g.clone()
+        adam.step()
+        for pi, (p, g, (m, v)) in enumerate(zip(ref, gs, ref_states)):
+            ops.adam_update(p, g, m, v, step=step, **ADAM, stochastic_rounding=True, seed=9 + pi)
+    for p, r, (m, v) in zip(ours, ref, ref_states):
+        st = adam.state[p]
+        assert torch.equal(p.detach(), r)
+        assert torch.equal(st["exp_avg"].view(torch.int16), m.view(torch.int16))
+        assert torch.equal(st["exp_avg_sq"].view(torch.int16), v.view(torch.int16))
+    # SR differs from nearest-even rounding (the option reached the kernel)
+    rne = [p.clone().requires_grad_() for p in params]
+    plain = ops.CPUAdam(rne, lr=1e-3, weight_decay=0.01, fp32_optimizer_states=False)
+    for gs in grads:
+        for p, g in zip(rne, gs):
+            p.grad = g.clone()
+        plain.step()
+    assert not torch.equal(plain.state[rne[1]]["exp_avg"], adam.state[ours[1]]["exp_avg"])
+
+    ours = [p.clone().requires_grad_() for p in params]
+    ada = ops.CPUAdagrad(
+        ours, lr=1e-2, lr_decay=0.1, fp32_optimizer_states=False, stochastic_rounding=True, seed=3
+    )
+    ref = [p.clone() for p in params]
+    sums = [torch.zeros(s, dtype=torch.bfloat16) for s in shapes]
+    for step, gs in enumerate(grads, start=1):
+        for p, g in zip(ours, gs):
+            p.grad = g.clone()
+        ada.step()
+        clr = 1e-2 / (1 + (step - 1) * 0.1)
+        for pi, (p, g, s) in enumerate(zip(ref, gs, sums)):
+            ops.adagrad_update(
+                p, g, s, lr=clr, eps=1e-10, weight_decay=0.0, stochastic_rounding=True, seed=3 + pi, step=step
+            )
+    for p, r, s in zip(ours, ref, sums):
+        assert torch.equal(p.detach(), r)
+        assert torch.equal(ada.state[p]["sum"].view(torch.int16), s.view(torch.int16))
+
+
+def test_optimizer_classes_reject_sr_with_fp32_states():
+    p = [torch.zeros(3, requires_grad=True)]
+    with pytest.raises(ValueError, match="fp32_optimizer_states=False"):
+        ops.CPUAdam(p, stochastic_rounding=True)
+    with pytest.raises(ValueError, match="fp32_optimizer_states=False"):
+        ops.CPUAdagrad(p, stochastic_rounding=True)
+    with pytest.raises(ValueError, match="seed"):
+        ops.CPUAdamW(p, fp32_optimizer_states=False, stochastic_rounding=True, seed=2**64)
+
+
 # ---- bad inputs ------------------------------------------------------------------------------------
 
 
