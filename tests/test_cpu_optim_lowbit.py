@@ -353,6 +353,39 @@ def test_fused_kernel_equals_torch_statement_at_every_level(state, n):
                     assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (level, threads)
 
 
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("copy_dtype", [None, torch.float16])
+def test_low_bit_states_with_16bit_params_grads_and_copies(param_dtype, grad_dtype, copy_dtype):
+    n = 2 * QUANT_BLOCK + 13
+    for state in ("u8", "sr"):
+        p0, g0, m0, v0, am0, av0 = adam_inputs(n, state, seed=7)
+        p0, g0 = p0.to(param_dtype), g0.to(grad_dtype)
+        ref = clone_all([p0, g0, m0, v0, am0, av0])
+        ref_copy = None if copy_dtype is None else torch.empty(n, dtype=copy_dtype)
+        run_adam_reference(*ref, step=2, sr=state == "sr", seed=4, copy=ref_copy)
+        for level in LEVELS:
+            ops.force_simd_level(level)
+            p, g, m, v, am, av = clone_all([p0, g0, m0, v0, am0, av0])
+            copy = None if copy_dtype is None else torch.empty(n, dtype=copy_dtype)
+            ops.adam_update(
+                p,
+                g,
+                m,
+                v,
+                step=2,
+                **ADAM,
+                param_copy=copy,
+                exp_avg_absmax=am,
+                exp_avg_sq_absmax=av,
+                stochastic_rounding=state == "sr",
+                seed=4,
+            )
+            for a, b in zip([p, m, v, am, av, copy], [ref[0], ref[2], ref[3], ref[4], ref[5], ref_copy]):
+                if a is not None:
+                    assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (state, level)
+
+
 @pytest.mark.parametrize("n", [1, 2049, 70_001])
 def test_lion_adagrad_fused_equal_torch_statement(n):
     base = adam_inputs(n, "u8", seed=n)
