@@ -11,7 +11,10 @@ What is asserted, and against what:
   widen, fp32 update, re-quantize / stochastically round), at every SIMD level and thread count;
 - 8-bit Adam over many steps stays close to fp32 Adam;
 - stochastic rounding: reproducible, seed- and step-dependent, unbiased within a statistical bound;
-- every bad input raises ValueError before anything is written.
+- every bad input raises ValueError before anything is written;
+- the kernels under ASan + UBSan (slow).
+Longer than 500 lines because the float64 statement of the code, the torch statement of the fused step
+and the tests that use them belong together.
 """
 
 from __future__ import annotations
