@@ -18,7 +18,14 @@ ceiling at equal bandwidth.
 To fit in memory every contender updates the same param and grad tensors (values drift differently per
 optimizer, which does not change the work done); each keeps its own optimizer state.
 
+The state-dtype table (section `dtypes`) times the functional Adam step over one flat fp32 param with its
+states in fp32, bf16 (round to nearest even), bf16 with stochastic rounding and 8-bit block-quantized
+codes, interleaved, and reports elements/s and the state bytes per element (param and grad are fp32 in
+all four: 8 + 8 bytes moved for them, plus 2 x 4 x 2 / 2 x 2 x 2 / 2 x 2 x 2 / 2 x 1 x 2 for the states,
+and 2 x 8 / 2048 for the two absmax arrays of the 8-bit states).
+
     .venv/bin/python -m benchmarks.bench_cpu_optim [--sizes 50e6,200e6] [--threads 2] [--repeats 5]
+        [--sections main,dtypes]
 """
 
 from __future__ import annotations
@@ -49,7 +56,12 @@ BYTES = {
     "native read": 4,
     "native scale": 12,
     "native triad": 16,
+    "states fp32": 28,
+    "states bf16": 20,
+    "states bf16+SR": 20,
+    "states int8": 16,
 }
+STATE_BYTES = {"fp32": 8, "bf16": 4, "bf16+SR": 4, "int8": 2}  # per element, both Adam states together
 
 
 def _make_params(n: int, pieces: int) -> List[torch.Tensor]:
@@ -108,6 +120,53 @@ def _contenders(params: List[torch.Tensor], with_copy: bool) -> Dict[str, Callab
         "ours+copy plain stores": lambda: ours_with_copy("none"),
         "torch_fused+copy": torch_then_copy,
     }
+
+
+def _state_dtype_contenders(n: int) -> Dict[str, Callable[[], None]]:
+    # One flat fp32 param, functional Adam, the four state formats. The states start from a first step so
+    # that the 8-bit codes and absmax hold realistic values.
+    p = torch.empty(n).uniform_(-1.0, 1.0)
+    g = torch.empty(n).uniform_(-1e-2, 1e-2)
+    nb = (n + ops.QUANT_BLOCK - 1) // ops.QUANT_BLOCK
+    kinds = {
+        "fp32": dict(exp_avg=torch.zeros(n), exp_avg_sq=torch.zeros(n)),
+        "bf16": dict(
+            exp_avg=torch.zeros(n, dtype=torch.bfloat16), exp_avg_sq=torch.zeros(n, dtype=torch.bfloat16)
+        ),
+        "bf16+SR": dict(
+            exp_avg=torch.zeros(n, dtype=torch.bfloat16),
+            exp_avg_sq=torch.zeros(n, dtype=torch.bfloat16),
+            stochastic_rounding=True,
+            seed=1,
+        ),
+        "int8": dict(
+            exp_avg=torch.zeros(n, dtype=torch.uint8),
+            exp_avg_sq=torch.zeros(n, dtype=torch.uint8),
+            exp_avg_absmax=torch.zeros(nb),
+            exp_avg_sq_absmax=torch.zeros(nb),
+        ),
+    }
+    steps = {k: [0] for k in kinds}
+
+    def make(kind: str) -> Callable[[], None]:
+        def run() -> None:
+            steps[kind][0] += 1
+            ops.adam_update(
+                p,
+                g,
+                step=steps[kind][0],
+                lr=1e-4,
+                beta1=0.9,
+                beta2=0.999,
+                eps=1e-8,
+                weight_decay=0.01,
+                **kinds[kind],
+            )
+
+        run()
+        return run
+
+    return {f"states {k}": make(k) for k in kinds}
 
 
 def _bandwidth_references(n: int) -> Dict[str, Callable[[], None]]:
@@ -171,15 +230,40 @@ def main() -> None:
     parser.add_argument("--pieces", default="1,100", help="comma-separated tensor counts per size")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--sections", default="main,dtypes", help="main (step, copy, bandwidth), dtypes")
     args = parser.parse_args()
+    sections = set(args.sections.split(","))
 
     torch.set_num_threads(args.threads)
     ops.set_num_threads(args.threads)
     rows: List[List[object]] = []
     copy_rows: List[List[object]] = []
     ref_rows: List[List[object]] = []
+    dtype_rows: List[List[object]] = []
     raw: Dict[str, object] = {}
     for n in (int(float(s)) for s in args.sizes.split(",")):
+        if "dtypes" in sections:
+            results = interleave(_state_dtype_contenders(n), repeats=args.repeats, warmup=1)
+            base = results["states fp32"].median
+            for name, r in results.items():
+                kind = name.split(" ", 1)[1]
+                dtype_rows.append(
+                    [
+                        f"{n / 1e6:g}M",
+                        kind,
+                        STATE_BYTES[kind],
+                        r.median * 1e3,
+                        n / r.median / 1e6,
+                        n / r.minimum / 1e6,
+                        n * BYTES[name] / r.median / 1e9,
+                        base / r.median,
+                    ]
+                )
+                raw[f"{n}/dtypes/{name}"] = {"samples_s": r.samples, "median_s": r.median}
+            del results
+            gc.collect()
+        if "main" not in sections:
+            continue
         for pieces in (int(s) for s in args.pieces.split(",")):
             for with_copy in (False, True):
                 params = _make_params(n, pieces)
@@ -210,6 +294,25 @@ def main() -> None:
         "min ms",
         "max ms",
     ]
+    dtype_headers = [
+        "params",
+        "states",
+        "state bytes/elem",
+        "median ms",
+        "M elem/s (median)",
+        "M elem/s (best)",
+        "GB/s (median)",
+        "speedup vs fp32 states",
+    ]
+    dtype_table = (
+        f"Functional Adam step by state dtype, fp32 param and grad, {args.threads} threads, SIMD "
+        f"{ops.simd_level()}, {args.repeats} interleaved rounds\n\n"
+        + markdown_table(dtype_headers, dtype_rows)
+    )
+    if "main" not in sections:
+        payload = {"threads": args.threads, "simd": ops.simd_level(), "repeats": args.repeats, "runs": raw}
+        write_outputs("bench_cpu_optim", payload, dtype_table)
+        return
     table = (
         f"Adam step, fp32, {args.threads} threads, SIMD {ops.simd_level()}, "
         f"{args.repeats} interleaved rounds. GB/s: memory-system bytes (28/param); speedup vs torch fused\n\n"
@@ -219,7 +322,7 @@ def main() -> None:
         + markdown_table(headers, copy_rows)
         + "\n\nBandwidth reference: plain loops on our pool, then torch's elementwise passes (read 4, "
         "scale/copy 12, triad 16, cast 8 bytes/elem with RFO); 'speedup' is native triad's time over "
-        "this row's\n\n" + markdown_table(headers, ref_rows)
+        "this row's\n\n" + markdown_table(headers, ref_rows) + ("\n\n" + dtype_table if dtype_rows else "")
     )
     payload = {"threads": args.threads, "simd": ops.simd_level(), "repeats": args.repeats, "runs": raw}
     write_outputs("bench_cpu_optim", payload, table)

@@ -48,9 +48,10 @@ void set_lowbit(Arrays& a, uintptr_t absmax_a, uintptr_t absmax_b, bool stochast
 #define LOWBIT_ARGS2 \
     py::arg("exp_avg_absmax") = uintptr_t{0}, py::arg("exp_avg_sq_absmax") = uintptr_t{0}, LOWBIT_TAIL
 
-// (param, grad, state_a, state_b, copy, n, param_dtype, grad_dtype, state_dtype, copy_dtype, step, lr)
+// (param, grad, state_a, state_b, copy, n, param_dtype, grad_dtype, state_dtype, copy_dtype, step, lr,
+//  stochastic, sr_k0, sr_k1)
 using SegmentTuple = std::tuple<uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, size_t, int, int, int,
-                                int, int64_t, double>;
+                                int, int64_t, double, bool, uint32_t, uint32_t>;
 
 std::vector<Segment> make_segments(const std::vector<SegmentTuple>& tuples) {
     std::vector<Segment> out;
@@ -62,6 +63,9 @@ std::vector<Segment> make_segments(const std::vector<SegmentTuple>& tuples) {
         s.n = std::get<5>(t);
         s.step = std::get<10>(t);
         s.lr = std::get<11>(t);
+        s.arrays.stochastic = std::get<12>(t);
+        s.arrays.sr_k0 = std::get<13>(t);
+        s.arrays.sr_k1 = std::get<14>(t);
         out.push_back(s);
     }
     return out;

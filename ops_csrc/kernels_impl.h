@@ -30,6 +30,14 @@
 
 #include "cpu_optim.h"
 
+// The per-element helpers below run once per vector (per element in the scalar build, where GCC would
+// otherwise leave the optimizer math as a call with its outputs in memory): always inlined.
+#if defined(__GNUC__) || defined(__clang__)
+#define ZO_INLINE __attribute__((always_inline)) inline
+#else
+#define ZO_INLINE inline
+#endif
+
 namespace zo_optim {
 namespace {
 
@@ -177,7 +185,7 @@ inline uint32_t sr_key(const Arrays& a, uint32_t hi) {
 // 32 random bits for each lane: lowbias32(lo32(gi + lane) ^ sr_key(hi32(gi + lane))). They depend only on
 // the keys and the element index, never on the thread or ISA that computes them.
 template <class I>
-inline typename I::VI sr_random(const Arrays& a, size_t gi) {
+ZO_INLINE typename I::VI sr_random(const Arrays& a, size_t gi) {
     using VI = typename I::VI;
     const uint64_t first = gi, last = gi + I::W - 1;
     VI x;
@@ -202,7 +210,7 @@ inline typename I::VI sr_random(const Arrays& a, size_t gi) {
 // Random bits for a state of dtype ST (only kBF16SR uses them; the others get a constant the compiler
 // drops).
 template <class I, int ST>
-inline typename I::VI state_random(const Arrays& a, size_t gi) {
+ZO_INLINE typename I::VI state_random(const Arrays& a, size_t gi) {
     if constexpr (ST == kBF16SR) {
         return sr_random<I>(a, gi);
     } else {
@@ -214,7 +222,7 @@ inline typename I::VI state_random(const Arrays& a, size_t gi) {
 // below bf16's last kept bit and truncates, so a value rounds up in magnitude with probability equal to
 // the dropped fraction. NaN stores 0xFFFF as in the nearest-even path. Other dtypes: the plain store.
 template <class I, int ST, bool Stream, bool Hi>
-inline void store_state(void* base, size_t i, typename I::V v, typename I::VI rnd) {
+ZO_INLINE void store_state(void* base, size_t i, typename I::V v, typename I::VI rnd) {
     if constexpr (ST == kBF16SR) {
         using VI = typename I::VI;
         const VI r16 = Hi ? I::template isrl<16>(rnd) : I::iand(rnd, I::iset1(0xFFFF));
@@ -232,7 +240,7 @@ inline void store_state(void* base, size_t i, typename I::V v, typename I::VI rn
 // is the fp32 with exponent e - emax and mantissa m (bits (c << 20) + ((127 - emax) << 23)), a subnormal
 // one (e = 0) is m * 2^(-emax-2). Signed codes carry the sign in bit 7.
 template <class I, bool Signed>
-inline typename I::V decode8(const uint8_t* p) {
+ZO_INLINE typename I::V decode8(const uint8_t* p) {
     using VI = typename I::VI;
     constexpr int emax = Signed ? kEmaxSigned : kEmaxUnsigned;
     const VI c = I::load_u8(p);
@@ -250,7 +258,7 @@ inline typename I::V decode8(const uint8_t* p) {
 // the nearest code, ties to even: round-to-nearest-even of r's fp32 bits to 3 mantissa bits for
 // r >= 2^(1-emax), else the nearest multiple of 2^(-emax-2). A negative x with a nonzero code gets bit 7.
 template <class I, bool Signed>
-inline void encode8(uint8_t* p, typename I::V x, typename I::V inv, typename I::V absmax, bool use_div) {
+ZO_INLINE void encode8(uint8_t* p, typename I::V x, typename I::V inv, typename I::V absmax, bool use_div) {
     using V = typename I::V;
     using VI = typename I::VI;
     constexpr int emax = Signed ? kEmaxSigned : kEmaxUnsigned;
@@ -392,7 +400,7 @@ struct AdamMath {
           unscale(c.unscale),
           lerp_small(c.lerp_small),
           decay_mode(c.decay_mode) {}
-    void operator()(V g, V& p, V& m, V& v) const {
+    ZO_INLINE void operator()(V g, V& p, V& m, V& v) const {
         if (unscale) g = I::div(g, grad_scale);
         if (decay_mode == 1) {
             p = I::mul(p, decay_mul);
@@ -422,7 +430,7 @@ struct AdagradMath {
           neg_lr(I::set1(c.neg_lr)),
           unscale(c.unscale),
           l2(c.l2) {}
-    void operator()(V g, V& p, V& s, V&) const {
+    ZO_INLINE void operator()(V g, V& p, V& s, V&) const {
         if (unscale) g = I::div(g, grad_scale);
         if (l2) g = I::fmadd(p, wd, g);
         s = I::fmadd(g, g, s);
@@ -449,7 +457,7 @@ struct LionMath {
           neg_lr(I::set1(c.neg_lr)),
           unscale(c.unscale),
           decay(c.decay) {}
-    void operator()(V g, V& p, V& m, V&) const {
+    ZO_INLINE void operator()(V g, V& p, V& m, V&) const {
         if (unscale) g = I::div(g, grad_scale);
         if (decay) p = I::mul(p, decay_mul);
         const V update = I::sign(I::fmadd(g, omb1, I::mul(m, beta1)));

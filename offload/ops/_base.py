@@ -7,6 +7,8 @@ from typing import Any, Dict, Iterator, Tuple
 
 import torch
 
+from .quant import check_seed
+
 
 class CPUOptimizerBase(torch.optim.Optimizer):
     """torch.optim.Optimizer with per-parameter state kept in fp32 (or bf16) on the CPU.
@@ -23,6 +25,25 @@ class CPUOptimizerBase(torch.optim.Optimizer):
     def _state_dtype(group: Dict[str, Any]) -> torch.dtype:
         return torch.float32 if group.get("fp32_optimizer_states", True) else torch.bfloat16
 
+    @staticmethod
+    def _check_rounding(fp32_optimizer_states: bool, stochastic_rounding: bool, seed: int) -> None:
+        if not isinstance(stochastic_rounding, bool):
+            raise ValueError(f"stochastic_rounding must be a bool, got {stochastic_rounding!r}")
+        check_seed(seed)
+        if stochastic_rounding and fp32_optimizer_states:
+            raise ValueError(
+                "stochastic_rounding=True applies to bf16 optimizer states: pass fp32_optimizer_states=False"
+            )
+
+    @staticmethod
+    def _rounding(group: Dict[str, Any], gi: int, pi: int) -> Dict[str, Any]:
+        """make_segment's stochastic-rounding arguments for param pi of group gi: its own seed,
+        seed + gi * 2^32 + pi (mod 2^64), so that tensors of one step draw different bits."""
+        if not group.get("stochastic_rounding", False):
+            return {}
+        seed = (int(group.get("seed", 0)) + (gi << 32) + pi) & 0xFFFFFFFFFFFFFFFF
+        return {"stochastic_rounding": True, "seed": seed}
+
     def __setstate__(self, state: Dict[str, Any]) -> None:
         super().__setstate__(state)
         # A state_dict from a torch optimizer lacks our keys: fill them from this instance's defaults.
@@ -33,8 +54,9 @@ class CPUOptimizerBase(torch.optim.Optimizer):
         for key, value in self.defaults.items():
             group.setdefault(key, value)
 
-    def _params_with_grad(self, gi: int, group: Dict[str, Any]) -> Iterator[Tuple[torch.Tensor, str]]:
-        """Yields (param, where) for each param of group `gi` with a grad; `where` names it for errors."""
+    def _params_with_grad(self, gi: int, group: Dict[str, Any]) -> Iterator[Tuple[torch.Tensor, str, int]]:
+        """Yields (param, where, pi) for each param of group `gi` with a grad; `where` names it for errors,
+        pi is its index in the group."""
         for pi, p in enumerate(group["params"]):
             if p.grad is None:
                 continue
@@ -43,7 +65,7 @@ class CPUOptimizerBase(torch.optim.Optimizer):
                 raise ValueError(f"{where}: sparse gradients are not supported")
             if p.grad.shape != p.shape:
                 raise ValueError(f"{where}: grad has shape {tuple(p.grad.shape)}")
-            yield p, where
+            yield p, where, pi
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         saved_state = state_dict["state"]

@@ -16,7 +16,8 @@ class CPUAdagrad(CPUOptimizerBase):
     """Adagrad on CPU tensors (torch.optim.Adagrad's arguments; state `sum` and `step`).
 
     As in torch, state is created at construction (sum filled with initial_accumulator_value). Sparse
-    grads are rejected.
+    grads are rejected. With fp32_optimizer_states=False the sum is bf16, rounded to nearest even or, with
+    stochastic_rounding=True, stochastically (bits hashed from seed + param position, step, element index).
     """
 
     _state_keys = ("sum",)
@@ -30,6 +31,8 @@ class CPUAdagrad(CPUOptimizerBase):
         initial_accumulator_value: float = 0.0,
         eps: float = 1e-10,
         fp32_optimizer_states: bool = True,
+        stochastic_rounding: bool = False,
+        seed: int = 0,
     ) -> None:
         for name, value in (
             ("learning rate", lr),
@@ -40,6 +43,7 @@ class CPUAdagrad(CPUOptimizerBase):
         ):
             if not value >= 0.0:
                 raise ValueError(f"Invalid {name} value: {value}")
+        self._check_rounding(fp32_optimizer_states, stochastic_rounding, seed)
         defaults = dict(
             lr=lr,
             lr_decay=lr_decay,
@@ -47,6 +51,8 @@ class CPUAdagrad(CPUOptimizerBase):
             initial_accumulator_value=initial_accumulator_value,
             eps=eps,
             fp32_optimizer_states=fp32_optimizer_states,
+            stochastic_rounding=stochastic_rounding,
+            seed=seed,
         )
         super().__init__(params, defaults)
         for group in self.param_groups:
@@ -64,7 +70,7 @@ class CPUAdagrad(CPUOptimizerBase):
                 loss = closure()
         for gi, group in enumerate(self.param_groups):
             segments, states = [], []
-            for p, where in self._params_with_grad(gi, group):
+            for p, where, pi in self._params_with_grad(gi, group):
                 state = self.state[p]
                 if len(state) == 0:  # a param added after construction (add_param_group)
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)
@@ -75,7 +81,8 @@ class CPUAdagrad(CPUOptimizerBase):
                 # Same expression as torch's _single_tensor_adagrad, in double precision.
                 clr = group["lr"] / (1 + (step - 1) * group["lr_decay"])
                 try:
-                    segments.append(make_segment(p, p.grad, state["sum"], lr=clr))
+                    rounding = self._rounding(group, gi, pi)
+                    segments.append(make_segment(p, p.grad, state["sum"], step=int(step), lr=clr, **rounding))
                 except (ValueError, TypeError) as exc:
                     raise type(exc)(f"{where}: {exc}") from None
                 states.append(state)

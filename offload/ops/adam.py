@@ -27,7 +27,9 @@ class CPUAdam(CPUOptimizerBase):
     """Adam (adamw_mode=False, L2 decay) or AdamW (adamw_mode=True, decoupled decay) on CPU tensors.
 
     Same constructor as DeepSpeed's DeepSpeedCPUAdam. Params may be fp32, bf16 or fp16 (updated in fp32
-    and rounded once); optimizer states are fp32, or bf16 with fp32_optimizer_states=False. State layout
+    and rounded once); optimizer states are fp32, or bf16 with fp32_optimizer_states=False (rounded to
+    nearest even, or stochastically with stochastic_rounding=True: bits hashed from (seed + param position,
+    step, element index), see docs/cpu_optimizers.md). State layout
     (`step` as a float32 tensor, `exp_avg`, `exp_avg_sq`) is torch.optim.Adam's, so state_dicts move both
     ways between this class and torch.optim.Adam/AdamW. amsgrad is not supported (ValueError).
     """
@@ -45,10 +47,13 @@ class CPUAdam(CPUOptimizerBase):
         amsgrad: bool = False,
         adamw_mode: bool = True,
         fp32_optimizer_states: bool = True,
+        stochastic_rounding: bool = False,
+        seed: int = 0,
     ) -> None:
         if amsgrad:
             raise ValueError("CPUAdam does not support amsgrad=True")
         _check_hyper(lr, betas, eps, weight_decay)
+        self._check_rounding(fp32_optimizer_states, stochastic_rounding, seed)
         defaults = dict(
             lr=lr,
             betas=tuple(betas),
@@ -58,6 +63,8 @@ class CPUAdam(CPUOptimizerBase):
             amsgrad=False,
             adamw_mode=adamw_mode,
             fp32_optimizer_states=fp32_optimizer_states,
+            stochastic_rounding=stochastic_rounding,
+            seed=seed,
         )
         super().__init__(model_params, defaults)
 
@@ -77,7 +84,7 @@ class CPUAdam(CPUOptimizerBase):
             if group.get("amsgrad", False):
                 raise ValueError(f"param group {gi}: amsgrad is not supported")
             segments, states = [], []
-            for p, where in self._params_with_grad(gi, group):
+            for p, where, pi in self._params_with_grad(gi, group):
                 state = self.state[p]
                 if len(state) == 0:
                     dtype = self._state_dtype(group)
@@ -86,7 +93,16 @@ class CPUAdam(CPUOptimizerBase):
                     state["exp_avg_sq"] = torch.zeros(p.shape, dtype=dtype)
                 step = int(state["step"].item()) + 1
                 try:
-                    segments.append(make_segment(p, p.grad, state["exp_avg"], state["exp_avg_sq"], step=step))
+                    segments.append(
+                        make_segment(
+                            p,
+                            p.grad,
+                            state["exp_avg"],
+                            state["exp_avg_sq"],
+                            step=step,
+                            **self._rounding(group, gi, pi),
+                        )
+                    )
                 except (ValueError, TypeError) as exc:
                     raise type(exc)(f"{where}: {exc}") from None
                 states.append(state)
@@ -121,6 +137,8 @@ class CPUAdamW(CPUAdam):
         weight_decay: float = 0.0,
         amsgrad: bool = False,
         fp32_optimizer_states: bool = True,
+        stochastic_rounding: bool = False,
+        seed: int = 0,
     ) -> None:
         super().__init__(
             model_params,
@@ -132,4 +150,6 @@ class CPUAdamW(CPUAdam):
             amsgrad=amsgrad,
             adamw_mode=True,
             fp32_optimizer_states=fp32_optimizer_states,
+            stochastic_rounding=stochastic_rounding,
+            seed=seed,
         )

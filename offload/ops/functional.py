@@ -334,14 +334,18 @@ def make_segment(
     *,
     step: int = 1,
     lr: float = 0.0,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
 ) -> tuple:
     """Validates one tensor of a multi-tensor step (the optimizers' batched path) and packs its pointers.
 
-    state_a/state_b are named exp_avg/exp_avg_sq in errors; `step` (Adam) and `lr` (Adagrad) are per
-    tensor. The tuple holds raw addresses: keep the tensors alive until the step has run.
+    state_a/state_b are named exp_avg/exp_avg_sq in errors; `step` (Adam's bias correction, and the
+    stochastic-rounding hash) and `lr` (Adagrad) are per tensor. The tuple holds raw addresses: keep the
+    tensors alive until the step has run.
     """
     states = {"exp_avg": state_a} if state_b is None else {"exp_avg": state_a, "exp_avg_sq": state_b}
-    n, pc, gc, sc, _ = _check_common(param, grad, states, None, 1.0)
+    n, pc, gc, sc, _ = _check_common(param, grad, states, None, 1.0, None, stochastic_rounding, seed)
+    k0, k1 = sr_keys(seed, step) if stochastic_rounding else (0, 0)
     return (
         param.data_ptr(),
         grad.data_ptr(),
@@ -355,6 +359,9 @@ def make_segment(
         _cpu_optim.NONE,
         int(step),
         float(lr),
+        stochastic_rounding,
+        k0,
+        k1,
     )
 
 

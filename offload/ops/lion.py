@@ -46,7 +46,7 @@ class CPULion(CPUOptimizerBase):
                 loss = closure()
         for gi, group in enumerate(self.param_groups):
             segments = []
-            for p, where in self._params_with_grad(gi, group):
+            for p, where, _ in self._params_with_grad(gi, group):
                 state = self.state[p]
                 if len(state) == 0:
                     state["exp_avg"] = torch.zeros(p.shape, dtype=self._state_dtype(group))

@@ -117,15 +117,6 @@ def dequantize_blockwise(q: torch.Tensor, absmax: torch.Tensor, signed: bool) ->
     return (value * scale).reshape(q.shape)
 
 
-def quantization_bound(x_abs: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor:
-    """Largest |x - dequantize(quantize(x))| allowed for magnitudes x_abs in blocks with `absmax`
-    (both broadcast per element): half a code step plus fp32 rounding of the scale multiply."""
-    emax = _EMAX[bool(signed)]
-    normal = x_abs.to(torch.float64) * 2.0**-4
-    sub = absmax.to(torch.float64) * 2.0 ** (-emax - 3)
-    return torch.maximum(normal, sub) * (1 + 2.0**-20) + absmax.to(torch.float64) * 2.0**-24
-
-
 # ---- stochastic rounding -------------------------------------------------------------------------
 
 
