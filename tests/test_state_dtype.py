@@ -121,7 +121,7 @@ def test_low_bit_nvme_one_copy_equals_no_offload(tmp_path, bf16_reference):
     cfg = bf16_config("nvme", tmp_path, 2, state_dtype=bf16_reference[-1])
     cfg["zero_optimization"]["offload_optimizer"]["nvme_copies"] = 1
     got = run(cfg)
-    assert got[3].copies == 1
+    assert got[3].copies == 1 and got[3].state_dtype == bf16_reference[-1]
     assert_same_run(got, bf16_reference)
 
 
@@ -135,6 +135,15 @@ def test_low_bit_with_backward_overlap_equals_no_offload(tmp_path, bf16_referenc
     sd = engine.optimizer.state_dict()
     engine.close()
     assert_same_run((losses, weights, sd), bf16_reference)
+
+
+def test_cuda_fused_device_step_refuses_low_bit_states():
+    """offload none on CUDA steps with torch's fused Adam, which keeps fp32 states: refused, not dropped."""
+    from zero.optimizer_offload import UpdateRule
+    from zero.optimizer_state import FusedDeviceStep
+
+    with pytest.raises(NotImplementedError, match="state_dtype='bf16'.*offload_optimizer.device cpu or nvme"):
+        FusedDeviceStep(UpdateRule("adamw", "bf16"), None, None)
 
 
 def test_client_optimizer_keeps_fp32_states(tmp_path):
