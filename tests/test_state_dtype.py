@@ -121,7 +121,7 @@ def test_low_bit_nvme_one_copy_equals_no_offload(tmp_path, bf16_reference):
     cfg = bf16_config("nvme", tmp_path, 2, state_dtype=bf16_reference[-1])
     cfg["zero_optimization"]["offload_optimizer"]["nvme_copies"] = 1
     got = run(cfg)
-    assert got[3].copies == 1
+    assert got[3].copies == 1 and got[3].state_dtype == bf16_reference[-1]
     assert_same_run(got, bf16_reference)
 
 
@@ -137,14 +137,47 @@ def test_low_bit_with_backward_overlap_equals_no_offload(tmp_path, bf16_referenc
     assert_same_run((losses, weights, sd), bf16_reference)
 
 
+def test_cuda_fused_device_step_refuses_low_bit_states():
+    """offload none on CUDA steps with torch's fused Adam, which keeps fp32 states: refused, not dropped."""
+    from zero.optimizer_offload import UpdateRule
+    from zero.optimizer_state import FusedDeviceStep
+
+    with pytest.raises(NotImplementedError, match="state_dtype='bf16'.*offload_optimizer.device cpu or nvme"):
+        FusedDeviceStep(UpdateRule("adamw", "bf16"), None, None)
+
+
 def test_client_optimizer_keeps_fp32_states(tmp_path):
-    """A torch optimizer passed in: its own (fp32) state dtype, whatever the ignored config block says."""
+    """A torch optimizer passed in keeps fp32 states, whatever the ignored config block says."""
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     engine, *_ = zero.initialize(model=model, optimizer=opt, config=bf16_config("cpu", tmp_path, 1))
     train(engine, 1)
     assert [s.dtype for s in engine.optimizer.state_dict()["states"]] == [torch.float32] * 2
     engine.close()
+
+
+def test_client_cpu_adam_with_16bit_states_gives_bf16_states(tmp_path):
+    """offload.ops.CPUAdam(fp32_optimizer_states=False) passed in: bf16 states, as from the config."""
+    from offload import ops
+
+    want = run(bf16_config("none", None, 0, state_dtype="bf16"))
+    model = make_model()
+    opt = ops.CPUAdam(
+        model.parameters(),
+        lr=1e-3,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        weight_decay=0.1,
+        fp32_optimizer_states=False,
+    )
+    cfg = base_config("none", tmp_path, stage=0)
+    del cfg["optimizer"]
+    engine, *_ = zero.initialize(model=model, optimizer=opt, config=cfg)
+    losses = train(engine, STEPS)
+    weights = {k: v.clone() for k, v in zero.consolidated_state_dict(engine).items()}
+    sd = engine.optimizer.state_dict()
+    engine.close()
+    assert_same_run((losses, weights, sd), want)
 
 
 # ------------------------------------------------------------------------------------ bytes per step

@@ -227,7 +227,8 @@ def rule_from_config(opt_type: str, params: Dict[str, Any]) -> Tuple[UpdateRule,
 
 
 def rule_from_client_optimizer(opt: torch.optim.Optimizer) -> Tuple[UpdateRule, Dict[str, Any]]:
-    """Translate a torch optimizer the user built into our rule + hyperparameters (its state is not used)."""
+    """Translate a torch optimizer the user built into our rule + hyperparameters (its state is not used);
+    an `offload.ops` optimizer built with `fp32_optimizer_states=False` gives bf16 states."""
     name = type(opt).__name__.lower()
     groups = opt.param_groups
     keys = ("lr", "betas", "eps", "weight_decay")
@@ -265,7 +266,10 @@ def rule_from_client_optimizer(opt: torch.optim.Optimizer) -> Tuple[UpdateRule, 
     if kind in ("adam", "adamw"):
         hyper["adamw_mode"] = adamw
         hyper["bias_correction"] = bool(g.get("bias_correction", True))
-    return UpdateRule(kind), hyper
+    # offload.ops' CPU optimizers (DeepSpeed's) keep bf16 states with fp32_optimizer_states=False; torch's
+    # have no such option and keep fp32 states
+    state_dtype = "fp32" if g.get("fp32_optimizer_states", True) else "bf16"
+    return UpdateRule(kind, state_dtype), hyper
 
 
 class DeviceState:

@@ -4,7 +4,11 @@ A tier (`StateTier`) holds master + states and walks them chunk by chunk:
 * `DeviceState` (zero.optimizer_offload): tensors in device memory (offload none) or page-locked host
   memory (offload cpu), updated in place;
 * `OptimizerSwapper` (offload.swap): swap files on NVMe streamed through pinned slots, two copies so a
-  pass is committed only when every chunk succeeded (one copy, in place, when the disk cannot hold two).
+  pass is committed only when every chunk succeeded (one copy, in place, with `nvme_copies` 1 or when the
+  disk cannot hold two).
+
+The master is fp32; the states are in the rule's `state_dtype` (fp32, bf16, or int8 codes with their
+absmax scales) on every tier, laid out by `offload.swap.slots.StateFormat`.
 
 `OptimizerState` runs a pass over the tier: the update rule's fused kernel on each chunk, then the
 parameter writer (zero.param_writer) copies the new weights out. It commits or drops the pass, puts the
@@ -85,6 +89,7 @@ class StateInfo:
     copies: int  # NVMe copies kept (2: steps are atomic); 1 for memory tiers
     pass_read_bytes: int  # NVMe bytes one full pass reads (0 for memory tiers)
     disk_bytes: int  # bytes of swap files
+    state_dtype: str = "fp32"  # the optimizer states' dtype ("fp32", "bf16", "int8"); the master is fp32
 
 
 def _disk_free(path: str) -> int:
@@ -340,6 +345,7 @@ class OptimizerState:
             copies=t.copies if swap else 1,
             pass_read_bytes=t.pass_bytes if swap else 0,
             disk_bytes=self.space.bytes_allocated if self.space is not None else 0,
+            state_dtype=self.rule.state_dtype,
         )
 
     # ------------------------------------------------------------------------------------ one pass

@@ -186,9 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--optimizer-state-dtype",
         choices=sorted(STATE_DTYPE_BYTES),
-        default="fp32",
-        help="optimizer.params.state_dtype: master + states are 12 (fp32), 8 (bf16) or 6 + scales (int8) "
-        "bytes per parameter for Adam",
+        help="optimizer.params.state_dtype (default: the --config's, else fp32): master + states are 12 "
+        "(fp32), 8 (bf16) or 6 + scales (int8) bytes per parameter for Adam",
     )
 
     act = parser.add_argument_group("activations (counted when --batch-size and --seq-len are given)")
@@ -416,7 +415,9 @@ def run(argv: Optional[Sequence[str]] = None) -> str:
         nodes=args.nodes,
         precision=precision,
         optimizer=optimizer,
-        optimizer_state_dtype=args.optimizer_state_dtype,
+        optimizer_state_dtype=args.optimizer_state_dtype
+        or (config.optimizer_state_dtype if config else None)
+        or "fp32",
         buffers=_buffers(args, config),
         activations=_activation_settings(args, config),
     )

@@ -29,6 +29,7 @@ class ConfigChoices:
     offload_param: Optional[str] = None
     precision: Optional[str] = None
     optimizer: Optional[str] = None  # lower-cased optimizer.type, not yet checked against the known ones
+    optimizer_state_dtype: Optional[str] = None  # optimizer.params.state_dtype / fp32_optimizer_states
     micro_batch_size: Optional[int] = None
     checkpoint_device: Optional[str] = None  # activation_checkpointing: "none", "cpu" or "nvme"
     buffers: Dict[str, object] = field(default_factory=dict)  # SwapBufferSettings keyword arguments
@@ -104,6 +105,11 @@ def read_ds_config(path: str) -> ConfigChoices:
     pin = _bool(opt_section, "pin_memory", where, prefix)
     if pin is not None:
         buffers["optimizer_pin_memory"] = pin
+    copies = opt_section.get("nvme_copies")
+    if copies is not None:
+        if copies not in ("auto", 1, 2) or isinstance(copies, bool):
+            raise EstimateInputError(f'{where}: {prefix}nvme_copies must be "auto", 1 or 2, got {copies!r}')
+        buffers["optimizer_nvme_copies"] = copies
 
     par_section = _section(zero, "offload_param", where, "zero_optimization.")
     prefix = "zero_optimization.offload_param."
@@ -168,6 +174,14 @@ def read_ds_config(path: str) -> ConfigChoices:
         if not isinstance(opt_type, str):
             raise EstimateInputError(f"{where}: optimizer.type must be a string, got {opt_type!r}")
         optimizer = opt_type.lower()
+    params = _section(opt, "params", where, "optimizer.")
+    state_dtype = params.get("state_dtype")
+    if state_dtype is None and params.get("fp32_optimizer_states") is False:
+        state_dtype = "bf16"
+    if state_dtype is not None and state_dtype not in ("fp32", "bf16", "int8"):
+        raise EstimateInputError(
+            f'{where}: optimizer.params.state_dtype must be "fp32", "bf16" or "int8", got {state_dtype!r}'
+        )
 
     micro_batch = _positive_int(config, "train_micro_batch_size_per_gpu", where, "")
     act = _section(config, "activation_checkpointing", where)
@@ -188,6 +202,7 @@ def read_ds_config(path: str) -> ConfigChoices:
         offload_param=offload_param,
         precision=precision,
         optimizer=optimizer,
+        optimizer_state_dtype=state_dtype,
         micro_batch_size=micro_batch,
         checkpoint_device=checkpoint_device,
         buffers=buffers,

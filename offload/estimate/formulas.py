@@ -81,8 +81,9 @@ class EnginePlacement:
     # An NVMe staging buffer is never larger than the rank's partition it stages, and there are never
     # more optimizer staging slots than sub-groups to stage.
     cap_swap_buffers_to_partition: bool
-    # Copies of master + states kept on NVMe: the swapper writes each step's result to the other copy and
-    # switches only when the whole step succeeded, so a failed step leaves the previous state intact.
+    # Copies of master + states kept on NVMe with nvme_copies "auto" or 2: the swapper writes each step's
+    # result to the other copy and switches only when the whole step succeeded, so a failed step leaves the
+    # previous state intact (SwapBufferSettings.optimizer_nvme_copies chooses; _nvme_copies).
     optimizer_nvme_copies: int
     # With the optimizer off the GPU, updated parameters go back to the GPU through this many pinned
     # staging slots of one sub-group each (compute dtype). Stages 0-2 only: stage 3 writes updated weights
@@ -94,8 +95,8 @@ class EnginePlacement:
     # Stage 3: the fp32 master is always its own copy (the parameter partitions live in their own tier,
     # 16-bit or fp32), so fp32 training keeps the parameters twice.
     stage3_master_separate: bool
-    # Stage 3 with NVMe optimizer state: the engine keeps optimizer_nvme_copies copies when nvme_path has
-    # room for them plus this headroom, else updates one copy in place (steps are then not atomic).
+    # NVMe optimizer state (every stage) with nvme_copies "auto": the engine keeps optimizer_nvme_copies
+    # copies when nvme_path has room for them plus this headroom, else updates one copy in place.
     stage3_nvme_copies_headroom: float
     # Stage 3 updated-weights staging: one chunk of min(sub_group_size, partition) compute-dtype elements in
     # pageable host memory (mixed precision only), and with NVMe parameters one pageable buffer of the
@@ -259,7 +260,12 @@ def _nvme_copies(
     choice = setup.buffers.optimizer_nvme_copies
     if choice == 1:
         return 1
-    need_two = 2 * one_copy * ENGINE_PLACEMENT.stage3_nvme_copies_headroom * setup.gpus_per_node
+    need_two = (
+        ENGINE_PLACEMENT.optimizer_nvme_copies
+        * one_copy
+        * ENGINE_PLACEMENT.stage3_nvme_copies_headroom
+        * setup.gpus_per_node
+    )
     if nvme_free_bytes is None or need_two <= nvme_free_bytes:
         return 2
     if choice == 2:
