@@ -446,7 +446,7 @@ def test_peak_rss_of_a_load_is_one_shard_and_one_layer(tmp_path, monkeypatch, qu
         f"{r['pinned'] / 2**20:.1f} + fixed {FIXED_ALLOWANCE / 2**20:.0f}; model "
         f"{model_bytes / 2**20:.1f} MiB in {len(shards)} shards"
     )
-    assert len(shards) >= 10 and r["on_nvme"] >= model_bytes
+    assert len(shards) >= 10 and r["on_nvme"] >= model_bytes / (7.2 if quant_bits else 1)  # int4: 7.1x less
     assert bound < model_bytes  # the bound is a real one: the whole model would not fit it
     assert r["growth"] <= bound, r
     assert r["same_tokens"] or quant_bits  # quantized: other logits, so possibly other tokens

@@ -358,3 +358,33 @@ def test_from_pretrained_with_an_optimizer_block_refuses_before_reading(ckpts, t
     with pytest.raises(ConfigError, match="cannot be trained"):
         zero.from_pretrained(ckpts["llama"], config=cfg)
     assert not os.listdir(tmp_path)
+
+
+def _two_rank_quantized(rank, world_size, nvme_dir, out_dir):
+    from pathlib import Path
+
+    model = llama()
+    exact = copy.deepcopy(model)
+    engine, *_ = zero.initialize(model=model, config=config("nvme", Path(nvme_dir), 8))
+    engine.partitioner.take_io_report()
+    with torch.no_grad():
+        got, want = engine(prompt()).logits, exact(prompt()).logits
+    io = engine.partitioner.take_io_report()
+    q = engine.layout.quantization()
+    tokens = generate(engine.module, prompt())
+    engine.close()
+    return float((got - want).abs().max() / want.abs().max()), tokens, io.param_nvme_read_bytes, q
+
+
+@pytest.mark.slow  # two spawned processes importing transformers
+def test_two_ranks_read_their_quantized_halves(tmp_path):
+    """Two gloo ranks: each encodes its half of every partition, reads only that (the stored bytes of its
+    half) and all-gathers the decoded values; both ranks compute the same logits and tokens, within the
+    int8 bound of the unquantized model."""
+    from dist_helpers import run_on_ranks
+
+    results, _ = run_on_ranks(_two_rank_quantized, tmp_path)
+    (rel0, tok0, read0, q0), (rel1, tok1, read1, q1) = results
+    assert rel0 == rel1 and 0 < rel0 <= REL_LOGIT_BOUND[8] and torch.equal(tok0, tok1)
+    assert read0 == q0["stored_bytes"] and read1 == q1["stored_bytes"]
+    assert q0["stored_bytes"] + q1["stored_bytes"] < q0["unquantized_bytes"] * 2 / 3.5

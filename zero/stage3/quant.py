@@ -127,6 +127,7 @@ def _pad_groups(x: torch.Tensor, group: int) -> torch.Tensor:
 
 
 def _check_range(values: torch.Tensor, what: str) -> None:
+    """`values`: the groups' extremes (amin/amax/abs-max propagate nan, so checking them is enough)."""
     if not bool(torch.isfinite(values).all()):
         raise ValueError(f"{what}: cannot be quantized: it holds inf or nan")
     if float(values.abs().max()) > _F16_MAX:
@@ -142,16 +143,19 @@ def quantize(
     """(codes uint8, scales float16, offsets float16 or None when symmetric) of the 1-D tensor `x` in groups
     of `spec.group_size` (the last padded); int4 codes two per byte (the first in the high nibble)."""
     g = _pad_groups(x.detach().reshape(-1).float(), spec.group_size)
-    _check_range(g, what)
     if spec.symmetric:
         qpos = (1 << (spec.num_bits - 1)) - 1
-        scale = (g.abs().amax(1) / qpos * _ROUND_UP).clamp_(min=_MIN_SCALE).half()
+        absmax = g.abs().amax(1)
+        _check_range(absmax, what)
+        scale = (absmax / qpos * _ROUND_UP).clamp_(min=_MIN_SCALE).half()
         codes = (g / scale.float()[:, None]).round_().clamp_(-qpos, qpos).add_(qpos + 1)
         offset = None
     else:
         qmax = (1 << spec.num_bits) - 1
-        offset = g.amin(1).half()
-        span = g.amax(1) - offset.float()
+        lo, hi = g.aminmax(dim=1)
+        _check_range(torch.cat([lo, hi]), what)
+        offset = lo.half()
+        span = hi - offset.float()
         scale = (span / qmax * _ROUND_UP).clamp_(min=_MIN_SCALE).half()
         codes = (g - offset.float()[:, None]).div_(scale.float()[:, None]).round_().clamp_(0, qmax)
     if not bool(torch.isfinite(scale).all()):
