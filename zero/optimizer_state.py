@@ -31,6 +31,7 @@ from zero.integrity import StateGuard
 from zero.optimizer_offload import DeviceState, UpdateRule, ZeroOptimizer
 from zero.param_writer import ParamWriter
 from zero.report import StepReport
+from zero.split_state import SplitTier, build_split, plan_split
 
 __all__ = ["FusedDeviceStep", "OptimizerState", "StateInfo", "StateTier", "build_tier", "sum_of_squares"]
 
@@ -84,6 +85,8 @@ class StateInfo:
     copies: int  # NVMe copies kept (2: steps are atomic); 1 for memory tiers
     pass_read_bytes: int  # NVMe bytes one full pass reads (0 for memory tiers)
     disk_bytes: int  # bytes of swap files
+    resident_numel: int = 0  # elements whose state is in memory (device or host; zero.split_state)
+    swapped_numel: int = 0  # elements whose state is in swap files
 
 
 def _disk_free(path: str) -> int:
@@ -126,7 +129,46 @@ def build_tier(
 ) -> tuple[StateTier, Optional[SwapSpace]]:
     """The tier for `offload_optimizer.device` = `tier`, filled with the initial master (`init`: the values,
     or `fill(start, n, out)` so NVMe never needs them whole) and zero states. `alias`: a tensor the master
-    may be (fp32 weights on the host). `pinned(numel, what)` allocates within the pinned budget."""
+    may be (fp32 weights on the host). `pinned(numel, what)` allocates within the pinned budget.
+    `offload.ratio` and `offload.max_in_cpu` may split the state over several tiers (zero.split_state)."""
+    plan = plan_split(
+        numel,
+        n_states,
+        tier=tier,
+        offload=offload,
+        sub_group=sub_group,
+        device=device,
+        cap_bytes=pool.cap_bytes,
+        in_use_bytes=pool.bytes_in_use,
+        reserved_bytes=device_staging_bytes,
+        alignment=SWAP_ALIGNMENT,
+    )
+    common = (device, pool, pinned, sub_group, offload, aio, rank)
+    if plan.offload and not (plan.device or plan.host):
+        return _one_tier(numel, n_states, init, tier, *common, alias, device_staging_bytes, swap_copies)
+
+    def part(n: int, part_init: Any, t: str, part_alias: Optional[torch.Tensor]) -> tuple[Any, Any]:
+        return _one_tier(n, n_states, part_init, t, *common, part_alias, device_staging_bytes, swap_copies)
+
+    return build_split(plan, init, alias, part)
+
+
+def _one_tier(
+    numel: int,
+    n_states: int,
+    init: Union[torch.Tensor, Fill],
+    tier: str,
+    device: torch.device,
+    pool: PinnedPool,
+    pinned: Callable[[int, str], torch.Tensor],
+    sub_group: int,
+    offload: Any,
+    aio: AioConfig,
+    rank: int,
+    alias: Optional[torch.Tensor],
+    device_staging_bytes: int,
+    swap_copies: int,
+) -> tuple[StateTier, Optional[SwapSpace]]:
     if callable(init) and tier != "nvme" and alias is None:
         values = torch.empty(numel, dtype=torch.float32)
         init(0, numel, values)
@@ -300,8 +342,10 @@ class OptimizerState:
 
     def info(self, tier_name: str) -> StateInfo:
         t = self.tier
-        swap = isinstance(t, OptimizerSwapper)
-        chunks = len(t.chunks) if swap else -(-t.numel // t.chunk_numel)
+        split = isinstance(t, SplitTier)
+        swap = isinstance(t, OptimizerSwapper) or split
+        chunks = t.chunk_count if split else len(t.chunks) if swap else -(-t.numel // t.chunk_numel)
+        swapped = t.swapped_numel if split else t.numel if swap else 0
         return StateInfo(
             tier=tier_name,
             numel=t.numel,
@@ -310,6 +354,8 @@ class OptimizerState:
             copies=t.copies if swap else 1,
             pass_read_bytes=t.pass_bytes if swap else 0,
             disk_bytes=self.space.bytes_allocated if self.space is not None else 0,
+            resident_numel=t.numel - swapped,
+            swapped_numel=swapped,
         )
 
     # ------------------------------------------------------------------------------------ one pass
