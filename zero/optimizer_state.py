@@ -87,6 +87,7 @@ class StateInfo:
     disk_bytes: int  # bytes of swap files
     resident_numel: int = 0  # elements whose state is in memory (device or host; zero.split_state)
     swapped_numel: int = 0  # elements whose state is in swap files
+    device_numel: int = 0  # of the resident ones, elements on the training device (offload_optimizer.ratio)
 
 
 def _disk_free(path: str) -> int:
@@ -356,6 +357,7 @@ class OptimizerState:
             disk_bytes=self.space.bytes_allocated if self.space is not None else 0,
             resident_numel=t.numel - swapped,
             swapped_numel=swapped,
+            device_numel=t.device_numel if split else 0 if swap or t.pinned_bytes else t.numel,
         )
 
     # ------------------------------------------------------------------------------------ one pass

@@ -29,7 +29,6 @@ optimizer pass with backward is not run over a split state (the engine says so w
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Tuple, Union
@@ -37,9 +36,9 @@ from typing import Any, Callable, List, Optional, Tuple, Union
 import torch
 
 from offload.swap.optimizer_swapper import ChunkFn, OptimizerSwapper, SwapStats
-from offload.swap.slots import FP32_BYTES, slot_bytes, swap_chunk
+from offload.swap.split import auto_max_in_cpu, split_numel
 
-__all__ = ["SplitPlan", "SplitStats", "SplitTier", "plan_split"]
+__all__ = ["SplitPlan", "SplitStats", "SplitTier", "build_split", "plan_split"]
 
 VisitFn = Callable[[int, int, torch.Tensor, List[torch.Tensor]], None]
 # build(numel, init, tier, alias) -> (tier object, swap space or None): one plain tier of a part
@@ -56,39 +55,6 @@ class SplitPlan:
     offload: int
     tier: str
 
-    @property
-    def trivial(self) -> bool:
-        """Whether one plain tier holds everything (no SplitTier needed)."""
-        return sum(1 for n in (self.device, self.host, self.offload) if n) <= 1
-
-
-def _whole_subgroups(numel: int, sub_group: int) -> int:
-    return (numel // sub_group) * sub_group
-
-
-def auto_max_in_cpu(
-    numel: int,
-    n_states: int,
-    sub_group: int,
-    buffer_count: int,
-    *,
-    cap_bytes: int,
-    in_use_bytes: int,
-    reserved_bytes: int,
-    alignment: int,
-) -> int:
-    """Elements of a `numel`-element NVMe partition whose state the pinned budget keeps in host memory:
-    everything when it fits beside what is in use and reserved; otherwise whole sub-groups in what is left
-    after `buffer_count` staging slots for the swapped rest."""
-    per_elem = (1 + n_states) * FP32_BYTES
-    free = cap_bytes - in_use_bytes - reserved_bytes
-    if numel * per_elem <= free:
-        return numel
-    chunk = swap_chunk(sub_group, numel, n_states * FP32_BYTES)
-    slots = buffer_count * slot_bytes(chunk, n_states, alignment)
-    room = max(0, free - slots)
-    return min(_whole_subgroups(numel, sub_group), (room // (sub_group * per_elem)) * sub_group)
-
 
 def plan_split(
     numel: int,
@@ -103,38 +69,28 @@ def plan_split(
     reserved_bytes: int,
     alignment: int,
 ) -> SplitPlan:
-    """How `offload_optimizer.ratio` and `max_in_cpu` split a partition of `numel` elements."""
+    """How `offload_optimizer.ratio` and `max_in_cpu` split a partition of `numel` elements (the arithmetic
+    is offload.swap.split's; "auto" takes what the pinned budget has left after `in_use_bytes` and
+    `reserved_bytes`)."""
     ratio = float(getattr(offload, "ratio", 1.0)) if offload is not None else 1.0
-    sub_group = max(1, min(int(sub_group), numel))
-    on_device = 0
-    if tier in ("cpu", "nvme") and ratio < 1.0:
-        if device.type != "cpu":
-            raise NotImplementedError(
-                f"zero_optimization.offload_optimizer.ratio={ratio}: keeping part of the optimizer state "
-                f"on the {device.type} device (Twin-Flow) is supported only with CPU compute for now; "
-                "use ratio 1.0"
-            )
-        n_sub = -(-numel // sub_group)
-        n_off = math.ceil(ratio * n_sub - 1e-9)
-        on_device = min(numel, (n_sub - n_off) * sub_group)
-    rest = numel - on_device
-    host = 0
-    if tier == "nvme" and rest:
-        want = getattr(offload, "max_in_cpu", 0)
-        if want == "auto":
-            host = auto_max_in_cpu(
-                rest,
-                n_states,
-                sub_group,
-                max(1, int(offload.buffer_count)),
-                cap_bytes=cap_bytes,
-                in_use_bytes=in_use_bytes,
-                reserved_bytes=reserved_bytes,
-                alignment=alignment,
-            )
-        else:
-            host = rest if int(want) >= rest else min(rest, _whole_subgroups(int(want), sub_group))
-    return SplitPlan(device=on_device, host=host, offload=rest - host, tier=tier)
+    if tier in ("cpu", "nvme") and ratio < 1.0 and device.type != "cpu":
+        raise NotImplementedError(
+            f"zero_optimization.offload_optimizer.ratio={ratio}: keeping part of the optimizer state on the "
+            f"{device.type} device (Twin-Flow) is supported only with CPU compute for now; use ratio 1.0"
+        )
+    want = getattr(offload, "max_in_cpu", 0) if offload is not None else 0
+    if want == "auto" and tier == "nvme":
+        rest = split_numel(numel, sub_group, tier=tier, ratio=ratio, max_in_cpu=0).offload
+        want = auto_max_in_cpu(
+            rest,
+            n_states,
+            sub_group,
+            max(1, int(offload.buffer_count)),
+            free_bytes=cap_bytes - in_use_bytes - reserved_bytes,
+            alignment=alignment,
+        )
+    s = split_numel(numel, sub_group, tier=tier, ratio=ratio, max_in_cpu=0 if want == "auto" else int(want))
+    return SplitPlan(device=s.device, host=s.host, offload=s.offload, tier=tier)
 
 
 def build_split(
@@ -161,8 +117,8 @@ def build_split(
             part.close()
         raise
     tier = built[-1]
-    for front in reversed(built[:-1]):
-        tier = SplitTier(front, tier)
+    for front, (_, t) in reversed(list(zip(built[:-1], parts))):
+        tier = SplitTier(front, tier, on_device=t == "none")
     return tier, space
 
 
@@ -200,10 +156,12 @@ class SplitStats:
 
 
 class SplitTier:
-    """`front` holds elements [0, front.numel), `back` the rest, both as one `StateTier` (module doc)."""
+    """`front` holds elements [0, front.numel), `back` the rest, both as one `StateTier` (module doc).
+    `on_device`: the front is the training device's share (Twin-Flow), not pinned host memory."""
 
-    def __init__(self, front: Any, back: Any) -> None:
+    def __init__(self, front: Any, back: Any, *, on_device: bool = False) -> None:
         self.front, self.back = front, back
+        self.on_device = bool(on_device)
         self.split = int(front.numel)
         self.numel = self.split + int(back.numel)
         self.chunk_numel = max(int(front.chunk_numel), int(back.chunk_numel))
@@ -232,6 +190,12 @@ class SplitTier:
     def resident_numel(self) -> int:
         """Elements whose state lives in memory (device or host)."""
         return self.numel - self.swapped_numel
+
+    @property
+    def device_numel(self) -> int:
+        """Elements whose state lives on the training device (`ratio` below 1.0)."""
+        inner = self.back.device_numel if isinstance(self.back, SplitTier) else 0
+        return (self.split if self.on_device else 0) + inner
 
     @property
     def pass_bytes(self) -> int:
