@@ -15,6 +15,7 @@ RAM-first NVMe placement (`offload_optimizer.max_in_cpu`).
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import math
 
@@ -251,3 +252,51 @@ def test_overlap_with_a_split_state_says_it_is_not_used(tmp_path, caplog):
         got = run(cfg, 2)
     assert "does not step during backward" in caplog.text and "max_in_cpu: 0" in caplog.text
     assert got["report"].optimizer_chunks_in_backward == 0
+
+
+# ------------------------------------------------------------------------------------------ estimator
+def test_estimator_rows_follow_the_split():
+    from offload.cli.estimate_memory import run as estimate_cli
+    from offload.estimate.formulas import SwapBufferSettings, TrainingSetup, estimate
+    from offload.estimate.split import apply_split
+
+    bufs = SwapBufferSettings(sub_group_size=10**7)
+    setup = TrainingSetup(
+        params=10**9, largest_layer_params=10**7, gpus_per_node=2, precision="bf16", buffers=bufs
+    )
+    part, per_elem = 5 * 10**8, 12  # per rank at stage 2 on 2 ranks; fp32 master + Adam's two moments
+    nvme = estimate(setup, 2, "nvme")
+    assert apply_split(nvme, setup) is nvme  # ratio 1.0, max_in_cpu 0: every sub-group on NVMe
+    half = apply_split(nvme, setup, max_in_cpu=part // 2)
+    moved = part // 2 * per_elem * 2  # per node: two ranks
+    assert nvme.nvme_read_bytes_per_step - half.nvme_read_bytes_per_step == moved
+    assert nvme.nvme_write_bytes_per_step - half.nvme_write_bytes_per_step == moved
+    assert half.per_cpu_pinned_bytes - nvme.per_cpu_pinned_bytes == moved
+    assert half.nvme_bytes == pytest.approx(nvme.nvme_bytes / 2, rel=1e-6)
+    assert half.per_gpu_bytes == nvme.per_gpu_bytes
+    every = apply_split(nvme, setup, max_in_cpu=part)
+    assert (
+        every.nvme_bytes == 0
+        and every.nvme_read_bytes_per_step == nvme.nvme_read_bytes_per_step - 2 * part * 12
+    )
+    cpu = estimate(setup, 2, "cpu")
+    twin = apply_split(cpu, setup, ratio=0.3)
+    on_gpu = (50 - 15) * 10**7  # ceil(0.3 x 50 sub-groups) = 15 offloaded
+    assert twin.per_gpu_bytes - cpu.per_gpu_bytes == on_gpu * per_elem
+    assert cpu.per_cpu_bytes - twin.per_cpu_bytes == 2 * on_gpu * per_elem
+    args = [
+        "--params",
+        "1B",
+        "--stage",
+        "2",
+        "--offload-optimizer",
+        "nvme",
+        "--sub-group-size",
+        "1e7",
+        "--json",
+    ]
+    row = json.loads(estimate_cli([*args, "--max-in-cpu", "1e9"]))["rows"][0]
+    assert row["nvme_bytes"] == 0 and "0 on nvme" in row["notes"][-1]
+    assert json.loads(estimate_cli(args))["rows"][0]["nvme_bytes"] > 0
+    with pytest.raises(Exception, match="--ratio must be a number in"):
+        estimate_cli(["--params", "1B", "--ratio", "1.5"])
