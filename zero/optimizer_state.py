@@ -4,7 +4,9 @@ A tier (`StateTier`) holds master + states and walks them chunk by chunk:
 * `DeviceState` (zero.optimizer_offload): tensors in device memory (offload none) or page-locked host
   memory (offload cpu), updated in place;
 * `OptimizerSwapper` (offload.swap): swap files on NVMe streamed through pinned slots, two copies so a
-  pass is committed only when every chunk succeeded (one copy, in place, when the disk cannot hold two).
+  pass is committed only when every chunk succeeded (one copy, in place, when the disk cannot hold two);
+* `SplitTier` (zero.split_state): two of those over one index space, when `offload_optimizer.max_in_cpu`
+  keeps NVMe sub-groups in pinned host memory or `ratio` keeps some on the device.
 
 `OptimizerState` runs a pass over the tier: the update rule's fused kernel on each chunk, then the
 parameter writer (zero.param_writer) copies the new weights out. It commits or drops the pass, puts the
