@@ -85,7 +85,7 @@ def device_share(numel: int, ratio: float) -> int:
 
 
 # ------------------------------------------------------------------------------------------- Twin-Flow
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_ratio_splits_are_bit_identical(tmp_path, stage):
     ref = run(config("cpu", tmp_path, stage, ratio=1.0))
     numel = ref["info"].numel
