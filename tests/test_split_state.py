@@ -26,6 +26,7 @@ from test_engine import DATA, TINY, base_config, make_model, train
 from test_state_integrity import assert_same, fail_nth_write, weights
 
 import zero
+from offload.swap.slots import swap_chunk
 from offload.swap.split import auto_max_in_cpu, split_numel, swap_file_bytes, swap_pass_bytes
 from zero import StateCorruptedError
 from zero.models import get_batch
@@ -272,7 +273,8 @@ def test_estimator_rows_follow_the_split():
     assert nvme.nvme_read_bytes_per_step - half.nvme_read_bytes_per_step == moved
     assert nvme.nvme_write_bytes_per_step - half.nvme_write_bytes_per_step == moved
     assert half.per_cpu_pinned_bytes - nvme.per_cpu_pinned_bytes == moved
-    assert half.nvme_bytes == pytest.approx(nvme.nvme_bytes / 2, rel=1e-6)
+    chunk = swap_chunk(10**7, part // 2, 8)  # the swapper's chunk for the swapped half
+    assert half.nvme_bytes == 2 * 2 * math.ceil(part // 2 / chunk) * chunk * per_elem  # two copies, two ranks
     assert half.per_gpu_bytes == nvme.per_gpu_bytes
     every = apply_split(nvme, setup, max_in_cpu=part)
     assert (
@@ -300,3 +302,36 @@ def test_estimator_rows_follow_the_split():
     assert json.loads(estimate_cli(args))["rows"][0]["nvme_bytes"] > 0
     with pytest.raises(Exception, match="--ratio must be a number in"):
         estimate_cli(["--params", "1B", "--ratio", "1.5"])
+
+
+@pytest.mark.parametrize("param", ["none", "cpu"])
+def test_estimate_of_the_split_matches_the_engine(tmp_path, param):
+    """Stage 3, NVMe optimizer state with half of it in pinned RAM: the engine's pinned and NVMe bytes are
+    the estimate's (apply_split over the formulas' row), as tests/test_estimate_engine.py checks unsplit."""
+    from test_estimate_engine import PADDING_ALLOWANCE, _stage3_config, _stage3_setup
+
+    from offload.estimate.counting import count_parameters
+    from offload.estimate.formulas import estimate
+    from offload.estimate.split import apply_split
+
+    sub_group = 20_000
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256))
+    count = count_parameters(model)
+    half = count.params // 2
+    config = _stage3_config(tmp_path, param, "nvme", sub_group)
+    config["zero_optimization"]["offload_optimizer"]["max_in_cpu"] = half
+    engine, *_ = zero.initialize(model=model, config=config)
+    try:
+        engine.backward(engine(torch.randn(2, 256, dtype=torch.bfloat16)).float().square().mean())
+        engine.step()
+        pinned, nvme, info = engine.pinned_bytes, engine.nvme_bytes, engine.optimizer_state_info()
+        read = engine.last_report.nvme_read_bytes
+    finally:
+        engine.close()
+    setup = _stage3_setup(count, sub_group)
+    est = apply_split(estimate(setup, 3, "nvme", param), setup, max_in_cpu=half)
+    assert info.resident_numel == half // sub_group * sub_group > 0
+    assert 0 <= pinned - est.per_cpu_pinned_bytes <= PADDING_ALLOWANCE, (pinned, est.per_cpu_pinned_bytes)
+    assert 0 <= nvme - est.nvme_bytes <= PADDING_ALLOWANCE, (nvme, est.nvme_bytes)
+    assert 0 <= read - est.nvme_read_bytes_per_step <= PADDING_ALLOWANCE, (read, est.nvme_read_bytes_per_step)

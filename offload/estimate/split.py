@@ -17,11 +17,12 @@ import math
 from typing import Dict
 
 from offload.estimate.formulas import FP32_BYTES, MemoryEstimate, TrainingSetup
+from offload.swap.slots import swap_chunk
 from offload.swap.split import split_numel
 
 __all__ = ["apply_split"]
 
-_MASTER, _STATES = "master_params_fp32", "optimizer_states"
+_MASTER, _STATES, _SLOTS = "master_params_fp32", "optimizer_states", "swap_buffers"
 
 
 def _take(row: Dict[str, int], name: str, nbytes: int) -> int:
@@ -47,10 +48,21 @@ def apply_split(
     pinned, pageable = dict(est.cpu_pinned), dict(est.cpu_pageable)
     read, write = est.nvme_read_bytes_per_step, est.nvme_write_bytes_per_step
     if tier == "nvme":
-        # The swap files and each step's I/O shrink to the swapped share (copies and padding kept in scale).
-        kept = s.offload / part
-        for name in (_MASTER, _STATES):
-            nvme[name] = math.ceil(nvme.get(name, 0) * kept)
+        # The swap files hold whole chunks of the swapped share only, in as many copies as before; the
+        # staging slots are as many as its chunks, up to buffer_count.
+        sub, count = setup.buffers.sub_group_size, setup.buffers.optimizer_buffer_count
+        chunk = swap_chunk(sub, part, sb)
+        n_chunks = -(-part // chunk)
+        copies = round(nvme.get(_MASTER, 0) / (node * n_chunks * chunk * FP32_BYTES))
+        swapped_elems = swapped_slots = 0
+        if s.offload:
+            chunk_s = swap_chunk(sub, s.offload, sb)
+            swapped_elems = -(-s.offload // chunk_s) * chunk_s
+            swapped_slots = min(count, -(-s.offload // chunk_s)) * chunk_s
+        nvme[_MASTER] = copies * node * swapped_elems * FP32_BYTES
+        nvme[_STATES] = copies * node * swapped_elems * sb
+        old_slots = min(count, n_chunks) * chunk
+        pinned[_SLOTS] = pinned.get(_SLOTS, 0) - (old_slots - swapped_slots) * (FP32_BYTES + sb) * node
         moved = (part - s.offload) * (FP32_BYTES + sb) * node
         read, write = read - moved, write - moved
         pinned[_MASTER] = pinned.get(_MASTER, 0) + s.host * FP32_BYTES * node
