@@ -72,6 +72,7 @@ def engine_config(cfg: Dict[str, Any], nvme: str, largest: int) -> Dict[str, Any
         "nvme_path": nvme,
         "buffer_count": 2,
         "pin_memory": True,
+        "max_in_cpu": 0,  # the state on NVMe, as the estimator's rows assume
     }
     if cfg["stage"] == 3:
         zo["stage3_param_persistence_threshold"] = 0

@@ -133,7 +133,7 @@ def zero_section(
         # (false): with them on, its pipelined swapper fails an assertion (new_alloc_buffers) on stage 3.
         if not deepspeed:
             on = bool(cfg.get("pipeline", pipeline))
-            off.update(pipeline_read=on, pipeline_write=on)
+            off.update(pipeline_read=on, pipeline_write=on, max_in_cpu=0)  # every sub-group on NVMe
     if deepspeed and cfg["optimizer"] == "cpu":
         off["pin_memory"] = True
     zo["offload_optimizer"] = off

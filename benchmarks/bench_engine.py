@@ -29,7 +29,12 @@ from zero.models import GPT, config_for_params, corpus_bytes, get_batch
 def _engine_config(offload: str, nvme_dir: str, sub_group: int) -> dict:
     zo: dict = {"stage": 2, "sub_group_size": sub_group}
     if offload != "none":
-        zo["offload_optimizer"] = {"device": offload, "nvme_path": nvme_dir, "buffer_count": 4}
+        zo["offload_optimizer"] = {
+            "device": offload,
+            "nvme_path": nvme_dir,
+            "buffer_count": 4,
+            "max_in_cpu": 0,
+        }
     return {
         "train_micro_batch_size_per_gpu": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},

@@ -119,7 +119,7 @@ def make_config(args: argparse.Namespace, nvme: str, largest: int) -> Dict[str, 
                 "buffer_size": largest,
                 "max_in_cpu": 0,
             },
-            "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "buffer_count": 4},
+            "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "buffer_count": 4, "max_in_cpu": 0},
         },
         "aio": {"block_size": 1 << 20, "queue_depth": 32},
     }

@@ -29,7 +29,7 @@ BATCH = 4
 def engine_config(stage: int, param: str, optim: str, nvme: str, sub_group: int) -> Dict[str, Any]:
     zo: Dict[str, Any] = {"stage": stage, "sub_group_size": sub_group}
     if optim != "none":
-        zo["offload_optimizer"] = {"device": optim, "nvme_path": nvme, "buffer_count": 4}
+        zo["offload_optimizer"] = {"device": optim, "nvme_path": nvme, "buffer_count": 4, "max_in_cpu": 0}
     if stage == 3:
         zo["stage3_param_persistence_threshold"] = 0
         if param != "none":

@@ -37,7 +37,7 @@ def config(nvme: str) -> dict:
             "sub_group_size": 4096,
             "stage3_param_persistence_threshold": 0,
             "offload_param": {"device": "nvme", "nvme_path": nvme, "buffer_count": 4, "max_in_cpu": 0},
-            "offload_optimizer": {"device": "nvme", "nvme_path": nvme},
+            "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "max_in_cpu": 0},
         },
     }
 

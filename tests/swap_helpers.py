@@ -32,7 +32,7 @@ ENGINE_CHILD_PRELUDE = textwrap.dedent(
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
         "zero_optimization": {
             "stage": 0, "sub_group_size": 8192,
-            "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "buffer_count": 3},
+            "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "buffer_count": 3, "max_in_cpu": 0},
         },
     }
     model_cfg = GPTConfig(vocab_size=256, seq_len=16, n_layer=2, n_head=2, d_model=32)

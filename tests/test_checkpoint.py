@@ -24,7 +24,7 @@ DATA = corpus_bytes()
 def config(offload: str, nvme_dir, fp16: bool = False):
     zo = {"stage": 1, "sub_group_size": 5000}
     if offload != "none":
-        zo["offload_optimizer"] = {"device": offload, "nvme_path": str(nvme_dir)}
+        zo["offload_optimizer"] = {"device": offload, "nvme_path": str(nvme_dir), "max_in_cpu": 0}
     cfg = {
         "train_micro_batch_size_per_gpu": 4,
         "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "weight_decay": 0.1}},

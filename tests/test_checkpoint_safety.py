@@ -342,7 +342,7 @@ def _plain_config(stage: int, nvme_dir):
     zo = {
         "stage": stage,
         "sub_group_size": 5000,
-        "offload_optimizer": {"device": "nvme", "nvme_path": str(nvme_dir)},
+        "offload_optimizer": {"device": "nvme", "nvme_path": str(nvme_dir), "max_in_cpu": 0},
     }
     if stage == 3:
         zo["stage3_param_persistence_threshold"] = 0

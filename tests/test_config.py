@@ -436,12 +436,22 @@ def test_nvme_device_requires_nvme_path() -> None:
     assert "zero_optimization.offload_optimizer.nvme_path" in msg
 
 
-def test_partial_offload_is_refused_at_every_stage() -> None:
-    for stage in (2, 3):
-        msg = errmsg({"zero_optimization": {"stage": stage, "offload_optimizer": {"ratio": 0.5}}})
-        assert "zero_optimization.offload_optimizer.ratio" in msg and "not supported" in msg
+def test_partial_offload_ratio_and_max_in_cpu_are_parsed() -> None:
+    for stage in (0, 1, 2, 3):
+        cfg = load_config(
+            {"zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}}
+        )
+        assert cfg.zero_optimization.offload_optimizer.ratio == 0.5
     cfg = load_config({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 1}}})
-    assert cfg.zero_optimization.offload_optimizer.ratio == 1.0
+    o = cfg.zero_optimization.offload_optimizer
+    assert o.ratio == 1.0 and o.max_in_cpu == "auto"
+    nvme = {"device": "nvme", "nvme_path": "/tmp"}
+    o = load_config({"zero_optimization": {"offload_optimizer": {**nvme, "max_in_cpu": 1e6}}})
+    assert o.zero_optimization.offload_optimizer.max_in_cpu == 1_000_000
+    assert "must be >= 0, got -1" in errmsg({"zero_optimization": {"offload_optimizer": {"max_in_cpu": -1}}})
+    assert "expected an integer" in errmsg(
+        {"zero_optimization": {"offload_optimizer": {"max_in_cpu": "all"}}}
+    )
 
 
 def test_fp16_and_bf16_both_enabled() -> None:

@@ -40,7 +40,12 @@ def _config(tmp_path, stage: int, optim: str, param: str) -> dict:
     zo: dict = {
         "stage": stage,
         "sub_group_size": SUB_GROUP,
-        "offload_optimizer": {"device": optim, "nvme_path": str(tmp_path), "buffer_count": 4},
+        "offload_optimizer": {
+            "device": optim,
+            "nvme_path": str(tmp_path),
+            "buffer_count": 4,
+            "max_in_cpu": 0,
+        },
     }
     if stage == 2:
         zo["reduce_bucket_size"] = BUCKET

@@ -34,7 +34,8 @@ def base_config(offload: str = "none", tmp=None, stage: int = 0, **extra):
     if offload != "none":
         zo["offload_optimizer"] = {"device": offload}
         if offload == "nvme":
-            zo["offload_optimizer"]["nvme_path"] = str(tmp)
+            # max_in_cpu 0: every sub-group on NVMe (the default "auto" keeps this tiny model's state in RAM)
+            zo["offload_optimizer"].update(nvme_path=str(tmp), max_in_cpu=0)
     cfg = {
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": 1,

@@ -44,7 +44,7 @@ def make_config(case, world_size, nvme_dir):
         "reduce_bucket_size": case.get("reduce_bucket_size", 500_000_000),
     }
     if case["offload"] != "none":
-        zo["offload_optimizer"] = {"device": case["offload"], "nvme_path": str(nvme_dir)}
+        zo["offload_optimizer"] = {"device": case["offload"], "nvme_path": str(nvme_dir), "max_in_cpu": 0}
     cfg = {
         "train_batch_size": GLOBAL_BATCH,
         "gradient_accumulation_steps": gas,

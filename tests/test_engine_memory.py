@@ -43,7 +43,7 @@ _CHILD = textwrap.dedent(
     model_cfg = GPTConfig(vocab_size=4096, seq_len=16, n_layer=3, n_head=8, d_model=1024)
     zo = {"stage": 2, "sub_group_size": 4_000_000}
     if offload != "none":
-        zo["offload_optimizer"] = {"device": offload, "nvme_path": tmp, "buffer_count": 2}
+        zo["offload_optimizer"] = {"device": offload, "nvme_path": tmp, "buffer_count": 2, "max_in_cpu": 0}
     cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
            "zero_optimization": zo}
     x = torch.randint(0, 4096, (1, 16))

@@ -41,7 +41,12 @@ def _engine_bytes(tmp_path, offload: str, sub_group: int):
         "zero_optimization": {
             "stage": 1,
             "sub_group_size": sub_group,
-            "offload_optimizer": {"device": offload, "nvme_path": str(tmp_path), "buffer_count": 4},
+            "offload_optimizer": {
+                "device": offload,
+                "nvme_path": str(tmp_path),
+                "buffer_count": 4,
+                "max_in_cpu": 0,
+            },
         },
     }
     engine, _, _, _ = zero.initialize(model=model, config=config)
@@ -90,6 +95,7 @@ def _stage3_config(tmp_path, param: str, optim: str, sub_group: int) -> dict:
             "nvme_path": str(tmp_path),
             "buffer_count": 4,
             "pin_memory": True,
+            "max_in_cpu": 0,  # every sub-group on NVMe, as the estimate's default
         },
         "offload_param": {
             "device": param,
@@ -178,7 +184,8 @@ sub = 1 << 20
 cfg = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
        "zero_optimization": {"stage": 3, "sub_group_size": sub, "stage3_param_persistence_threshold": 0,
-           "offload_optimizer": {"device": optim, "nvme_path": nvme, "buffer_count": 2, "pin_memory": True},
+           "offload_optimizer": {"device": optim, "nvme_path": nvme, "buffer_count": 2, "pin_memory": True,
+                                 "max_in_cpu": 0},
            "offload_param": {"device": param, "nvme_path": nvme, "pin_memory": True, "max_in_cpu": 0,
                              "buffer_count": 2, "buffer_size": 1 << 22}}}
 rss = lambda: (gc.collect(), psutil.Process().memory_info().rss)[1]

@@ -34,6 +34,7 @@ def _config(nvme: str, pipeline: bool, dtype: str = "fp32", **extra: object) -> 
                 "device": "nvme",
                 "nvme_path": nvme,
                 "buffer_count": 3,
+                "max_in_cpu": 0,
                 "pipeline_read": pipeline,
                 "pipeline_write": pipeline,
             },

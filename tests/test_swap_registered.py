@@ -21,7 +21,7 @@ def _engine(nvme: str):
         "zero_optimization": {
             "stage": 1,
             "sub_group_size": 8192,
-            "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "buffer_count": 2},
+            "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "buffer_count": 2, "max_in_cpu": 0},
         },
     }
     return zero.initialize(model=GPT(CFG), config=config)[0]

@@ -56,7 +56,7 @@ class Net(nn.Module):
 def config(stage: int, optim: str, nvme, param: str = "none", bf16: bool = False) -> dict:
     zo = {"stage": stage, "sub_group_size": 1024, "stage3_param_persistence_threshold": 0}
     if optim != "none":
-        zo["offload_optimizer"] = {"device": optim, "nvme_path": str(nvme)}
+        zo["offload_optimizer"] = {"device": optim, "nvme_path": str(nvme), "max_in_cpu": 0}
     if param != "none":
         zo["offload_param"] = {"device": param, "nvme_path": str(nvme), "max_in_cpu": 0}
     cfg = {

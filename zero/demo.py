@@ -29,7 +29,12 @@ def build_config(
     """The DeepSpeed config the demo trains with, for the chosen stage and offload tiers."""
     zo: dict = {"stage": stage, "sub_group_size": sub_group}
     if offload != "none":
-        zo["offload_optimizer"] = {"device": offload, "nvme_path": nvme_dir, "buffer_count": 4}
+        zo["offload_optimizer"] = {
+            "device": offload,
+            "nvme_path": nvme_dir,
+            "buffer_count": 4,
+            "max_in_cpu": 0,
+        }
     if stage == 3 and offload_param != "none":
         # max_in_cpu 0: every partition in its swap file (DeepSpeed's default keeps up to 1e9 in memory)
         zo["offload_param"] = {"device": offload_param, "nvme_path": nvme_dir, "max_in_cpu": 0}

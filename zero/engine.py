@@ -262,6 +262,15 @@ class ZeroEngine:
         pass can be dropped (two copies) and needs no gradient still to come: no clipping (global norm
         first), one rank (the reduction ends with backward). Elsewhere the optimizer runs after backward."""
         tier = self._opt.tier
+        if off is not None and bool(off.pipeline) and self.offload_device == "nvme" and not self._opt.swapped:
+            info = self._opt.info(self.offload_device)
+            logger.warning(
+                "offload_optimizer.pipeline_read/pipeline_write: the optimizer does not step during backward "
+                "here, since %d of %d optimizer-state elements stay in memory (offload_optimizer.max_in_cpu, "
+                "ratio); it steps after backward. Set max_in_cpu: 0 and ratio: 1.0 for the overlap",
+                info.resident_numel,
+                info.numel,
+            )
         if not (
             off is not None
             and bool(off.pipeline)

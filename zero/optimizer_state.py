@@ -5,7 +5,9 @@ A tier (`StateTier`) holds master + states and walks them chunk by chunk:
   memory (offload cpu), updated in place;
 * `OptimizerSwapper` (offload.swap): swap files on NVMe streamed through pinned slots, two copies so a
   pass is committed only when every chunk succeeded (one copy, in place, with `nvme_copies` 1 or when the
-  disk cannot hold two).
+  disk cannot hold two);
+* `SplitTier` (zero.split_state): two of those over one index space, when `offload_optimizer.max_in_cpu`
+  keeps NVMe sub-groups in pinned host memory or `ratio` keeps some on the device.
 
 The master is fp32; the states are in the rule's `state_dtype` (fp32, bf16, or int8 codes with their
 absmax scales) on every tier, laid out by `offload.swap.slots.StateFormat`.
@@ -35,6 +37,7 @@ from zero.integrity import StateGuard
 from zero.optimizer_offload import DeviceState, UpdateRule, ZeroOptimizer
 from zero.param_writer import ParamWriter
 from zero.report import StepReport
+from zero.split_state import SplitTier, build_split, plan_split
 from zero.state_convert import convert_states, format_of, warn_if_lossy
 
 __all__ = ["FusedDeviceStep", "OptimizerState", "StateInfo", "StateTier", "build_tier", "sum_of_squares"]
@@ -90,6 +93,9 @@ class StateInfo:
     pass_read_bytes: int  # NVMe bytes one full pass reads (0 for memory tiers)
     disk_bytes: int  # bytes of swap files
     state_dtype: str = "fp32"  # the optimizer states' dtype ("fp32", "bf16", "int8"); the master is fp32
+    resident_numel: int = 0  # elements whose state is in memory (device or host; zero.split_state)
+    swapped_numel: int = 0  # elements whose state is in swap files
+    device_numel: int = 0  # of the resident ones, elements on the training device (offload_optimizer.ratio)
 
 
 def _disk_free(path: str) -> int:
@@ -147,8 +153,50 @@ def build_tier(
     """The tier for `offload_optimizer.device` = `tier`, filled with the initial master (`init`: the values,
     or `fill(start, n, out)` so NVMe never needs them whole) and zero states in `state_dtype` (the master
     is fp32). `alias`: a tensor the master may be (fp32 weights on the host). `pinned(numel, what)`
-    allocates fp32 elements within the pinned budget."""
+    allocates fp32 elements within the pinned budget. `offload.ratio` and `offload.max_in_cpu` may split
+    the state over several tiers (zero.split_state); with int8 states the split falls on whole
+    QUANT_BLOCKs, and "auto" sizes the resident share as if the states were fp32 (a conservative bound)."""
     fmt = StateFormat(n_states, state_dtype)
+    if fmt.quantized:
+        sub_group = -(-sub_group // QUANT_BLOCK) * QUANT_BLOCK
+    plan = plan_split(
+        numel,
+        n_states,
+        tier=tier,
+        offload=offload,
+        sub_group=sub_group,
+        device=device,
+        cap_bytes=pool.cap_bytes,
+        in_use_bytes=pool.bytes_in_use,
+        reserved_bytes=device_staging_bytes,
+        alignment=SWAP_ALIGNMENT,
+    )
+    common = (device, pool, pinned, sub_group, offload, aio, rank)
+    if plan.offload and not (plan.device or plan.host):
+        return _one_tier(numel, fmt, init, tier, *common, alias, device_staging_bytes, swap_copies)
+
+    def part(n: int, part_init: Any, t: str, part_alias: Optional[torch.Tensor]) -> tuple[Any, Any]:
+        return _one_tier(n, fmt, part_init, t, *common, part_alias, device_staging_bytes, swap_copies)
+
+    return build_split(plan, init, alias, part)
+
+
+def _one_tier(
+    numel: int,
+    fmt: StateFormat,
+    init: Union[torch.Tensor, Fill],
+    tier: str,
+    device: torch.device,
+    pool: PinnedPool,
+    pinned: Callable[[int, str], torch.Tensor],
+    sub_group: int,
+    offload: Any,
+    aio: AioConfig,
+    rank: int,
+    alias: Optional[torch.Tensor],
+    device_staging_bytes: int,
+    swap_copies: int,
+) -> tuple[StateTier, Optional[SwapSpace]]:
     if callable(init) and tier != "nvme" and alias is None:
         values = torch.empty(numel, dtype=torch.float32)
         init(0, numel, values)
@@ -335,8 +383,10 @@ class OptimizerState:
 
     def info(self, tier_name: str) -> StateInfo:
         t = self.tier
-        swap = isinstance(t, OptimizerSwapper)
-        chunks = len(t.chunks) if swap else -(-t.numel // t.chunk_numel)
+        split = isinstance(t, SplitTier)
+        swap = isinstance(t, OptimizerSwapper) or split
+        chunks = t.chunk_count if split else len(t.chunks) if swap else -(-t.numel // t.chunk_numel)
+        swapped = t.swapped_numel if split else t.numel if swap else 0
         return StateInfo(
             tier=tier_name,
             numel=t.numel,
@@ -346,6 +396,9 @@ class OptimizerState:
             pass_read_bytes=t.pass_bytes if swap else 0,
             disk_bytes=self.space.bytes_allocated if self.space is not None else 0,
             state_dtype=self.rule.state_dtype,
+            resident_numel=t.numel - swapped,
+            swapped_numel=swapped,
+            device_numel=t.device_numel if split else 0 if swap or t.pinned_bytes else t.numel,
         )
 
     # ------------------------------------------------------------------------------------ one pass

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -51,6 +52,7 @@ from offload.estimate.machine import (
     recommend,
 )
 from offload.estimate.report import deepspeed_json, estimates_json, render_deepspeed, render_estimates
+from offload.estimate.split import apply_split
 from offload.estimate.units import format_count, parse_count
 
 PROG = "ds-estimate-memory"
@@ -99,6 +101,16 @@ def _positive_int(what: str):
         return value
 
     return parse
+
+
+def _ratio(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"--ratio must be a number in [0, 1], got {text!r}")
+    return value
 
 
 def _stage(text: str) -> int:
@@ -167,6 +179,20 @@ def build_parser() -> argparse.ArgumentParser:
         type=_count_or_zero("--param-max-in-cpu"),
         help="offload_param.max_in_cpu: parameter elements kept in host memory with offload_param nvme "
         "(default 1e9; 0: every partition on NVMe)",
+    )
+    zero.add_argument(
+        "--max-in-cpu",
+        type=_count_or_zero("--max-in-cpu"),
+        default=0,
+        help="offload_optimizer.max_in_cpu: optimizer-state elements per rank kept in pinned host "
+        "memory with offload_optimizer nvme (default 0: every sub-group on NVMe; the engine's default, "
+        "auto, depends on the machine's pinned budget)",
+    )
+    zero.add_argument(
+        "--ratio",
+        type=_ratio,
+        default=1.0,
+        help="offload_optimizer.ratio: share of the optimizer state on the offload tier, the rest on the GPU",
     )
     zero.add_argument(
         "--no-pin-memory", action="store_true", help="offloaded states in pageable host memory (not pinned)"
@@ -422,6 +448,7 @@ def run(argv: Optional[Sequence[str]] = None) -> str:
         activations=_activation_settings(args, config),
     )
     estimates: List[MemoryEstimate] = estimate_all(setup, stages, opts, pars)
+    estimates = [apply_split(e, setup, args.ratio, args.max_in_cpu) for e in estimates]
     if not estimates:
         raise EstimateInputError(_first_reason(stages, opts, pars))
 

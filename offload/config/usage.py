@@ -122,7 +122,10 @@ FIELD_USAGE: Dict[str, Usage] = {
     _OO + "pipeline_write": _r("zero/engine.py (optimizer steps during backward, via .pipeline)"),
     _OO + "fast_init": _i("the initial NVMe state is always written in full", False),
     _OO + "nvme_copies": _r("zero/optimizer_state.py (swap_copies: NVMe copies of the optimizer state)"),
-    _OO + "ratio": _r("refused below 1.0 at parse time (partial optimizer offload is not supported)"),
+    _OO + "ratio": _r(
+        "zero/split_state.py (share of sub-groups on the offload tier, the rest on the device)"
+    ),
+    _OO + "max_in_cpu": _r("zero/split_state.py (sub-groups kept in pinned host memory with nvme)"),
     _OP + "device": _r("zero/stage3/store.py (parameter tier)"),
     _OP + "nvme_path": _r("zero/stage3/store.py (swap space)"),
     _OP + "pin_memory": _r("zero/stage3/store.py (page-locked cpu tier)"),

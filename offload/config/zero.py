@@ -42,6 +42,7 @@ _OFFLOAD_OPTIMIZER_KEYS = (
     "pipeline_write",
     "fast_init",
     "ratio",
+    "max_in_cpu",
     "super_offload",
     "convert_grad_on_cpu",
     "cpuadam_cores_perc",
@@ -127,6 +128,9 @@ class OffloadOptimizerConfig:
     fast_init: bool = False
     ratio: float = 1.0
     nvme_copies: Union[str, int] = "auto"  # NVMe copies of the state: "auto" | 1 (in place) | 2 (atomic)
+    # nvme: elements whose optimizer state stays in pinned host memory (whole sub-groups); "auto": as many
+    # as the pinned budget holds after everything else the engine pins
+    max_in_cpu: Union[int, str] = "auto"
 
     @property
     def pipeline(self) -> bool:
@@ -207,7 +211,7 @@ def _nvme_min(device: str) -> int:
 
 
 def parse_offload_optimizer(raw: Any, ctx: Context, path: str) -> OffloadOptimizerConfig:
-    """Validate an `offload_optimizer` section; refuses ratio below 1.0 and warns about ignored keys."""
+    """Validate an `offload_optimizer` section; warns about ignored keys."""
     s = Section(raw, path, ctx, _OFFLOAD_OPTIMIZER_KEYS)
     device = s.choice("device", OffloadOptimizerConfig.device, OFFLOAD_DEVICES)
     s.off_only("super_offload", lambda v: v is False, "SuperOffload for superchips (true)")
@@ -225,12 +229,9 @@ def parse_offload_optimizer(raw: Any, ctx: Context, path: str) -> OffloadOptimiz
         "read only by DeepSpeed's SuperOffload; the CPU optimizer uses torch's thread count",
     )
     ratio = s.float("ratio", OffloadOptimizerConfig.ratio, min=0.0, max=1.0)
-    if ratio != 1.0:
-        raise s.fail(
-            "ratio",
-            f"= {ratio}: partial optimizer offload (keeping part of the optimizer state on the GPU) is not "
-            "supported; use 1.0 (DeepSpeed's default)",
-        )
+    max_in_cpu: Union[int, str] = "auto"
+    if s.get("max_in_cpu", "auto") != "auto":
+        max_in_cpu = s.int("max_in_cpu", 0, min=0)  # type: ignore[assignment]
     out = OffloadOptimizerConfig(
         device=device,
         nvme_path=_nvme_path(s, device),
@@ -243,6 +244,7 @@ def parse_offload_optimizer(raw: Any, ctx: Context, path: str) -> OffloadOptimiz
         fast_init=s.bool("fast_init", OffloadOptimizerConfig.fast_init),
         ratio=ratio,
         nvme_copies=_nvme_copies(s),
+        max_in_cpu=max_in_cpu,
     )
     if out.nvme_copies == 1 and out.pipeline and device == "nvme":
         raise s.fail(

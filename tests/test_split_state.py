@@ -1,0 +1,337 @@
+"""The optimizer state split between tiers (zero/split_state.py): Twin-Flow (`offload_optimizer.ratio`) and
+RAM-first NVMe placement (`offload_optimizer.max_in_cpu`).
+
+* Every split steps every element with the same fused kernel (the device part is host memory on a CPU-only
+  machine), so parameters, losses and optimizer state are bit-identical to the unsplit run, at every stage,
+  with gradient accumulation, clipping and fp16 loss scaling.
+* The NVMe bytes a step moves are those of the swapped share only (`swap_pass_bytes`, the estimator's
+  formula), and none when everything stays in memory; `optimizer_state_info()` says how many elements are
+  resident, swapped and on the device.
+* `max_in_cpu: "auto"` takes exactly the whole sub-groups the pinned budget has left.
+* Checkpoints move between splits; an NVMe write error in a split pass poisons the engine until a checkpoint
+  is loaded, after which training continues exactly as without the failure.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import math
+
+import pytest
+import torch
+from dist_helpers import run_on_ranks
+from test_engine import DATA, TINY, base_config, make_model, train
+from test_state_integrity import assert_same, fail_nth_write, weights
+
+import zero
+from offload.swap.slots import swap_chunk
+from offload.swap.split import auto_max_in_cpu, split_numel, swap_file_bytes, swap_pass_bytes
+from zero import StateCorruptedError
+from zero.models import get_batch
+from zero.split_state import plan_split
+
+SUB = 4096  # sub_group_size: about 11 sub-groups for the tiny GPT
+MICRO = 8  # micro-batches per run: 4 optimizer steps at gradient_accumulation_steps 2
+
+
+def config(
+    offload: str, tmp, stage: int, ratio: float = 1.0, max_in_cpu=0, fp16: bool = True, clip=0.5, **extra
+):
+    cfg = base_config(
+        offload, tmp, stage=stage, gradient_accumulation_steps=2, gradient_clipping=clip, **extra
+    )
+    if fp16:
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 12}
+    zo = cfg["zero_optimization"]
+    zo["sub_group_size"] = SUB
+    zo["offload_optimizer"]["ratio"] = ratio
+    if offload == "nvme":
+        zo["offload_optimizer"]["max_in_cpu"] = max_in_cpu
+    if stage == 3:
+        zo["stage3_param_persistence_threshold"] = 0
+    return cfg
+
+
+def run(cfg, micro: int = MICRO):
+    engine, *_ = zero.initialize(model=make_model(), config=cfg)
+    try:
+        losses = train(engine, micro)
+        return {
+            "losses": losses,
+            "weights": weights(engine),
+            "state": engine.optimizer.state_dict(),
+            "skipped": engine.skipped_steps,
+            "info": engine.optimizer_state_info(),
+            "report": engine.last_report,
+        }
+    finally:
+        engine.close()
+
+
+def assert_same_run(a: dict, b: dict) -> None:
+    assert a["losses"] == b["losses"]
+    assert a["skipped"] == b["skipped"]
+    assert_same(a["weights"], b["weights"])
+    assert torch.equal(a["state"]["master"], b["state"]["master"])
+    assert all(torch.equal(x, y) for x, y in zip(a["state"]["states"], b["state"]["states"]))
+    assert a["state"]["step"] == b["state"]["step"]
+
+
+def device_share(numel: int, ratio: float) -> int:
+    """Twin-Flow: ceil(ratio x sub-groups) offloaded, the sub-groups before them on the device."""
+    n_sub = math.ceil(numel / SUB)
+    return min(numel, (n_sub - math.ceil(ratio * n_sub)) * SUB)
+
+
+# ------------------------------------------------------------------------------------------- Twin-Flow
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_ratio_splits_are_bit_identical(tmp_path, stage):
+    ref = run(config("cpu", tmp_path, stage, ratio=1.0))
+    numel = ref["info"].numel
+    assert ref["info"].device_numel == 0 and ref["info"].resident_numel == numel
+    for ratio in (0.3, 0.0):
+        got = run(config("cpu", tmp_path, stage, ratio=ratio))
+        assert_same_run(got, ref)
+        info = got["info"]
+        assert info.device_numel == device_share(numel, ratio) > 0
+        assert info.resident_numel == numel and info.swapped_numel == 0
+    # three tiers: device, pinned host, NVMe
+    nv = run(config("nvme", tmp_path, stage, ratio=0.3, max_in_cpu=2 * SUB))
+    assert_same_run(nv, ref)
+    dev = device_share(numel, 0.3)
+    assert nv["info"].device_numel == dev
+    assert nv["info"].resident_numel == dev + 2 * SUB
+    assert nv["info"].swapped_numel == numel - dev - 2 * SUB
+    assert nv["report"].nvme_read_bytes == swap_pass_bytes(numel - dev - 2 * SUB, SUB, 2) > 0
+
+
+def _dist_ratio_run(rank: int, world: int, nvme: str, out: str):
+    results = {}
+    for ratio in (1.0, 0.3):
+        cfg = config("cpu", nvme, 2, ratio=ratio, fp16=False, bf16={"enabled": True})
+        cfg["zero_optimization"]["sub_group_size"] = 2048
+        engine, *_ = zero.initialize(model=make_model(), config=cfg)
+        losses = train(engine, 4)
+        results[ratio] = (losses, weights(engine), engine.optimizer_state_info().device_numel)
+        engine.close()
+    return results
+
+
+@pytest.mark.slow
+def test_ratio_on_two_ranks_is_bit_identical(tmp_path):
+    results, _ = run_on_ranks(_dist_ratio_run, tmp_path)
+    for r in results:
+        assert r[0.3][0] == r[1.0][0]
+        assert_same(r[0.3][1], r[1.0][1])
+        assert r[0.3][2] > 0 and r[1.0][2] == 0
+    assert results[0][0.3][0] == results[1][0.3][0]
+
+
+def test_ratio_on_cuda_is_refused_before_anything_is_built():
+    class Off:
+        ratio, max_in_cpu, buffer_count = 0.5, 0, 4
+
+    with pytest.raises(NotImplementedError, match="offload_optimizer.ratio=0.5.*CPU compute"):
+        plan_split(
+            10_000, 2, tier="cpu", offload=Off(), sub_group=1000, device=torch.device("cuda"),
+            cap_bytes=1 << 30, in_use_bytes=0, reserved_bytes=0, alignment=4096,
+        )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------- RAM-first NVMe
+@pytest.mark.parametrize("stage", [2, 3])
+def test_max_in_cpu_shrinks_nvme_traffic_and_keeps_results(tmp_path, stage):
+    on_disk = run(config("nvme", tmp_path, stage, max_in_cpu=0))
+    numel = on_disk["info"].numel
+    assert on_disk["info"].swapped_numel == numel
+    half = numel // 2
+    resident_half = half // SUB * SUB
+    all_in_ram = numel
+    full = swap_pass_bytes(numel, SUB, 2)
+    assert on_disk["report"].nvme_read_bytes == on_disk["report"].nvme_write_bytes == full
+    for max_in_cpu, resident in ((half, resident_half), (all_in_ram, numel), (10 * numel, numel)):
+        got = run(config("nvme", tmp_path, stage, max_in_cpu=max_in_cpu))
+        assert_same_run(got, on_disk)
+        info, rep = got["info"], got["report"]
+        assert (info.resident_numel, info.swapped_numel, info.device_numel) == (resident, numel - resident, 0)
+        want = swap_pass_bytes(numel - resident, SUB, 2)
+        assert rep.nvme_read_bytes == rep.nvme_write_bytes == info.pass_read_bytes == want
+        assert info.disk_bytes == swap_file_bytes(numel - resident, SUB, 2)  # two copies, swapped share only
+        if resident == numel:
+            assert want == 0 and rep.nvme_bytes_in_use == 0
+        else:
+            assert 0 < want < full
+
+
+def _pinned_after_build(cfg) -> tuple:
+    engine, *_ = zero.initialize(model=make_model(), config=cfg)
+    try:
+        return engine.pinned_bytes, engine.optimizer_state_info(), engine.swap_dir
+    finally:
+        engine.close()
+
+
+def test_auto_takes_the_sub_groups_the_pinned_budget_has_left(tmp_path):
+    cfg0 = config("nvme", tmp_path, 2, max_in_cpu=0, fp16=False)
+    base, info0, _ = _pinned_after_build(cfg0)  # gradients + swap slots, everything else on NVMe
+    numel, per_sub = info0.numel, SUB * 3 * 4  # master + 2 Adam states, fp32
+    for extra_subs, slack in ((5, 0), (5, per_sub - 1), (0, per_sub - 1)):
+        cfg = config("nvme", tmp_path, 2, max_in_cpu="auto", fp16=False)
+        cfg["zero_offload"] = {"pinned_budget_bytes": base + extra_subs * per_sub + slack}
+        pinned, info, swap_dir = _pinned_after_build(cfg)
+        assert info.resident_numel == extra_subs * SUB
+        assert pinned <= cfg["zero_offload"]["pinned_budget_bytes"] < pinned + per_sub  # one more won't fit
+        assert swap_dir is not None
+    # a budget that holds everything: no swap space at all
+    cfg = config("nvme", tmp_path, 2, max_in_cpu="auto", fp16=False)
+    cfg["zero_offload"] = {"pinned_budget_bytes": base + numel * 12}
+    _, info, swap_dir = _pinned_after_build(cfg)
+    assert (info.resident_numel, info.swapped_numel, info.disk_bytes, swap_dir) == (numel, 0, 0, None)
+
+
+def test_split_arithmetic():
+    s = split_numel(10_000, 1000, tier="nvme", ratio=0.25, max_in_cpu=2500)
+    assert (s.device, s.host, s.offload) == (7000, 2000, 1000)  # ceil(0.25 x 10) = 3 sub-groups offloaded
+    assert split_numel(10_000, 1000, tier="cpu", ratio=0.25, max_in_cpu=2500).host == 0  # cpu: no RAM-first
+    assert split_numel(10_500, 1000, tier="nvme", max_in_cpu=10_500).host == 10_500  # covers the last piece
+    assert split_numel(10_000, 1000, tier="none", ratio=0.0).device == 0  # nothing offloaded: no Twin-Flow
+    assert auto_max_in_cpu(10_000, 2, 1000, 4, free_bytes=10_000 * 12) == 10_000
+    assert swap_pass_bytes(10_000, 4096, 2) == 2 * 49152 + 24576  # 3 x 1808 x 4 bytes padded to 4 KiB
+    assert swap_file_bytes(10_000, 4096, 2) == 2 * 3 * 49152
+
+
+# --------------------------------------------------------------------------------- checkpoints, faults
+def test_checkpoint_moves_between_splits(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    a = config("nvme", tmp_path, 2, ratio=0.3, max_in_cpu=3 * SUB)
+    ref = run(a, 2 * MICRO)
+    engine, *_ = zero.initialize(model=make_model(), config=a)
+    train(engine, MICRO)
+    engine.save_checkpoint(ckpt, tag="split")
+    engine.close()
+    for other in (config("nvme", tmp_path, 2, max_in_cpu=0), config("cpu", tmp_path, 2, ratio=0.0)):
+        engine, *_ = zero.initialize(model=make_model(seed=1), config=other)
+        engine.load_checkpoint(ckpt, tag="split")
+        losses = train(engine, MICRO, start=MICRO)
+        assert losses == ref["losses"][MICRO:]
+        assert_same(weights(engine), ref["weights"])
+        engine.close()
+
+
+def test_nvme_write_error_in_a_split_pass_poisons_until_a_checkpoint_is_loaded(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    cfg = config("nvme", tmp_path, 2, max_in_cpu=4 * SUB, fp16=False)
+    ref = run(cfg, 2 * MICRO)
+    engine, *_ = zero.initialize(model=make_model(), config=cfg)
+    train(engine, MICRO)
+    engine.save_checkpoint(ckpt, tag="good")
+    fired = fail_nth_write(engine.optimizer_state.back, 2)
+    for step in (MICRO, MICRO + 1):
+        x, y = get_batch(DATA, 4, TINY.seq_len, step)
+        engine.backward(engine(x, y))
+        if step == MICRO:
+            engine.step()
+    with pytest.raises(StateCorruptedError, match="load a checkpoint") as info:
+        engine.step()
+    assert fired and isinstance(info.value.__cause__, OSError) and info.value.__cause__.errno == errno.EIO
+    with pytest.raises(StateCorruptedError):
+        engine.step()  # a retry would step the resident sub-groups twice
+    engine.load_checkpoint(ckpt, tag="good")
+    engine.check_state_usable()
+    losses = train(engine, MICRO, start=MICRO)
+    assert losses == ref["losses"][MICRO:]
+    assert_same(weights(engine), ref["weights"])
+    engine.close()
+
+
+def test_overlap_with_a_split_state_says_it_is_not_used(tmp_path, caplog):
+    cfg = config("nvme", tmp_path, 2, max_in_cpu=2 * SUB, fp16=False, clip=0.0)
+    cfg["zero_optimization"]["offload_optimizer"]["pipeline_read"] = True
+    with caplog.at_level(logging.WARNING, logger="zero"):
+        got = run(cfg, 2)
+    assert "does not step during backward" in caplog.text and "max_in_cpu: 0" in caplog.text
+    assert got["report"].optimizer_chunks_in_backward == 0
+
+
+# ------------------------------------------------------------------------------------------ estimator
+def test_estimator_rows_follow_the_split():
+    from offload.cli.estimate_memory import run as estimate_cli
+    from offload.estimate.formulas import SwapBufferSettings, TrainingSetup, estimate
+    from offload.estimate.split import apply_split
+
+    bufs = SwapBufferSettings(sub_group_size=10**7)
+    setup = TrainingSetup(
+        params=10**9, largest_layer_params=10**7, gpus_per_node=2, precision="bf16", buffers=bufs
+    )
+    part, per_elem = 5 * 10**8, 12  # per rank at stage 2 on 2 ranks; fp32 master + Adam's two moments
+    nvme = estimate(setup, 2, "nvme")
+    assert apply_split(nvme, setup) is nvme  # ratio 1.0, max_in_cpu 0: every sub-group on NVMe
+    half = apply_split(nvme, setup, max_in_cpu=part // 2)
+    moved = part // 2 * per_elem * 2  # per node: two ranks
+    assert nvme.nvme_read_bytes_per_step - half.nvme_read_bytes_per_step == moved
+    assert nvme.nvme_write_bytes_per_step - half.nvme_write_bytes_per_step == moved
+    assert half.per_cpu_pinned_bytes - nvme.per_cpu_pinned_bytes == moved
+    chunk = swap_chunk(10**7, part // 2, 8)  # the swapper's chunk for the swapped half
+    assert half.nvme_bytes == 2 * 2 * math.ceil(part // 2 / chunk) * chunk * per_elem  # two copies, two ranks
+    assert half.per_gpu_bytes == nvme.per_gpu_bytes
+    every = apply_split(nvme, setup, max_in_cpu=part)
+    assert (
+        every.nvme_bytes == 0
+        and every.nvme_read_bytes_per_step == nvme.nvme_read_bytes_per_step - 2 * part * 12
+    )
+    cpu = estimate(setup, 2, "cpu")
+    twin = apply_split(cpu, setup, ratio=0.3)
+    on_gpu = (50 - 15) * 10**7  # ceil(0.3 x 50 sub-groups) = 15 offloaded
+    assert twin.per_gpu_bytes - cpu.per_gpu_bytes == on_gpu * per_elem
+    assert cpu.per_cpu_bytes - twin.per_cpu_bytes == 2 * on_gpu * per_elem
+    args = [
+        "--params",
+        "1B",
+        "--stage",
+        "2",
+        "--offload-optimizer",
+        "nvme",
+        "--sub-group-size",
+        "1e7",
+        "--json",
+    ]
+    row = json.loads(estimate_cli([*args, "--max-in-cpu", "1e9"]))["rows"][0]
+    assert row["nvme_bytes"] == 0 and "0 on nvme" in row["notes"][-1]
+    assert json.loads(estimate_cli(args))["rows"][0]["nvme_bytes"] > 0
+    with pytest.raises(Exception, match="--ratio must be a number in"):
+        estimate_cli(["--params", "1B", "--ratio", "1.5"])
+
+
+@pytest.mark.parametrize("param", ["none", "cpu"])
+def test_estimate_of_the_split_matches_the_engine(tmp_path, param):
+    """Stage 3, NVMe optimizer state with half of it in pinned RAM: the engine's pinned and NVMe bytes are
+    the estimate's (apply_split over the formulas' row), as tests/test_estimate_engine.py checks unsplit."""
+    from test_estimate_engine import PADDING_ALLOWANCE, _stage3_config, _stage3_setup
+
+    from offload.estimate.counting import count_parameters
+    from offload.estimate.formulas import estimate
+    from offload.estimate.split import apply_split
+
+    sub_group = 20_000
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256))
+    count = count_parameters(model)
+    half = count.params // 2
+    config = _stage3_config(tmp_path, param, "nvme", sub_group)
+    config["zero_optimization"]["offload_optimizer"]["max_in_cpu"] = half
+    engine, *_ = zero.initialize(model=model, config=config)
+    try:
+        engine.backward(engine(torch.randn(2, 256, dtype=torch.bfloat16)).float().square().mean())
+        engine.step()
+        pinned, nvme, info = engine.pinned_bytes, engine.nvme_bytes, engine.optimizer_state_info()
+        read = engine.last_report.nvme_read_bytes
+    finally:
+        engine.close()
+    setup = _stage3_setup(count, sub_group)
+    est = apply_split(estimate(setup, 3, "nvme", param), setup, max_in_cpu=half)
+    assert info.resident_numel == half // sub_group * sub_group > 0
+    assert 0 <= pinned - est.per_cpu_pinned_bytes <= PADDING_ALLOWANCE, (pinned, est.per_cpu_pinned_bytes)
+    assert 0 <= nvme - est.nvme_bytes <= PADDING_ALLOWANCE, (nvme, est.nvme_bytes)
+    assert 0 <= read - est.nvme_read_bytes_per_step <= PADDING_ALLOWANCE, (read, est.nvme_read_bytes_per_step)
