@@ -76,7 +76,13 @@ def test_estimate_matches_the_engine(tmp_path, offload, state_dtype, copies, sub
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256))
     count = count_parameters(model)
-    off = {"device": offload, "nvme_path": str(tmp_path), "buffer_count": 4, "nvme_copies": copies}
+    off = {
+        "device": offload,
+        "nvme_path": str(tmp_path),
+        "buffer_count": 4,
+        "nvme_copies": copies,
+        "max_in_cpu": 0,
+    }
     config = {
         "train_micro_batch_size_per_gpu": 2,
         "bf16": {"enabled": True},
