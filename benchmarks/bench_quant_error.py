@@ -1,6 +1,6 @@
 """Error of ZeRO-Inference weight quantization (`weight_quantization`) against the unquantized model.
 
-    .venv/bin/python -m benchmarks.bench_quant_error [--seeds 5] [--big]
+    .venv/bin/python -m benchmarks.bench_quant_error [--seeds 5] [--big] [--models M ...] [--settings S ...]
 
 For each model (random weights, built from a config: tiny GPT-2 and tiny Llama - the configs of
 tests/test_inference_quant.py - and with --big a Llama of hidden size 512, 4 layers, vocab 4096) and each
@@ -100,13 +100,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--big", action="store_true", help="also the Llama of hidden size 512 (slower)")
+    ap.add_argument("--models", nargs="*", help="only these models (gpt2-tiny, llama-tiny, llama-h512)")
+    ap.add_argument("--settings", nargs="*", help="only these settings ('int8', 'int4 sym', ...)")
     args = ap.parse_args()
     models = {"gpt2-tiny": gpt2_tiny, "llama-tiny": llama_tiny}
     if args.big:
         models["llama-h512"] = llama_big
     results: List[Dict[str, Any]] = []
     for mname, build in models.items():
+        if args.models and mname not in args.models:
+            continue
         for sname, setting in SETTINGS:
+            if args.settings and sname not in args.settings:
+                continue
             runs = [measure(build, setting, seed) for seed in range(args.seeds)]
             results.append(
                 {
