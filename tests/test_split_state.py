@@ -27,7 +27,7 @@ from test_state_integrity import assert_same, fail_nth_write, weights
 
 import zero
 from offload.swap.slots import swap_chunk
-from offload.swap.split import auto_max_in_cpu, split_numel, swap_file_bytes, swap_pass_bytes
+from offload.swap.split import auto_max_in_cpu, host_granule, split_numel, swap_file_bytes, swap_pass_bytes
 from zero import StateCorruptedError
 from zero.models import get_batch
 from zero.split_state import plan_split
@@ -173,16 +173,17 @@ def _pinned_after_build(cfg) -> tuple:
         engine.close()
 
 
-def test_auto_takes_the_sub_groups_the_pinned_budget_has_left(tmp_path):
+def test_auto_takes_what_the_pinned_budget_has_left(tmp_path):
     cfg0 = config("nvme", tmp_path, 2, max_in_cpu=0, fp16=False)
     base, info0, _ = _pinned_after_build(cfg0)  # gradients + swap slots, everything else on NVMe
-    numel, per_sub = info0.numel, SUB * 3 * 4  # master + 2 Adam states, fp32
-    for extra_subs, slack in ((5, 0), (5, per_sub - 1), (0, per_sub - 1)):
+    g = host_granule(SUB)  # max_in_cpu's granularity: min(sub-group, 2048) elements
+    numel, per_g = info0.numel, g * 3 * 4  # master + 2 Adam states, fp32
+    for extra, slack in ((5, 0), (5, per_g - 1), (0, per_g - 1)):
         cfg = config("nvme", tmp_path, 2, max_in_cpu="auto", fp16=False)
-        cfg["zero_offload"] = {"pinned_budget_bytes": base + extra_subs * per_sub + slack}
+        cfg["zero_offload"] = {"pinned_budget_bytes": base + extra * per_g + slack}
         pinned, info, swap_dir = _pinned_after_build(cfg)
-        assert info.resident_numel == extra_subs * SUB
-        assert pinned <= cfg["zero_offload"]["pinned_budget_bytes"] < pinned + per_sub  # one more won't fit
+        assert info.resident_numel == extra * g
+        assert pinned <= cfg["zero_offload"]["pinned_budget_bytes"] < pinned + per_g  # one more won't fit
         assert swap_dir is not None
     # a budget that holds everything: no swap space at all
     cfg = config("nvme", tmp_path, 2, max_in_cpu="auto", fp16=False)
@@ -269,12 +270,13 @@ def test_estimator_rows_follow_the_split():
     nvme = estimate(setup, 2, "nvme")
     assert apply_split(nvme, setup) is nvme  # ratio 1.0, max_in_cpu 0: every sub-group on NVMe
     half = apply_split(nvme, setup, max_in_cpu=part // 2)
-    moved = part // 2 * per_elem * 2  # per node: two ranks
+    kept = part // 2 // host_granule(10**7) * host_granule(10**7)  # rounded down to 2048-element pieces
+    moved = kept * per_elem * 2  # per node: two ranks
     assert nvme.nvme_read_bytes_per_step - half.nvme_read_bytes_per_step == moved
     assert nvme.nvme_write_bytes_per_step - half.nvme_write_bytes_per_step == moved
     assert half.per_cpu_pinned_bytes - nvme.per_cpu_pinned_bytes == moved
-    chunk = swap_chunk(10**7, part // 2, 8)  # the swapper's chunk for the swapped half
-    assert half.nvme_bytes == 2 * 2 * math.ceil(part // 2 / chunk) * chunk * per_elem  # two copies, two ranks
+    chunk = swap_chunk(10**7, part - kept, 8)  # the swapped rest's chunk; two copies, two ranks
+    assert half.nvme_bytes == 2 * 2 * math.ceil((part - kept) / chunk) * chunk * per_elem
     assert half.per_gpu_bytes == nvme.per_gpu_bytes
     every = apply_split(nvme, setup, max_in_cpu=part)
     assert (
@@ -331,7 +333,7 @@ def test_estimate_of_the_split_matches_the_engine(tmp_path, param):
         engine.close()
     setup = _stage3_setup(count, sub_group)
     est = apply_split(estimate(setup, 3, "nvme", param), setup, max_in_cpu=half)
-    assert info.resident_numel == half // sub_group * sub_group > 0
+    assert info.resident_numel == half // host_granule(sub_group) * host_granule(sub_group) > 0
     assert 0 <= pinned - est.per_cpu_pinned_bytes <= PADDING_ALLOWANCE, (pinned, est.per_cpu_pinned_bytes)
     assert 0 <= nvme - est.nvme_bytes <= PADDING_ALLOWANCE, (nvme, est.nvme_bytes)
     assert 0 <= read - est.nvme_read_bytes_per_step <= PADDING_ALLOWANCE, (read, est.nvme_read_bytes_per_step)

@@ -128,8 +128,8 @@ class OffloadOptimizerConfig:
     fast_init: bool = False
     ratio: float = 1.0
     nvme_copies: Union[str, int] = "auto"  # NVMe copies of the state: "auto" | 1 (in place) | 2 (atomic)
-    # nvme: elements whose optimizer state stays in pinned host memory (whole sub-groups); "auto": as many
-    # as the pinned budget holds after everything else the engine pins
+    # nvme: elements whose optimizer state stays in pinned host memory (multiples of
+    # min(sub_group_size, 2048)); "auto": as many as the pinned budget holds after everything else pinned
     max_in_cpu: Union[int, str] = "auto"
 
     @property

@@ -6,8 +6,11 @@ falls on a sub-group boundary, in index order `[device | pinned host | offload t
 
 * `ratio` (DeepSpeed's Twin-Flow): `ceil(ratio x sub-groups)` sub-groups live on the offload tier (cpu or
   nvme), the sub-groups before them on the training device;
-* `max_in_cpu` (nvme only): of the offloaded elements, the first `max_in_cpu` rounded down to whole
-  sub-groups (all of them when `max_in_cpu` covers them) stay in pinned host memory; the rest is swapped.
+* `max_in_cpu` (nvme only): of the offloaded elements, the first `max_in_cpu` rounded down to a multiple
+  of `host_granule(sub_group)` = min(sub_group, 2048) elements (all of them when `max_in_cpu` covers them)
+  stay in pinned host memory; the rest is swapped. Finer than a sub-group, so DeepSpeed's default
+  `sub_group_size` (1e9, one sub-group for most partitions) does not turn RAM-first placement off; 2048 is
+  the int8 states' quantization block, so the cut never splits one.
 """
 
 from __future__ import annotations
@@ -17,7 +20,21 @@ from dataclasses import dataclass
 
 from offload.swap.slots import FP32_BYTES, slot_bytes, swap_chunk
 
-__all__ = ["SplitNumel", "auto_max_in_cpu", "split_numel", "swap_file_bytes", "swap_pass_bytes"]
+__all__ = [
+    "SplitNumel",
+    "auto_max_in_cpu",
+    "host_granule",
+    "split_numel",
+    "swap_file_bytes",
+    "swap_pass_bytes",
+]
+
+HOST_GRANULE = 2048  # the finest cut of max_in_cpu (offload.ops.QUANT_BLOCK)
+
+
+def host_granule(sub_group: int) -> int:
+    """Elements to whose multiples `max_in_cpu` is rounded down: a sub-group, or 2048 if that is smaller."""
+    return max(1, min(int(sub_group), HOST_GRANULE))
 
 
 @dataclass(frozen=True)
@@ -43,7 +60,8 @@ def split_numel(
     rest = part - on_device
     host = 0
     if tier == "nvme" and rest:
-        host = rest if max_in_cpu >= rest else min(rest, max_in_cpu // sub_group * sub_group)
+        g = host_granule(sub_group)
+        host = rest if max_in_cpu >= rest else min(rest, max_in_cpu // g * g)
     return SplitNumel(device=on_device, host=host, offload=rest - host)
 
 
@@ -57,7 +75,7 @@ def auto_max_in_cpu(
     alignment: int = 4096,
 ) -> int:
     """`max_in_cpu: "auto"` for `numel` elements bound for NVMe: all of them when master + states fit in
-    `free_bytes` (what the pinned budget has left); otherwise whole sub-groups in what remains after
+    `free_bytes` (what the pinned budget has left); otherwise whole `host_granule`s in what remains after
     `buffer_count` staging slots for the swapped rest (the slots' size as `swap_chunk` plans them)."""
     sub_group = max(1, min(int(sub_group), numel))
     per_elem = (1 + n_states) * FP32_BYTES
@@ -65,7 +83,8 @@ def auto_max_in_cpu(
         return numel
     chunk = swap_chunk(sub_group, numel, n_states * FP32_BYTES)
     room = max(0, free_bytes - buffer_count * slot_bytes(chunk, n_states, alignment))
-    return min(numel // sub_group * sub_group, room // (sub_group * per_elem) * sub_group)
+    g = host_granule(sub_group)
+    return min(numel // g * g, room // (g * per_elem) * g)
 
 
 def swap_pass_bytes(numel: int, chunk: int, n_states: int, alignment: int = 4096) -> int:
