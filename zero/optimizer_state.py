@@ -96,6 +96,7 @@ class StateInfo:
     resident_numel: int = 0  # elements whose state is in memory (device or host; zero.split_state)
     swapped_numel: int = 0  # elements whose state is in swap files
     device_numel: int = 0  # of the resident ones, elements on the training device (offload_optimizer.ratio)
+    device_part: str = ""  # what steps a split's device share: "torch" (zero.device_part) or "kernels"
 
 
 def _disk_free(path: str) -> int:
@@ -361,6 +362,8 @@ class OptimizerState:
         on_step_lost: Callable[[], None],
         device_step: Optional[FusedDeviceStep] = None,
     ) -> None:
+        """`tier` may be a SplitTier whose device share is a TorchDevicePart (Twin-Flow on CUDA): each pass
+        then launches that share's update first (`run`), and the chunk walk covers the offloaded share."""
         self.tier = tier
         self.space = space
         self.writer = writer
@@ -371,6 +374,8 @@ class OptimizerState:
         self._put_master = put_master
         self._on_step_lost = on_step_lost
         self.pass_updates = 0  # chunks the running pass updated (an in-place tier is torn then)
+        self.device_part = tier.device_part if isinstance(tier, SplitTier) else None
+        self._device_args: Optional[tuple] = None  # what chunk_update gave the device share's launch
 
     @property
     def swapped(self) -> bool:
@@ -387,6 +392,7 @@ class OptimizerState:
         swap = isinstance(t, OptimizerSwapper) or split
         chunks = t.chunk_count if split else len(t.chunks) if swap else -(-t.numel // t.chunk_numel)
         swapped = t.swapped_numel if split else t.numel if swap else 0
+        stepper = "torch" if self.device_part is not None else "kernels"
         return StateInfo(
             tier=tier_name,
             numel=t.numel,
@@ -399,6 +405,7 @@ class OptimizerState:
             resident_numel=t.numel - swapped,
             swapped_numel=swapped,
             device_numel=t.device_numel if split else 0 if swap or t.pinned_bytes else t.numel,
+            device_part=stepper if split and t.on_device else "",
         )
 
     # ------------------------------------------------------------------------------------ one pass
@@ -416,6 +423,8 @@ class OptimizerState:
         chunk's sum of squared (raw) gradients is appended to it first: the step's gradient norm, taken
         while the pass walks the gradients anyway (on NVMe, under the reads and writes in flight)."""
         rule, writer = self.rule, self.writer
+        if self.device_part is not None:
+            self._device_args = (grad, step, group, grad_scale, sq)
 
         def update(start: int, n: int, master: torch.Tensor, states: List[torch.Tensor]) -> bool:
             g = grad[start : start + n]
@@ -444,9 +453,26 @@ class OptimizerState:
     def run(self, update: Callable[..., bool], ready: Optional[Callable[[int], bool]] = None) -> bool:
         """Walk the tier with `update` (waiting on `ready(c)` per chunk when given); False: overflow."""
         self.pass_updates = 0
+        if self.device_part is not None:
+            self._launch_device_part()
         if ready is None:
             return self.tier.step(update)
         return self.tier.step(update, ready=ready)  # type: ignore[call-arg]
+
+    def _launch_device_part(self) -> None:
+        """Twin-Flow: queue the device share's update with the pass's gradient scale (asynchronous on CUDA),
+        and its new weights into the parameters after it, before the host walks the offloaded chunks."""
+        args, self._device_args = self._device_args, None
+        if args is None:
+            raise RuntimeError("OptimizerState.run: no chunk_update prepared this pass's device-share update")
+        grad, step, group, grad_scale, sq = args
+        part = self.device_part
+        g = grad[: part.numel]
+        if sq is not None:  # the norm adds both shares' squares
+            sq.append(sum_of_squares(g))
+        part.launch(g, step, group, grad_scale)
+        self.pass_updates += 1  # the share is updated in place: a failure after this tears the state
+        self._put_master(self.writer, part)  # device to device on CUDA, queued after the update
 
     def end_pass(self, ok: bool, step: int, rep: StepReport, h2d0: int) -> bool:
         """Commit a finished pass (or drop it on overflow) and add its counts to `rep`; True: skipped."""
