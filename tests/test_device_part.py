@@ -150,6 +150,14 @@ def test_ratio_with_torch_part_matches_ratio_one(tmp_path, stage):
     assert torch.equal(kernels["state"]["master"], ref["state"]["master"])
 
 
+def test_ratio_zero_steps_the_whole_state_with_torch(tmp_path):
+    """ratio 0: everything on the device, stepped by torch alone (no host chunks)."""
+    ref = run(config("cpu", tmp_path, 2, ratio=1.0, fp16=False))
+    got = run(config("cpu", tmp_path, 2, ratio=0.0, fp16=False), device_part="torch")
+    assert got["info"].device_numel == got["info"].numel and got["info"].device_part == "torch"
+    assert_close_runs(got, ref)
+
+
 def test_fp16_overflow_skips_both_shares(tmp_path):
     """A loss scale of 2^24 overflows the first steps: both shares skip them, then train alike."""
     cfgs = []
@@ -216,9 +224,10 @@ def test_cuda_ratio_matches_ratio_one(tmp_path, stage):
 
 
 @CUDA
-def test_cuda_fp32_ratio_matches_ratio_one(tmp_path):
+@pytest.mark.parametrize("ratio", [0.5, 0.0])
+def test_cuda_fp32_ratio_matches_ratio_one(tmp_path, ratio):
     ref = run(config("cpu", tmp_path, 2, ratio=1.0, fp16=False))
-    got = run(config("cpu", tmp_path, 2, ratio=0.5, fp16=False))
+    got = run(config("cpu", tmp_path, 2, ratio=ratio, fp16=False))
     assert got["info"].device_numel > 0 and got["info"].device_part == "torch"
     assert_close_runs(got, ref)
 
@@ -237,6 +246,16 @@ def test_cuda_part_is_fused_torch_adamw():
         p.grad = raw.cuda() / 64.0
         ref.step()
     torch.testing.assert_close(part.master, p.detach(), rtol=2e-5, atol=PARAM_ATOL)
+
+
+@CUDA
+def test_cuda_three_tiers(tmp_path):
+    """[GPU | pinned host | NVMe] against everything on NVMe."""
+    ref = run(config("nvme", tmp_path, 2, ratio=1.0, max_in_cpu=0, fp16=False))
+    got = run(config("nvme", tmp_path, 2, ratio=0.3, max_in_cpu=2 * SUB, fp16=False))
+    dev = device_share(got["info"].numel, 0.3)
+    assert got["info"].device_numel == dev > 0 and got["info"].resident_numel == dev + 2 * SUB
+    assert_close_runs(got, ref)
 
 
 @CUDA

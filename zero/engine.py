@@ -44,7 +44,13 @@ from zero.device_part import TorchDevicePart, wants_torch_part
 from zero.integrity import StateGuard
 from zero.layout.base import GradMemory, Layout, Placement, allocate_pinned, trainable_params
 from zero.layout.flat import FlatLayout
-from zero.optimizer_offload import UpdateRule, ZeroOptimizer, rule_from_client_optimizer, rule_from_config
+from zero.optimizer_offload import (
+    DeviceState,
+    UpdateRule,
+    ZeroOptimizer,
+    rule_from_client_optimizer,
+    rule_from_config,
+)
 from zero.optimizer_state import FusedDeviceStep, OptimizerState, StateInfo, build_tier, swap_copies
 from zero.overlap import OverlapPass
 from zero.report import InferenceReport, PhaseClock, StepReport
@@ -254,10 +260,15 @@ class ZeroEngine:
         device_step = None
         if self.device.type == "cuda" and self.offload_device == "none":
             device_step = FusedDeviceStep(self.rule, self.optimizer, tier)  # type: ignore[arg-type]
-        torch_part = wants_torch_part(self._device_part, self.device)
-        if isinstance(tier, SplitTier) and tier.on_device and torch_part:
+        torch_part = wants_torch_part(self._device_part, self.device) and self.offload_device != "none"
+        whole = isinstance(tier, DeviceState) and tier.numel > 0 and not tier.pinned_bytes  # ratio 0
+        if torch_part and (whole or (isinstance(tier, SplitTier) and tier.on_device)):
             try:  # Twin-Flow: the device share stepped by torch (zero.device_part)
-                tier.use_device_part(TorchDevicePart(self.rule, self.optimizer.param_groups[0], tier.front))
+                group = self.optimizer.param_groups[0]
+                if isinstance(tier, SplitTier):
+                    tier.use_device_part(TorchDevicePart(self.rule, group, tier.front))
+                else:
+                    tier = TorchDevicePart(self.rule, group, tier)  # type: ignore[arg-type]
             except BaseException:
                 tier.close()
                 if space is not None:

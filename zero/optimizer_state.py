@@ -33,6 +33,7 @@ from offload.pinned import PINNED_BUDGET_ENV, PinnedPool
 from offload.swap.optimizer_swapper import STATE_TORCH_DTYPES, OptimizerSwapper, SwapStats
 from offload.swap.slots import QUANT_BLOCK, StateFormat, plan_slot_numel
 from offload.swap.space import SwapSpace, check_nvme_path
+from zero.device_part import TorchDevicePart
 from zero.integrity import StateGuard
 from zero.optimizer_offload import DeviceState, UpdateRule, ZeroOptimizer
 from zero.param_writer import ParamWriter
@@ -362,8 +363,9 @@ class OptimizerState:
         on_step_lost: Callable[[], None],
         device_step: Optional[FusedDeviceStep] = None,
     ) -> None:
-        """`tier` may be a SplitTier whose device share is a TorchDevicePart (Twin-Flow on CUDA): each pass
-        then launches that share's update first (`run`), and the chunk walk covers the offloaded share."""
+        """`tier` may be a SplitTier whose device share is a TorchDevicePart (Twin-Flow on CUDA), or that
+        part alone (`ratio` 0): each pass then launches that share's update first (`run`), and the chunk
+        walk covers the offloaded share."""
         self.tier = tier
         self.space = space
         self.writer = writer
@@ -374,7 +376,8 @@ class OptimizerState:
         self._put_master = put_master
         self._on_step_lost = on_step_lost
         self.pass_updates = 0  # chunks the running pass updated (an in-place tier is torn then)
-        self.device_part = tier.device_part if isinstance(tier, SplitTier) else None
+        part = tier.device_part if isinstance(tier, SplitTier) else tier
+        self.device_part = part if isinstance(part, TorchDevicePart) else None
         self._device_args: Optional[tuple] = None  # what chunk_update gave the device share's launch
 
     @property
@@ -392,7 +395,9 @@ class OptimizerState:
         swap = isinstance(t, OptimizerSwapper) or split
         chunks = t.chunk_count if split else len(t.chunks) if swap else -(-t.numel // t.chunk_numel)
         swapped = t.swapped_numel if split else t.numel if swap else 0
-        stepper = "torch" if self.device_part is not None else "kernels"
+        device_numel = t.device_numel if split else 0 if swap or t.pinned_bytes else t.numel
+        offloaded = tier_name in ("cpu", "nvme") and device_numel > 0  # a device share (ratio below 1.0)
+        stepper = "torch" if self.device_part is not None else "kernels" if offloaded else ""
         return StateInfo(
             tier=tier_name,
             numel=t.numel,
@@ -404,8 +409,8 @@ class OptimizerState:
             state_dtype=self.rule.state_dtype,
             resident_numel=t.numel - swapped,
             swapped_numel=swapped,
-            device_numel=t.device_numel if split else 0 if swap or t.pinned_bytes else t.numel,
-            device_part=stepper if split and t.on_device else "",
+            device_numel=device_numel,
+            device_part=stepper,
         )
 
     # ------------------------------------------------------------------------------------ one pass
@@ -468,11 +473,11 @@ class OptimizerState:
         grad, step, group, grad_scale, sq = args
         part = self.device_part
         g = grad[: part.numel]
-        if sq is not None:  # the norm adds both shares' squares
-            sq.append(sum_of_squares(g))
         part.launch(g, step, group, grad_scale)
         self.pass_updates += 1  # the share is updated in place: a failure after this tears the state
         self._put_master(self.writer, part)  # device to device on CUDA, queued after the update
+        if sq is not None:  # the norm adds both shares' squares (on the host, while the GPU steps)
+            sq.append(sum_of_squares(g))
 
     def end_pass(self, ok: bool, step: int, rep: StepReport, h2d0: int) -> bool:
         """Commit a finished pass (or drop it on overflow) and add its counts to `rep`; True: skipped."""
