@@ -15,7 +15,9 @@ absmax scales) on every tier, laid out by `offload.swap.slots.StateFormat`.
 `OptimizerState` runs a pass over the tier: the update rule's fused kernel on each chunk, then the
 parameter writer (zero.param_writer) copies the new weights out. It commits or drops the pass, puts the
 committed master back into the parameters after a failure, and streams the state for checkpoints. On CUDA
-without offload the update is torch's fused Adam on the device master (`FusedDeviceStep`).
+without offload the update is torch's fused Adam on the device master (`FusedDeviceStep`); with offload and
+a device share (`offload_optimizer.ratio` below 1.0) that share is stepped by torch too (zero.device_part),
+launched before the host walks the offloaded chunks.
 """
 
 from __future__ import annotations
@@ -456,7 +458,8 @@ class OptimizerState:
         return update
 
     def run(self, update: Callable[..., bool], ready: Optional[Callable[[int], bool]] = None) -> bool:
-        """Walk the tier with `update` (waiting on `ready(c)` per chunk when given); False: overflow."""
+        """Walk the tier with `update` (waiting on `ready(c)` per chunk when given); False: overflow. A
+        torch-stepped device share is launched first, with what `chunk_update` was given."""
         self.pass_updates = 0
         if self.device_part is not None:
             self._launch_device_part()
