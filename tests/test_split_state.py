@@ -129,15 +129,18 @@ def test_ratio_on_two_ranks_is_bit_identical(tmp_path):
     assert results[0][0.3][0] == results[1][0.3][0]
 
 
-def test_ratio_on_cuda_is_refused_before_anything_is_built():
+def test_ratio_on_cuda_plans_a_device_share():
+    """On CUDA the device share is planned as on the CPU (torch's fused Adam steps it: test_device_part)."""
+
     class Off:
         ratio, max_in_cpu, buffer_count = 0.5, 0, 4
 
-    with pytest.raises(NotImplementedError, match="offload_optimizer.ratio=0.5.*CPU compute"):
-        plan_split(
-            10_000, 2, tier="cpu", offload=Off(), sub_group=1000, device=torch.device("cuda"),
+    for dev in ("cuda", "cpu"):
+        plan = plan_split(
+            10_000, 2, tier="cpu", offload=Off(), sub_group=1000, device=torch.device(dev),
             cap_bytes=1 << 30, in_use_bytes=0, reserved_bytes=0, alignment=4096,
         )  # fmt: skip
+        assert (plan.device, plan.host, plan.offload) == (5000, 0, 5000)
 
 
 # ------------------------------------------------------------------------------------- RAM-first NVMe

@@ -40,13 +40,21 @@ from offload.pinned import PINNED_BUDGET_ENV, PinnedPool, default_pinned_budget,
 from zero import checkpointing, inference
 from zero.accelerator import compute_device
 from zero.deepspeed_api import init_distributed  # noqa: F401 - its old home; zero.initialize uses it
+from zero.device_part import TorchDevicePart, wants_torch_part
 from zero.integrity import StateGuard
 from zero.layout.base import GradMemory, Layout, Placement, allocate_pinned, trainable_params
 from zero.layout.flat import FlatLayout
-from zero.optimizer_offload import UpdateRule, ZeroOptimizer, rule_from_client_optimizer, rule_from_config
+from zero.optimizer_offload import (
+    DeviceState,
+    UpdateRule,
+    ZeroOptimizer,
+    rule_from_client_optimizer,
+    rule_from_config,
+)
 from zero.optimizer_state import FusedDeviceStep, OptimizerState, StateInfo, build_tier, swap_copies
 from zero.overlap import OverlapPass
 from zero.report import InferenceReport, PhaseClock, StepReport
+from zero.split_state import SplitTier
 from zero.unused import UnusedParameterCheck
 from zero.update import UpdatePass
 
@@ -56,7 +64,11 @@ logger = logging.getLogger("zero")
 
 
 class ZeroEngine:
-    """What `zero.initialize` returns. Method names and semantics follow DeepSpeed's DeepSpeedEngine."""
+    """What `zero.initialize` returns. Method names and semantics follow DeepSpeed's DeepSpeedEngine.
+
+    `device_part`: what steps the device share of a Twin-Flow split (`offload_optimizer.ratio` below 1.0):
+    "auto" (torch's fused Adam/AdamW on CUDA, the CPU kernels on a CPU-only machine), "torch"
+    (zero.device_part.TorchDevicePart on any device), or "kernels" (CPU compute only)."""
 
     def __init__(
         self,
@@ -69,10 +81,13 @@ class ZeroEngine:
         rank: int = 0,
         world_size: int = 1,
         local_rank: Optional[int] = None,
+        device_part: str = "auto",
     ) -> None:
         self.config = cfg
+        self._device_part = device_part
         self.rank, self.world_size = rank, world_size
         self.device = compute_device(local_rank)
+        wants_torch_part(device_part, self.device)  # a bad choice fails before anything is built
         zcfg = cfg.zero_optimization
         self.stage = int(zcfg.stage)
         if self.stage > 3:
@@ -245,6 +260,20 @@ class ZeroEngine:
         device_step = None
         if self.device.type == "cuda" and self.offload_device == "none":
             device_step = FusedDeviceStep(self.rule, self.optimizer, tier)  # type: ignore[arg-type]
+        torch_part = wants_torch_part(self._device_part, self.device) and self.offload_device != "none"
+        whole = isinstance(tier, DeviceState) and tier.numel > 0 and not tier.pinned_bytes  # ratio 0
+        if torch_part and (whole or (isinstance(tier, SplitTier) and tier.on_device)):
+            try:  # Twin-Flow: the device share stepped by torch (zero.device_part)
+                group = self.optimizer.param_groups[0]
+                if isinstance(tier, SplitTier):
+                    tier.use_device_part(TorchDevicePart(self.rule, group, tier.front))
+                else:
+                    tier = TorchDevicePart(self.rule, group, tier)  # type: ignore[arg-type]
+            except BaseException:
+                tier.close()
+                if space is not None:
+                    space.close()
+                raise
         return OptimizerState(
             tier,
             space,

@@ -15,7 +15,9 @@ absmax scales) on every tier, laid out by `offload.swap.slots.StateFormat`.
 `OptimizerState` runs a pass over the tier: the update rule's fused kernel on each chunk, then the
 parameter writer (zero.param_writer) copies the new weights out. It commits or drops the pass, puts the
 committed master back into the parameters after a failure, and streams the state for checkpoints. On CUDA
-without offload the update is torch's fused Adam on the device master (`FusedDeviceStep`).
+without offload the update is torch's fused Adam on the device master (`FusedDeviceStep`); with offload and
+a device share (`offload_optimizer.ratio` below 1.0) that share is stepped by torch too (zero.device_part),
+launched before the host walks the offloaded chunks.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from offload.pinned import PINNED_BUDGET_ENV, PinnedPool
 from offload.swap.optimizer_swapper import STATE_TORCH_DTYPES, OptimizerSwapper, SwapStats
 from offload.swap.slots import QUANT_BLOCK, StateFormat, plan_slot_numel
 from offload.swap.space import SwapSpace, check_nvme_path
+from zero.device_part import TorchDevicePart
 from zero.integrity import StateGuard
 from zero.optimizer_offload import DeviceState, UpdateRule, ZeroOptimizer
 from zero.param_writer import ParamWriter
@@ -96,6 +99,7 @@ class StateInfo:
     resident_numel: int = 0  # elements whose state is in memory (device or host; zero.split_state)
     swapped_numel: int = 0  # elements whose state is in swap files
     device_numel: int = 0  # of the resident ones, elements on the training device (offload_optimizer.ratio)
+    device_part: str = ""  # what steps a split's device share: "torch" (zero.device_part) or "kernels"
 
 
 def _disk_free(path: str) -> int:
@@ -361,6 +365,9 @@ class OptimizerState:
         on_step_lost: Callable[[], None],
         device_step: Optional[FusedDeviceStep] = None,
     ) -> None:
+        """`tier` may be a SplitTier whose device share is a TorchDevicePart (Twin-Flow on CUDA), or that
+        part alone (`ratio` 0): each pass then launches that share's update first (`run`), and the chunk
+        walk covers the offloaded share."""
         self.tier = tier
         self.space = space
         self.writer = writer
@@ -371,6 +378,9 @@ class OptimizerState:
         self._put_master = put_master
         self._on_step_lost = on_step_lost
         self.pass_updates = 0  # chunks the running pass updated (an in-place tier is torn then)
+        part = tier.device_part if isinstance(tier, SplitTier) else tier
+        self.device_part = part if isinstance(part, TorchDevicePart) else None
+        self._device_args: Optional[tuple] = None  # what chunk_update gave the device share's launch
 
     @property
     def swapped(self) -> bool:
@@ -387,6 +397,9 @@ class OptimizerState:
         swap = isinstance(t, OptimizerSwapper) or split
         chunks = t.chunk_count if split else len(t.chunks) if swap else -(-t.numel // t.chunk_numel)
         swapped = t.swapped_numel if split else t.numel if swap else 0
+        device_numel = t.device_numel if split else 0 if swap or t.pinned_bytes else t.numel
+        offloaded = tier_name in ("cpu", "nvme") and device_numel > 0  # a device share (ratio below 1.0)
+        stepper = "torch" if self.device_part is not None else "kernels" if offloaded else ""
         return StateInfo(
             tier=tier_name,
             numel=t.numel,
@@ -398,7 +411,8 @@ class OptimizerState:
             state_dtype=self.rule.state_dtype,
             resident_numel=t.numel - swapped,
             swapped_numel=swapped,
-            device_numel=t.device_numel if split else 0 if swap or t.pinned_bytes else t.numel,
+            device_numel=device_numel,
+            device_part=stepper,
         )
 
     # ------------------------------------------------------------------------------------ one pass
@@ -416,6 +430,8 @@ class OptimizerState:
         chunk's sum of squared (raw) gradients is appended to it first: the step's gradient norm, taken
         while the pass walks the gradients anyway (on NVMe, under the reads and writes in flight)."""
         rule, writer = self.rule, self.writer
+        if self.device_part is not None:
+            self._device_args = (grad, step, group, grad_scale, sq)
 
         def update(start: int, n: int, master: torch.Tensor, states: List[torch.Tensor]) -> bool:
             g = grad[start : start + n]
@@ -442,11 +458,29 @@ class OptimizerState:
         return update
 
     def run(self, update: Callable[..., bool], ready: Optional[Callable[[int], bool]] = None) -> bool:
-        """Walk the tier with `update` (waiting on `ready(c)` per chunk when given); False: overflow."""
+        """Walk the tier with `update` (waiting on `ready(c)` per chunk when given); False: overflow. A
+        torch-stepped device share is launched first, with what `chunk_update` was given."""
         self.pass_updates = 0
+        if self.device_part is not None:
+            self._launch_device_part()
         if ready is None:
             return self.tier.step(update)
         return self.tier.step(update, ready=ready)  # type: ignore[call-arg]
+
+    def _launch_device_part(self) -> None:
+        """Twin-Flow: queue the device share's update with the pass's gradient scale (asynchronous on CUDA),
+        and its new weights into the parameters after it, before the host walks the offloaded chunks."""
+        args, self._device_args = self._device_args, None
+        if args is None:
+            raise RuntimeError("OptimizerState.run: no chunk_update prepared this pass's device-share update")
+        grad, step, group, grad_scale, sq = args
+        part = self.device_part
+        g = grad[: part.numel]
+        part.launch(g, step, group, grad_scale)
+        self.pass_updates += 1  # the share is updated in place: a failure after this tears the state
+        self._put_master(self.writer, part)  # device to device on CUDA, queued after the update
+        if sq is not None:  # the norm adds both shares' squares (on the host, while the GPU steps)
+            sq.append(sum_of_squares(g))
 
     def end_pass(self, ok: bool, step: int, rep: StepReport, h2d0: int) -> bool:
         """Commit a finished pass (or drop it on overflow) and add its counts to `rep`; True: skipped."""

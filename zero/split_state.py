@@ -7,9 +7,11 @@ Two features share this composition:
   the NVMe bytes per step shrink by the resident share. `max_in_cpu: "auto"` keeps as many sub-groups as the
   pinned budget holds after what the engine already pinned and the swap slots.
 * **Twin-Flow** (`offload_optimizer.ratio` below 1.0): that fraction of the sub-groups (rounded up) lives on
-  the offload tier (cpu or nvme) and is stepped there; the sub-groups before them stay on the device. Only
-  CPU compute is supported: on a CPU-only machine the device part is plain (not pinned) host memory, stepped
-  by the same fused kernels, so every ratio gives bit-identical results.
+  the offload tier (cpu or nvme) and is stepped there; the sub-groups before them stay on the device. On
+  CUDA the device part is a `TorchDevicePart` (zero.device_part): device memory stepped by torch's fused
+  Adam/AdamW, launched before the host walks the offloaded chunks so both run at once. On a CPU-only
+  machine it is plain (not pinned) host memory stepped by the same fused kernels, so every ratio gives
+  bit-identical results.
 
 Both nest: `[device | pinned host | NVMe]` is `SplitTier(device, SplitTier(pinned, swapper))`. A split always
 falls on a sub-group boundary, so chunks never straddle two tiers.
@@ -37,6 +39,7 @@ import torch
 
 from offload.swap.optimizer_swapper import ChunkFn, OptimizerSwapper, SwapStats
 from offload.swap.split import auto_max_in_cpu, split_numel
+from zero.device_part import TorchDevicePart
 
 __all__ = ["SplitPlan", "SplitStats", "SplitTier", "build_split", "plan_split"]
 
@@ -73,11 +76,6 @@ def plan_split(
     is offload.swap.split's; "auto" takes what the pinned budget has left after `in_use_bytes` and
     `reserved_bytes`)."""
     ratio = float(getattr(offload, "ratio", 1.0)) if offload is not None else 1.0
-    if tier in ("cpu", "nvme") and ratio < 1.0 and device.type != "cpu":
-        raise NotImplementedError(
-            f"zero_optimization.offload_optimizer.ratio={ratio}: keeping part of the optimizer state on the "
-            f"{device.type} device (Twin-Flow) is supported only with CPU compute for now; use ratio 1.0"
-        )
     want = getattr(offload, "max_in_cpu", 0) if offload is not None else 0
     if want == "auto" and tier == "nvme":
         rest = split_numel(numel, sub_group, tier=tier, ratio=ratio, max_in_cpu=0).offload
@@ -170,6 +168,21 @@ class SplitTier:
         for t in (front, back):
             if isinstance(t, OptimizerSwapper):
                 t.defer_writes = False  # an NVMe error must surface from step(), never after a commit
+
+    def use_device_part(self, part: TorchDevicePart) -> None:
+        """Step the device share with `part` (a `TorchDevicePart` over the current front): the pass launches
+        it before this tier's `step`, whose visit of the front then only checks that it was."""
+        if not self.on_device or int(part.numel) != self.split:
+            raise ValueError(
+                f"a device part of {part.numel} elements cannot replace this split's front "
+                f"({self.split} elements, on the device: {self.on_device})"
+            )
+        self.front = part
+
+    @property
+    def device_part(self) -> Any:
+        """The front when it is stepped apart from the chunk walk (`use_device_part`), else None."""
+        return self.front if isinstance(self.front, TorchDevicePart) else None
 
     # ------------------------------------------------------------------------------------ placement
     def _swappers(self) -> List[OptimizerSwapper]:
