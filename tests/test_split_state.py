@@ -195,6 +195,32 @@ def test_auto_takes_what_the_pinned_budget_has_left(tmp_path):
     assert (info.resident_numel, info.swapped_numel, info.disk_bytes, swap_dir) == (numel, 0, 0, None)
 
 
+def test_auto_is_all_or_nothing_when_the_optimizer_steps_during_backward(tmp_path):
+    """With pipeline_read the overlap needs the whole state on NVMe: "auto" keeps a share in RAM only when
+    all of it fits, and the overlap stays on."""
+
+    def pipelined(budget=None):
+        cfg = config("nvme", tmp_path, 2, max_in_cpu="auto", fp16=False, clip=0.0)
+        cfg["zero_optimization"]["offload_optimizer"]["pipeline_read"] = True
+        if budget is not None:
+            cfg["zero_offload"] = {"pinned_budget_bytes": budget}
+        return cfg
+
+    cfg0 = config("nvme", tmp_path, 2, max_in_cpu=0, fp16=False, clip=0.0)
+    cfg0["zero_optimization"]["offload_optimizer"]["pipeline_read"] = True
+    base, info0, _ = _pinned_after_build(cfg0)
+    per_g = host_granule(SUB) * 3 * 4
+    _, info, swap_dir = _pinned_after_build(pipelined(base + 5 * per_g))  # room for a share only
+    assert (info.resident_numel, info.swapped_numel) == (0, info0.numel) and swap_dir is not None
+    engine, *_ = zero.initialize(model=make_model(), config=pipelined(base + 5 * per_g))
+    try:
+        assert engine.overlap.enabled  # a split state would have turned it off
+    finally:
+        engine.close()
+    _, info, swap_dir = _pinned_after_build(pipelined(base + info0.numel * 12))  # room for all of it
+    assert (info.resident_numel, info.swapped_numel, swap_dir) == (info0.numel, 0, None)
+
+
 def test_split_arithmetic():
     s = split_numel(10_000, 1000, tier="nvme", ratio=0.25, max_in_cpu=2500)
     assert (s.device, s.host, s.offload) == (7000, 2000, 1000)  # ceil(0.25 x 10) = 3 sub-groups offloaded

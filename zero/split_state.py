@@ -74,7 +74,7 @@ def plan_split(
 ) -> SplitPlan:
     """How `offload_optimizer.ratio` and `max_in_cpu` split a partition of `numel` elements (the arithmetic
     is offload.swap.split's; "auto" takes what the pinned budget has left after `in_use_bytes` and
-    `reserved_bytes`)."""
+    `reserved_bytes`, all or nothing with `pipeline_read`/`pipeline_write`)."""
     ratio = float(getattr(offload, "ratio", 1.0)) if offload is not None else 1.0
     want = getattr(offload, "max_in_cpu", 0) if offload is not None else 0
     if want == "auto" and tier == "nvme":
@@ -87,6 +87,11 @@ def plan_split(
             free_bytes=cap_bytes - in_use_bytes - reserved_bytes,
             alignment=alignment,
         )
+        if 0 < want < rest and getattr(offload, "pipeline", False):
+            # Stepping sub-groups during backward (pipeline_read/write) is not run over a split state, and
+            # losing it costs more than the share kept in RAM saves (benchmarks/RESULTS.md): "auto" keeps
+            # all of the state in RAM or none of it when the overlap was asked for.
+            want = 0
     s = split_numel(numel, sub_group, tier=tier, ratio=ratio, max_in_cpu=0 if want == "auto" else int(want))
     return SplitPlan(device=s.device, host=s.host, offload=s.offload, tier=tier)
 
