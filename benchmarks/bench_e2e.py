@@ -55,7 +55,7 @@ import tempfile
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
-from benchmarks.harness import OUT_DIR, machine_info, markdown_table
+from benchmarks.harness import OUT_DIR, machine_info, markdown_table, write_outputs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNNER = os.path.join(ROOT, "benchmarks", "deepspeed_runner.py")
@@ -561,9 +561,7 @@ def run_tiers(args: argparse.Namespace, base_spec: Dict[str, Any], nvme_root: st
         results[label] = dict(_tiers_summary(raw[label]), state_dtype=sd, max_in_cpu=budget)
     table = _tiers_table(results)
     payload = {
-        "benchmark": args.out_name,
         "device": args.device,
-        "machine": machine_info(),
         "preset": args.tiers,
         "params": params,
         "model": base_spec["size"],
@@ -575,14 +573,7 @@ def run_tiers(args: argparse.Namespace, base_spec: Dict[str, Any], nvme_root: st
         "results": results,
         "raw": raw,
     }
-    os.makedirs(args.out_dir, exist_ok=True)
-    json_path = os.path.join(args.out_dir, f"{args.out_name}.json")
-    with open(json_path, "w") as f:
-        json.dump(payload, f, indent=2, default=float)
-    with open(os.path.join(args.out_dir, f"{args.out_name}.md"), "w") as f:
-        f.write(table + "\n")
-    print(table)
-    print(f"\nwrote {json_path}")
+    write_outputs(args.out_name, payload, table, args.out_dir)
     return 0
 
 
