@@ -140,6 +140,8 @@ def our_config(args: argparse.Namespace, swap: str, element_bytes: int) -> Dict[
                 "max_in_cpu": int(args.cpu_budget // element_bytes),
                 "buffer_count": args.buffer_count,
             },
+            # prefetch depth is also bounded by this many elements ahead: room for every staging buffer
+            "stage3_prefetch_bucket_size": args.prefetch_bucket,
         },
     }
     if args.weight_bits:
@@ -282,6 +284,7 @@ def _run(args: argparse.Namespace, contender: str, ckpt: str, scratch: str) -> D
     ]
     cmd += ["--cpu-budget", str(args.cpu_budget), "--gpu-budget", str(args.gpu_budget)]
     cmd += ["--buffer-count", str(args.buffer_count), "--group-size", str(args.group_size)]
+    cmd += ["--prefetch-bucket", str(args.prefetch_bucket)]
     if args.weight_bits:
         cmd += ["--weight-bits", str(args.weight_bits)]
     if not args.drop_after_load:
@@ -357,6 +360,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     )
     ap.add_argument(
         "--buffer-count", type=int, default=5, help="our offload_param.buffer_count (prefetch depth)"
+    )
+    ap.add_argument(
+        "--prefetch-bucket",
+        type=int,
+        default=int(5e8),
+        help="our stage3_prefetch_bucket_size (elements read ahead at most; DeepSpeed's default 5e7 holds"
+        " one 7B layer's matrix, so the default here lets every staging buffer be in flight)",
     )
     ap.add_argument("--weight-bits", type=int, choices=(4, 8), help="our weight_quantization num_bits")
     ap.add_argument("--group-size", type=int, default=64, help="our weight_quantization group_size")
