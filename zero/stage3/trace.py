@@ -88,6 +88,12 @@ class UseTrace:
         self.valid = False  # the order changed: stop guessing until it is recorded again
         return True
 
+    def refill(self, live_numel: int) -> None:
+        """A staging slot came free (a lent unit was released): queue the reads that follow the current
+        position in the order now, instead of at the next use."""
+        if self.valid:
+            self._prefetch_from(self._pos, live_numel)
+
     def keep(self, unit: Unit, live_numel: int) -> bool:
         """Whether `unit`, done with for now, should stay gathered for its next use: it comes within
         max_reuse_distance elements of other uses, and what is gathered is within max_live_parameters.
