@@ -58,7 +58,7 @@ class ParamIOReport:
     host_to_device_bytes: int = 0  # partitions copied from host memory (tier or staging slot) to a GPU
     peak_prefetch_depth: int = 0  # most NVMe prefetches in flight at once over the interval
     param_staged_bytes: int = 0  # NVMe bytes copied out of a staging slot into a gathered buffer
-    param_lent_bytes: int = 0  # NVMe bytes used where they landed: parameters viewing a staging slot
+    param_in_place_bytes: int = 0  # NVMe bytes used where they landed: viewed (or decoded) in a staging slot
     param_direct_bytes: int = 0  # NVMe bytes read straight into a gathered buffer in host memory
 
     def as_dict(self) -> Dict[str, int]:
@@ -445,11 +445,11 @@ class Stage3Partitioner:
             host_to_device_bytes=self.host_to_device_bytes,
             peak_prefetch_depth=st.peak_inflight,
             param_staged_bytes=st.staged_bytes,
-            param_lent_bytes=st.lent_bytes,
+            param_in_place_bytes=st.in_place_bytes,
             param_direct_bytes=st.direct_bytes,
         )
         st.bytes_read = st.bytes_written = st.reads = st.prefetches = st.prefetch_hits = st.cpu_bytes_read = 0
-        st.staged_bytes = st.lent_bytes = st.direct_bytes = 0
+        st.staged_bytes = st.in_place_bytes = st.direct_bytes = 0
         st.peak_inflight = len([u for u in self.units if self.store.prefetching(u)])
         self.gathers = self.grads.device_to_host_bytes = self.host_to_device_bytes = 0
         self.peak_full_bytes = self.live_full_bytes

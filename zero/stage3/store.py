@@ -61,7 +61,8 @@ class UnitSize(NamedTuple):
 class StoreStats:
     """The store's I/O counters (NVMe bytes read and written, reads, prefetches and prefetch hits; bytes
     read from partitions in host memory). Of the NVMe bytes read, `staged_bytes` were copied out of a staging
-    slot, `lent_bytes` were used in place (`lend`) and `direct_bytes` were read straight into their
+    slot, `in_place_bytes` were used where they landed (viewed by the parameters, `lend`, or decoded from the
+    slot) and `direct_bytes` were read straight into their
     destination. `peak_inflight`: most prefetches in flight at once; `slots_replaced`: lent slots still
     referenced from outside when given back (see the module doc)."""
 
@@ -72,7 +73,7 @@ class StoreStats:
     prefetches: int = 0
     prefetch_hits: int = 0
     staged_bytes: int = 0
-    lent_bytes: int = 0
+    in_place_bytes: int = 0
     direct_bytes: int = 0
     peak_inflight: int = 0
     slots_replaced: int = 0
@@ -413,12 +414,20 @@ class PartitionStore:
         dtype, host memory), the slot kept out of use until `give_back(unit)`; None when that does not
         apply (not on NVMe, stored quantized, larger than a slot, every slot lent, or torch cannot count
         a buffer's users): then `read` it. Uses the unit's prefetch when one is queued."""
+        if unit.index in self._codecs:
+            return None
+        s = self._land(unit, unit.part_nbytes, lend=True)
+        return s.buf[: unit.part_nbytes].view(unit.dtype) if s is not None else None
+
+    def _land(self, unit: Unit, nbytes: int, lend: bool) -> Optional[_Slot]:
+        """Read the unit's stored bytes into a staging slot (its prefetch's, else a free one) and return
+        the slot, counted as used in place: lent to the unit (`lend`), else taken until `_done(slot)`.
+        None when the unit is not on NVMe, does not fit a slot, or no slot is free."""
         path = self.swap_file(unit)
-        if path is None or unit.index in self._codecs:
+        if path is None:
             return None
         self.ensure_slots()
-        nbytes = unit.part_nbytes
-        if nbytes > self._slot_bytes or self._slot_uses < 0:
+        if nbytes > self._slot_bytes or lend and self._slot_uses < 0:
             return None
         with self._slots_lock:
             s = self._inflight.pop(unit.index, None)
@@ -427,25 +436,32 @@ class PartitionStore:
                 s = self._free_slot(evict=True)
                 if s is None:
                     return None
-                s.unit = unit.index
-            s.lent = unit.index
-            self._lent[unit.index] = s
+            s.unit = unit.index  # taken (no prefetch may claim it) until `_done` or `give_back`
+            if lend:
+                s.lent = unit.index
+                self._lent[unit.index] = s
         try:
             if hit:
                 self._prefetch_over(unit)
                 s.handle.wait()  # raises AioError naming the file if the read failed
             else:
+                self._wait_copy(s)
                 s.handle.sync_pread(s.buf[:nbytes], path, 0)
         except BaseException:
-            s.unit = None
+            self._done(s)
             self.give_back(unit)
             raise
         self.stats.reads += 1
         self.stats.bytes_read += nbytes
-        self.stats.lent_bytes += nbytes
+        self.stats.in_place_bytes += nbytes
         self.stats.prefetch_hits += int(hit)
+        if lend:
+            s.unit = None  # the loan keeps it now
+        return s
+
+    @staticmethod
+    def _done(s: _Slot) -> None:
         s.unit = None
-        return s.buf[:nbytes].view(unit.dtype)
 
     def give_back(self, unit: Unit) -> bool:
         """End the loan of `unit`'s slot (`lend`); the caller has dropped every view of it. A slot whose
@@ -478,6 +494,13 @@ class PartitionStore:
         if entry is not None and entry[2].device == dst.device:
             self._count_memory_read(entry[2], codec.nbytes)
             codec.decode(entry[2], dst)  # straight from the partition: no copy of the bytes
+            return
+        s = self._land(unit, codec.nbytes, lend=False) if dst.device.type == "cpu" else None
+        if s is not None:  # decoded straight from the staging slot: no copy of the bytes
+            try:
+                codec.decode(s.buf[: codec.nbytes], dst)
+            finally:
+                self._done(s)
             return
         stored = torch.empty(codec.nbytes, dtype=torch.uint8, device=dst.device)
         self._read_stored(unit, stored, codec.nbytes)
@@ -515,6 +538,7 @@ class PartitionStore:
             self.stats.staged_bytes += nbytes
             s.unit = None
             return
+        self.ensure_slots()
         big = dst.device.type == "cpu" and nbytes > self._slot_bytes
         with self._slots_lock:
             s = None if big else self._free_slot(evict=True)
