@@ -211,3 +211,22 @@ def test_quantized_partition_is_decoded_from_its_slot(tmp_path):
     assert io.param_in_place_bytes == io.param_nvme_read_bytes > 0
     assert io.param_staged_bytes == 0
     engine.close()
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_first_forward_prefetches_in_build_order(tmp_path, arch):
+    """No order is recorded before the first forward: its reads are prefetched in the order the modules
+    were built, so most of them are hits already (llama runs its norms before the layers built ahead of
+    them: those few are on demand); the outputs are unchanged."""
+    model = BUILDERS[arch]()
+    ref = copy.deepcopy(model)
+    engine, *_ = zero.initialize(model=model, config=config(tmp_path, 3))
+    part = engine.partitioner
+    part.take_io_report()
+    ids = prompt()
+    with torch.no_grad():
+        assert torch.equal(engine.module(ids).logits, ref(ids).logits)
+    io = part.take_io_report()
+    misses = io.param_reads - io.param_prefetch_hits
+    assert io.param_reads >= len(part.units) and misses <= io.param_reads // 4
+    engine.close()

@@ -272,6 +272,8 @@ class Stage3Partitioner:
         """Record a use of `unit` (after its read: prefetches queued now must not take the slot it needs)."""
         if self.use_trace.record(unit, self.live_numel):
             self._drop_kept()
+        elif not self.use_trace.order and self._lends(unit):  # first pass of an inference: guess the order
+            self.use_trace.guess(unit, self.live_numel)
 
     def fetch(self, unit: Unit) -> None:
         """Hold `unit` whole on the device until the matching `release`."""

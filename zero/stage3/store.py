@@ -344,8 +344,9 @@ class PartitionStore:
                 return s
         if not evict or not self._inflight:
             return None  # (every slot lent: the caller reads around the slots)
-        # Every slot holds a prefetch: the oldest one is given up (its unit is read again on demand).
-        victim_unit, s = next(iter(self._inflight.items()))
+        # Every slot holds a prefetch: the one queued last, the furthest ahead, is given up (its unit is
+        # read again on demand, or prefetched again when a slot frees).
+        victim_unit, s = next(reversed(self._inflight.items()))
         self._drop_inflight(victim_unit)
         return s
 
