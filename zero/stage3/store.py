@@ -18,6 +18,10 @@ With weight quantization (`set_quantization`, zero.stage3.quant), the units it s
 (`PartitionCodec`: int8/int4 codes and float16 constants, the rest raw) on whatever tier they live: their
 memory slot, swap file and reads are `stored_nbytes` long, and `read` decodes after the transfer, on the
 destination's device. `memory_partition` is None for them: their bytes are not values.
+
+The module is longer than most (about 640 lines): reads, prefetches, loans and writes share one piece of
+bookkeeping - which slot holds what, under one lock taken by the main thread and the optimizer's writer
+thread - and splitting it would spread that invariant over modules.
 """
 
 from __future__ import annotations
