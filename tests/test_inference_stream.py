@@ -1,8 +1,9 @@
 """Streaming forwards of an engine without an optimizer (docs/inference.md, "Streaming and prefetch" and
 "Throughput"): with the weights on NVMe, `engine.inference_report()` counts every forward of a greedy
 generation, the tokens it processed and exactly the model's weight bytes read per forward; nothing is ever
-written back; after the first forward the reads are prefetched, `offload_param.buffer_count` deep, and
-`stage3_prefetch_bucket_size` 0 turns that off; generation stays token-identical to plain transformers."""
+written back; the reads are prefetched (the first forward's in a guessed order),
+`offload_param.buffer_count` deep, and `stage3_prefetch_bucket_size` 0 turns that off; generation stays
+token-identical to plain transformers."""
 
 from __future__ import annotations
 
@@ -80,8 +81,9 @@ def test_report_counts_forwards_tokens_and_exactly_the_weight_bytes(tmp_path):
     assert rep.nvme_write_bytes == 0  # weights are read-only in inference
     units = len(engine.partitioner.units)
     assert rep.param_reads == rep.gathers == rep.forwards * units
-    # the first forward records the order and reads on demand; every later read was prefetched
-    assert rep.param_prefetch_hits == rep.param_reads - units
+    # the first forward records the order, its reads prefetched in the order the modules were built (a
+    # guess: a few are on demand); every later read was prefetched
+    assert rep.param_reads - units < rep.param_prefetch_hits < rep.param_reads
     assert rep.host_to_device_bytes == 0  # the compute device is the CPU
     assert rep.forward_s > 0 and rep.tokens_per_s == rep.tokens / rep.forward_s
     assert rep.s_per_forward == rep.forward_s / rep.forwards

@@ -57,10 +57,27 @@ class ParamIOReport:
     device_to_host_bytes: int = 0  # gradients copied to the host partition parameter by parameter
     host_to_device_bytes: int = 0  # partitions copied from host memory (tier or staging slot) to a GPU
     peak_prefetch_depth: int = 0  # most NVMe prefetches in flight at once over the interval
+    param_staged_bytes: int = 0  # NVMe bytes copied out of a staging slot into a gathered buffer
+    param_in_place_bytes: int = 0  # NVMe bytes used where they landed: viewed (or decoded) in a staging slot
+    param_direct_bytes: int = 0  # NVMe bytes read straight into a gathered buffer in host memory
 
     def as_dict(self) -> Dict[str, int]:
         """The counts by field name."""
         return asdict(self)
+
+
+def _empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised gathered buffer; in host memory 4 KiB aligned, so that an NVMe read straight into
+    it goes to the device without bouncing (O_DIRECT)."""
+    if device.type != "cpu":
+        return torch.empty(numel, dtype=dtype, device=device)
+    esize = torch.empty((), dtype=dtype).element_size()
+    raw = torch.empty(numel * esize + _HOST_ALIGN, dtype=torch.uint8)
+    skip = -raw.data_ptr() % _HOST_ALIGN
+    return raw[skip : skip + numel * esize].view(dtype)
+
+
+_HOST_ALIGN = 4096
 
 
 class Stage3Partitioner:
@@ -120,7 +137,6 @@ class Stage3Partitioner:
         self.peak_live_numel = 0
         self.gathers = 0
         self.host_to_device_bytes = 0
-        self.peak_prefetch_depth = 0
         self._closed = False
         self.hooks: Optional[Stage3Hooks] = None
 
@@ -199,16 +215,30 @@ class Stage3Partitioner:
             return mem
         return None
 
+    def _lends(self, unit: Unit) -> bool:
+        """Whether the unit's parameters may view the staging slot its partition lands in (zero copy): one
+        rank, the CPU computes, and nothing keeps the weights past the unit's release - no autograd graph
+        (grad mode off, not in a backward) and not a persistent unit (it would hold a slot for good)."""
+        return (
+            self.world_size == 1
+            and self.device.type == "cpu"
+            and not unit.persistent
+            and not torch.is_grad_enabled()
+            and not self.in_backward
+        )
+
     def _gather(self, unit: Unit) -> None:
         for kept in self.use_trace.make_room(self.live_numel, unit.numel):
             self._free(kept)
         full = self.partition_as_full(unit)
+        if full is None and self._lends(unit):
+            full = self.store.lend(unit)
         if full is None:
             if self.device.type != "cpu":
                 mem = self.store.memory_partition(unit)
                 if mem is None or mem.device.type == "cpu":  # from a host tier or an NVMe staging slot
                     self.host_to_device_bytes += unit.part_nbytes
-            full = torch.empty(unit.padded_numel, dtype=unit.dtype, device=self.device)
+            full = _empty(unit.padded_numel, unit.dtype, self.device)
             if self.world_size == 1:
                 self.store.read(unit, full)
             else:
@@ -235,14 +265,15 @@ class Stage3Partitioner:
         self.live_full_bytes -= unit.nbytes
         self.live_numel -= unit.numel
         self.use_trace.discard(unit)
+        if self.store.give_back(unit):  # its staging slot is free: queue the next read into it now
+            self.use_trace.refill(self.live_numel)
 
     def _use(self, unit: Unit) -> None:
         """Record a use of `unit` (after its read: prefetches queued now must not take the slot it needs)."""
         if self.use_trace.record(unit, self.live_numel):
             self._drop_kept()
-        if self.store.tier == "nvme":
-            depth = sum(1 for u in self.units if self.store.prefetching(u))
-            self.peak_prefetch_depth = max(self.peak_prefetch_depth, depth)
+        elif not self.use_trace.order and self._lends(unit):  # first pass of an inference: guess the order
+            self.use_trace.guess(unit, self.live_numel)
 
     def fetch(self, unit: Unit) -> None:
         """Hold `unit` whole on the device until the matching `release`."""
@@ -414,11 +445,15 @@ class Stage3Partitioner:
             peak_full_bytes=self.peak_full_bytes,
             device_to_host_bytes=self.grads.device_to_host_bytes,
             host_to_device_bytes=self.host_to_device_bytes,
-            peak_prefetch_depth=self.peak_prefetch_depth,
+            peak_prefetch_depth=st.peak_inflight,
+            param_staged_bytes=st.staged_bytes,
+            param_in_place_bytes=st.in_place_bytes,
+            param_direct_bytes=st.direct_bytes,
         )
         st.bytes_read = st.bytes_written = st.reads = st.prefetches = st.prefetch_hits = st.cpu_bytes_read = 0
+        st.staged_bytes = st.in_place_bytes = st.direct_bytes = 0
+        st.peak_inflight = len([u for u in self.units if self.store.prefetching(u)])
         self.gathers = self.grads.device_to_host_bytes = self.host_to_device_bytes = 0
-        self.peak_prefetch_depth = 0
         self.peak_full_bytes = self.live_full_bytes
         return report
 

@@ -5,13 +5,23 @@ Memory tiers ("none": the compute device, "cpu": host memory, pinned from the Pi
 no partition costs an allocation of its own. The NVMe tier keeps one swap file per unit, named after the
 module that owns it, and moves it through `buffer_count` pinned staging slots of at most `buffer_size`
 elements: a partition that fits a slot is read with one request (and can be prefetched); a larger one is
-streamed through a slot chunk by chunk. Each slot has its own aio handle, so waiting for one prefetch never
-waits for the others. With `max_in_cpu`, the first partitions (up to that many elements) stay in host memory.
+streamed through a slot chunk by chunk (on a CPU destination: read straight into it). Each slot has its own
+aio handle, so waiting for one prefetch never waits for the others. With `max_in_cpu`, the first partitions
+(up to that many elements) stay in host memory.
+
+Lending (`lend` / `give_back`): when the compute device is the CPU, a partition that lands in a slot can be
+used where it lies instead of being copied out: `lend` returns a view of the slot and keeps the slot out of
+use until `give_back`. A slot is refilled only when nothing but the store references its memory any more;
+one still viewed from outside when it is given back is replaced by a new buffer (`StoreStats.slots_replaced`).
 
 With weight quantization (`set_quantization`, zero.stage3.quant), the units it selects are stored encoded
 (`PartitionCodec`: int8/int4 codes and float16 constants, the rest raw) on whatever tier they live: their
 memory slot, swap file and reads are `stored_nbytes` long, and `read` decodes after the transfer, on the
 destination's device. `memory_partition` is None for them: their bytes are not values.
+
+The module is longer than most (about 640 lines): reads, prefetches, loans and writes share one piece of
+bookkeeping - which slot holds what, under one lock taken by the main thread and the optimizer's writer
+thread - and splitting it would spread that invariant over modules.
 """
 
 from __future__ import annotations
@@ -54,7 +64,11 @@ class UnitSize(NamedTuple):
 @dataclass
 class StoreStats:
     """The store's I/O counters (NVMe bytes read and written, reads, prefetches and prefetch hits; bytes
-    read from partitions in host memory)."""
+    read from partitions in host memory). Of the NVMe bytes read, `staged_bytes` were copied out of a staging
+    slot, `in_place_bytes` were used where they landed (viewed by the parameters, `lend`, or decoded from the
+    slot) and `direct_bytes` were read straight into their
+    destination. `peak_inflight`: most prefetches in flight at once; `slots_replaced`: lent slots still
+    referenced from outside when given back (see the module doc)."""
 
     bytes_read: int = 0
     cpu_bytes_read: int = 0
@@ -62,6 +76,11 @@ class StoreStats:
     reads: int = 0
     prefetches: int = 0
     prefetch_hits: int = 0
+    staged_bytes: int = 0
+    in_place_bytes: int = 0
+    direct_bytes: int = 0
+    peak_inflight: int = 0
+    slots_replaced: int = 0
     extra: Dict[str, Any] = field(default_factory=dict)
 
 
@@ -71,6 +90,13 @@ class _Slot:
     handle: Any
     unit: Optional[int] = None  # unit index of a prefetch in flight, None when free
     event: Any = None  # CUDA event of the last copy out of this slot
+    lent: Optional[int] = None  # unit index whose gathered tensor is a view of this slot (`lend`)
+
+
+def _storage_uses(t: torch.Tensor) -> int:
+    """How many tensors (and storage objects) share `t`'s memory; -1 where torch cannot say."""
+    uses = getattr(torch._C, "_storage_Use_Count", None)
+    return int(uses(t.untyped_storage()._cdata)) if uses is not None else -1
 
 
 class _Arena:
@@ -136,6 +162,9 @@ class PartitionStore:
         self._slots: List[_Slot] = []
         self._slot_bytes = 0
         self._inflight: Dict[int, _Slot] = {}
+        self._lent: Dict[int, _Slot] = {}  # unit index -> the slot its gathered tensor views
+        self._slot_uses = -1  # storage uses of a slot's buffer that nothing outside the store holds
+        self._direct_handle: Any = None
         # The optimizer may write partitions from its own thread during backward (pipelined steps) while
         # the main thread prefetches others: the slot bookkeeping is shared, the writer's I/O is not.
         self._slots_lock = threading.RLock()
@@ -310,16 +339,18 @@ class PartitionStore:
                     e.cap,
                 ) from e
             self._slots.append(_Slot(buf, self._aio.handle()))
+        self._slot_uses = _storage_uses(self._slots[0].buf)
 
     def _free_slot(self, evict: bool) -> Optional[_Slot]:
         self.ensure_slots()
         for s in self._slots:
-            if s.unit is None:
+            if s.unit is None and s.lent is None:
                 return s
-        if not evict:
-            return None
-        # Every slot holds a prefetch: the oldest one is given up (its unit is read again on demand).
-        victim_unit, s = next(iter(self._inflight.items()))
+        if not evict or not self._inflight:
+            return None  # (every slot lent: the caller reads around the slots)
+        # Every slot holds a prefetch: the one queued last, the furthest ahead, is given up (its unit is
+        # read again on demand, or prefetched again when a slot frees).
+        victim_unit, s = next(reversed(self._inflight.items()))
         self._drop_inflight(victim_unit)
         return s
 
@@ -371,6 +402,7 @@ class PartitionStore:
                 return False
             s.unit = unit.index  # taken: no other thread's _free_slot returns it now
             self._inflight[unit.index] = s
+            self.stats.peak_inflight = max(self.stats.peak_inflight, len(self._inflight))
         self._wait_copy(s)
         s.handle.async_pread(s.buf[:nbytes], path, 0)
         self.stats.prefetches += 1
@@ -381,6 +413,80 @@ class PartitionStore:
     def prefetching(self, unit: Unit) -> bool:
         """Whether a prefetch of the unit's partition is queued or done, and not consumed yet."""
         return unit.index in self._inflight
+
+    def lend(self, unit: Unit) -> Optional[torch.Tensor]:
+        """The unit's partition as a view of the staging slot its read landed in (part_numel elements of its
+        dtype, host memory), the slot kept out of use until `give_back(unit)`; None when that does not
+        apply (not on NVMe, stored quantized, larger than a slot, every slot lent, or torch cannot count
+        a buffer's users): then `read` it. Uses the unit's prefetch when one is queued."""
+        if unit.index in self._codecs:
+            return None
+        s = self._land(unit, unit.part_nbytes, lend=True)
+        return s.buf[: unit.part_nbytes].view(unit.dtype) if s is not None else None
+
+    def _land(self, unit: Unit, nbytes: int, lend: bool) -> Optional[_Slot]:
+        """Read the unit's stored bytes into a staging slot (its prefetch's, else a free one) and return
+        the slot, counted as used in place: lent to the unit (`lend`), else taken until `_done(slot)`.
+        None when the unit is not on NVMe, does not fit a slot, or no slot is free."""
+        path = self.swap_file(unit)
+        if path is None:
+            return None
+        self.ensure_slots()
+        if nbytes > self._slot_bytes or lend and self._slot_uses < 0:
+            return None
+        with self._slots_lock:
+            s = self._inflight.pop(unit.index, None)
+            hit = s is not None
+            if s is None:
+                s = self._free_slot(evict=True)
+                if s is None:
+                    return None
+            s.unit = unit.index  # taken (no prefetch may claim it) until `_done` or `give_back`
+            if lend:
+                s.lent = unit.index
+                self._lent[unit.index] = s
+        try:
+            if hit:
+                self._prefetch_over(unit)
+                s.handle.wait()  # raises AioError naming the file if the read failed
+            else:
+                self._wait_copy(s)
+                s.handle.sync_pread(s.buf[:nbytes], path, 0)
+        except BaseException:
+            self._done(s)
+            self.give_back(unit)
+            raise
+        self.stats.reads += 1
+        self.stats.bytes_read += nbytes
+        self.stats.in_place_bytes += nbytes
+        self.stats.prefetch_hits += int(hit)
+        if lend:
+            s.unit = None  # the loan keeps it now
+        return s
+
+    @staticmethod
+    def _done(s: _Slot) -> None:
+        s.unit = None
+
+    def give_back(self, unit: Unit) -> bool:
+        """End the loan of `unit`'s slot (`lend`); the caller has dropped every view of it. A slot whose
+        memory is still referenced from outside is given a new buffer rather than refilled. Returns
+        whether a slot was lent to the unit (and is free now)."""
+        with self._slots_lock:
+            s = self._lent.pop(unit.index, None)
+            if s is None:
+                return False
+            if _storage_uses(s.buf) != self._slot_uses:
+                # someone still views the old memory (it lives on until they drop it): never refill it
+                self.pool.free(s.buf)
+                s.buf = self.pool.allocate(self._slot_bytes, torch.uint8)
+                self.stats.slots_replaced += 1
+            s.lent = None
+        return True
+
+    def lent(self, unit: Unit) -> bool:
+        """Whether the unit's gathered tensor is a view of a staging slot right now (`lend`)."""
+        return unit.index in self._lent
 
     def read(self, unit: Unit, dst: torch.Tensor) -> None:
         """Copy the unit's partition into `dst` (part_numel elements, contiguous, on any device); a
@@ -393,6 +499,13 @@ class PartitionStore:
         if entry is not None and entry[2].device == dst.device:
             self._count_memory_read(entry[2], codec.nbytes)
             codec.decode(entry[2], dst)  # straight from the partition: no copy of the bytes
+            return
+        s = self._land(unit, codec.nbytes, lend=False) if dst.device.type == "cpu" else None
+        if s is not None:  # decoded straight from the staging slot: no copy of the bytes
+            try:
+                codec.decode(s.buf[: codec.nbytes], dst)
+            finally:
+                self._done(s)
             return
         stored = torch.empty(codec.nbytes, dtype=torch.uint8, device=dst.device)
         self._read_stored(unit, stored, codec.nbytes)
@@ -427,11 +540,22 @@ class PartitionStore:
             s.handle.wait()  # raises AioError naming the file if the read failed
             self.stats.prefetch_hits += 1
             self._copy_out(s, dst_bytes, nbytes)
+            self.stats.staged_bytes += nbytes
             s.unit = None
             return
+        self.ensure_slots()
+        big = dst.device.type == "cpu" and nbytes > self._slot_bytes
         with self._slots_lock:
-            s = self._free_slot(evict=True)
-        assert s is not None
+            s = None if big else self._free_slot(evict=True)
+        if s is None:  # into host memory, larger than a slot or every slot lent: no staging copy
+            if dst.device.type != "cpu":
+                raise RuntimeError(f"no free staging slot to read {unit.name!r} into device memory")
+            if self._direct_handle is None:
+                self._direct_handle = self._aio.handle()
+            self._direct_handle.sync_pread(dst_bytes[:nbytes], path, 0)
+            self.stats.direct_bytes += nbytes
+            return
+        self.stats.staged_bytes += nbytes
         esize = dst.element_size()
         chunk = self._slot_bytes // esize * esize
         for off in range(0, nbytes, chunk):
@@ -502,14 +626,16 @@ class PartitionStore:
         """Drop prefetches, give slots and pinned segments back to the pool, remove the swap files."""
         for index in list(self._inflight):
             self._drop_inflight(index)
+        self._lent.clear()  # the partitioner freed its units: no view of a slot is in use
         for s in self._slots:
             self._wait_copy(s)
             s.handle.close()
             self.pool.free(s.buf)
         self._slots = []
-        if self._write_handle is not None:
-            self._write_handle.close()
-            self._write_handle = None
+        for h in (self._write_handle, self._direct_handle):
+            if h is not None:
+                h.close()
+        self._write_handle = self._direct_handle = None
         if self.pin_memory:
             for seg in self.arena.segments:
                 self.pool.free(seg)

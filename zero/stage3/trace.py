@@ -18,7 +18,7 @@ gathered (`live_numel`) whenever a decision depends on it.
 
 from __future__ import annotations
 
-from typing import Dict, List, Set
+from typing import Dict, List, Sequence, Set
 
 from zero.stage3.store import PartitionStore
 from zero.stage3.unit import Unit
@@ -57,6 +57,8 @@ class UseTrace:
         self._unit_pos: Dict[int, int] = {}  # unit index -> position of its latest use in this pass
         self._next_use: List[int] = []  # per position: where the same unit is used next, or -1
         self._uses_before: List[int] = []  # per position: elements of the uses before it
+        self._guess_pos = 0  # first pass: the lowest unit index not used yet (`guess`)
+        self._guessed: Set[int] = set()  # first pass: the units used so far
 
     def begin_pass(self, live_numel: int) -> None:
         """A root forward starts: the previous pass's uses become the order (when they differ from it), and
@@ -87,6 +89,29 @@ class UseTrace:
             return False
         self.valid = False  # the order changed: stop guessing until it is recorded again
         return True
+
+    def refill(self, live_numel: int) -> None:
+        """A staging slot came free (a lent unit was released): queue the reads that follow the current
+        position in the order now, instead of at the next use (or the guessed ones, see `guess`)."""
+        if self.valid:
+            self._prefetch_from(self._pos, live_numel)
+        elif not self.order and self._guessed:
+            self._prefetch(self._guesses(), live_numel)
+
+    def guess(self, unit: Unit, live_numel: int) -> None:
+        """No order is recorded yet (the first pass): after a use of `unit`, prefetch the units not used yet
+        in this pass, in the order they were built - modules' registration order, which is how most
+        models run them. A wrong guess costs reads that are given up when their slots are needed."""
+        if self.order:
+            return
+        self._guessed.add(unit.index)
+        while self._guess_pos in self._guessed:
+            self._guess_pos += 1
+        self._prefetch(self._guesses(), live_numel)
+
+    def _guesses(self) -> List[int]:
+        end = min(len(self.units), self._guess_pos + PREFETCH_LOOKAHEAD)
+        return [i for i in range(self._guess_pos, end) if i not in self._guessed]
 
     def keep(self, unit: Unit, live_numel: int) -> bool:
         """Whether `unit`, done with for now, should stay gathered for its next use: it comes within
@@ -150,9 +175,12 @@ class UseTrace:
 
     def _prefetch_from(self, pos: int, live_numel: int) -> None:
         """Queue NVMe reads of the units used from `pos` on, within the prefetch and live budgets."""
+        self._prefetch(self.order[pos : pos + PREFETCH_LOOKAHEAD], live_numel)
+
+    def _prefetch(self, indices: Sequence[int], live_numel: int) -> None:
         budget = self.prefetch_numel
         live = live_numel
-        for index in self.order[pos : pos + PREFETCH_LOOKAHEAD]:
+        for index in indices[:PREFETCH_LOOKAHEAD]:
             u = self.units[index]
             if u.present or not self.store.on_nvme(u):
                 continue
