@@ -42,10 +42,13 @@ def test_smoke_run_compares_both_contenders(tmp_path):
 
 
 def test_weight_bits_builds_the_deepspeed_section():
-    args = argparse.Namespace(cpu_budget=4e6, buffer_count=3, weight_bits=4, group_size=64)
+    args = argparse.Namespace(
+        cpu_budget=4e6, buffer_count=3, weight_bits=4, group_size=64, prefetch_bucket=10**8
+    )
     cfg = bench_inference.our_config(args, "/swap", 4)
     assert cfg["weight_quantization"] == {"quantized_initialization": {"num_bits": 4, "group_size": 64}}
     off = cfg["zero_optimization"]["offload_param"]
     assert off == {"device": "nvme", "nvme_path": "/swap", "max_in_cpu": 10**6, "buffer_count": 3}
+    assert cfg["zero_optimization"]["stage3_prefetch_bucket_size"] == 10**8
     args.weight_bits = None
     assert "weight_quantization" not in bench_inference.our_config(args, "/swap", 4)
