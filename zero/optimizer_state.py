@@ -7,7 +7,7 @@ A tier (`StateTier`) holds master + states and walks them chunk by chunk:
   pass is committed only when every chunk succeeded (one copy, in place, with `nvme_copies` 1 or when the
   disk cannot hold two);
 * `SplitTier` (zero.split_state): two of those over one index space, when `offload_optimizer.max_in_cpu`
-  keeps NVMe sub-groups in pinned host memory or `ratio` keeps some on the device.
+  keeps part of the NVMe state in pinned host memory or `ratio` keeps sub-groups on the device.
 
 The master is fp32; the states are in the rule's `state_dtype` (fp32, bf16, or int8 codes with their
 absmax scales) on every tier, laid out by `offload.swap.slots.StateFormat`.
@@ -18,6 +18,10 @@ committed master back into the parameters after a failure, and streams the state
 without offload the update is torch's fused Adam on the device master (`FusedDeviceStep`); with offload and
 a device share (`offload_optimizer.ratio` below 1.0) that share is stepped by torch too (zero.device_part),
 launched before the host walks the offloaded chunks.
+
+Over the usual 500 lines because the tier factory (`build_tier`: copies, dtype, split) and the pass
+(`OptimizerState`: commit, failure, checkpoint streaming) change together whenever a tier gains a property;
+splitting them would put one decision in two files.
 """
 
 from __future__ import annotations
