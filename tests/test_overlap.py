@@ -3,7 +3,9 @@
 Every sub-group is stepped on a worker thread as soon as its gradients are final. Each element's update
 does not depend on the order the sub-groups run in, so the trajectory must be bit-identical to the
 engine stepping after backward; an fp16 overflow found part way through the overlapped pass must undo
-it (nothing committed, parameters restored), again giving the very same trajectory.
+it (nothing committed, parameters restored), again giving the very same trajectory. With a share of the
+state kept in RAM (`max_in_cpu`, zero/split_state.py) the swapped sub-groups are stepped during backward
+and the resident ones after it, with the same results.
 """
 
 from __future__ import annotations
@@ -23,18 +25,23 @@ from zero.partition import FlatParams, GradReadiness
 MODEL = GPTConfig(vocab_size=256, seq_len=16, n_layer=2, n_head=2, d_model=32)
 
 
-def _config(nvme: str, pipeline: bool, dtype: str = "fp32", **extra: object) -> dict:
+SUB = 8192
+RESIDENT = 3 * SUB  # max_in_cpu of the split cases: the first 3 sub-groups stay in pinned RAM
+IN_RAM = [0, RESIDENT]
+
+
+def _config(nvme: str, pipeline: bool, dtype: str = "fp32", in_ram: int = 0, **extra: object) -> dict:
     cfg: dict = {
         "train_micro_batch_size_per_gpu": 2,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
         "zero_optimization": {
             "stage": 2,
-            "sub_group_size": 8192,  # about 8 sub-groups: several become ready at different times
+            "sub_group_size": SUB,  # about 8 sub-groups: several become ready at different times
             "offload_optimizer": {
                 "device": "nvme",
                 "nvme_path": nvme,
                 "buffer_count": 3,
-                "max_in_cpu": 0,
+                "max_in_cpu": in_ram,
                 "pipeline_read": pipeline,
                 "pipeline_write": pipeline,
             },
@@ -78,30 +85,57 @@ def _same(a: dict, b: dict) -> None:
     assert a["skipped"] == b["skipped"]
 
 
+@pytest.mark.parametrize("in_ram", IN_RAM)
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_overlapped_steps_match_steps_after_backward(tmp_path, dtype, device):
-    plain = _train(_config(str(tmp_path), False, dtype), steps=3)
-    overlapped = _train(_config(str(tmp_path), True, dtype), steps=3)
+def test_overlapped_steps_match_steps_after_backward(tmp_path, dtype, in_ram, device):
+    plain = _train(_config(str(tmp_path), False, dtype, in_ram), steps=3)
+    overlapped = _train(_config(str(tmp_path), True, dtype, in_ram), steps=3)
     assert not plain["early"] and overlapped["early"]
     _same(plain, overlapped)
     rep = overlapped["report"]
     assert rep.nvme_read_bytes > 0 and rep.nvme_write_bytes > 0
+    assert rep.nvme_read_bytes == plain["report"].nvme_read_bytes  # the swapped share only, in both
     assert plain["report"].optimizer_chunks_in_backward == 0
     assert rep.optimizer_chunks == plain["report"].optimizer_chunks > 1  # every sub-group, in both
     # The trajectory really moved (a pass that never committed would also be "identical").
     assert overlapped["state"]["step"] == 3
 
 
-def test_overlap_with_gradient_accumulation(tmp_path, device):
-    plain = _train(_config(str(tmp_path), False), steps=2, gas=2)
-    overlapped = _train(_config(str(tmp_path), True), steps=2, gas=2)
+def test_split_state_steps_its_swapped_share_during_backward(tmp_path):
+    """max_in_cpu: the swapped sub-groups beat backward's end, the resident ones are stepped after it."""
+    torch.manual_seed(0)
+    engine = zero.initialize(model=GPT(MODEL), config=_config(str(tmp_path), True, in_ram=RESIDENT))[0]
+    info = engine.optimizer_state_info()
+    assert engine.overlap.enabled and info.resident_numel == RESIDENT and info.swapped_numel > 2 * SUB
+    swapped_chunks = info.chunks - RESIDENT // SUB  # the resident share walks whole sub-groups
+    seen = []
+    hook = engine.module.pos.weight.register_hook(
+        lambda g: seen.append(engine.overlap.wait_updated(swapped_chunks, timeout=60))
+    )
+    x, y = (t.to(engine.device) for t in get_batch(corpus_bytes(), 2, MODEL.seq_len, 0))
+    engine.backward(engine(x, y))
+    engine.step()
+    hook.remove()
+    rep = engine.last_report
+    engine.close()
+    assert seen == [True]  # every swapped chunk was stepped while backward still ran
+    assert rep.optimizer_chunks == info.chunks
+    assert rep.optimizer_chunks_in_backward == swapped_chunks
+
+
+@pytest.mark.parametrize("in_ram", IN_RAM)
+def test_overlap_with_gradient_accumulation(tmp_path, in_ram, device):
+    plain = _train(_config(str(tmp_path), False, in_ram=in_ram), steps=2, gas=2)
+    overlapped = _train(_config(str(tmp_path), True, in_ram=in_ram), steps=2, gas=2)
     _same(plain, overlapped)
 
 
-def test_overflow_in_overlapped_pass_is_undone(tmp_path, device):
-    """fp16: the fused finite check stops the speculative pass; nothing is committed, params restored."""
-    plain = _train(_config(str(tmp_path), False, "fp16"), steps=8)
-    overlapped = _train(_config(str(tmp_path), True, "fp16"), steps=8)
+@pytest.mark.parametrize("in_ram", IN_RAM)
+def test_overflow_in_overlapped_pass_is_undone(tmp_path, in_ram, device):
+    """fp16: the fused finite check stops the speculative pass; nothing is committed, params restored.
+    A split state checks its resident share's gradients before stepping it in place."""
+    plain = _train(_config(str(tmp_path), False, "fp16", in_ram), steps=8)
+    overlapped = _train(_config(str(tmp_path), True, "fp16", in_ram), steps=8)
     assert 0 < overlapped["skipped"] < 8  # some steps overflowed and were undone, later ones went through
     _same(plain, overlapped)
 
@@ -114,9 +148,10 @@ def test_clipping_falls_back_to_stepping_after_backward(tmp_path):
     _same(plain, clipped)
 
 
-def test_state_dict_between_backward_and_step_sees_committed_state(tmp_path, device):
+@pytest.mark.parametrize("in_ram", IN_RAM)
+def test_state_dict_between_backward_and_step_sees_committed_state(tmp_path, in_ram, device):
     torch.manual_seed(0)
-    engine = zero.initialize(model=GPT(MODEL), config=_config(str(tmp_path), True))[0]
+    engine = zero.initialize(model=GPT(MODEL), config=_config(str(tmp_path), True, in_ram=in_ram))[0]
     data = corpus_bytes()
     x, y = (t.to(engine.device) for t in get_batch(data, 2, MODEL.seq_len, 0))
     before = [p.detach().clone() for p in engine.module.parameters()]
@@ -131,9 +166,10 @@ def test_state_dict_between_backward_and_step_sees_committed_state(tmp_path, dev
     engine.close()
 
 
-def test_failed_backward_cancels_the_pass(tmp_path, device):
+@pytest.mark.parametrize("in_ram", IN_RAM)
+def test_failed_backward_cancels_the_pass(tmp_path, in_ram, device):
     torch.manual_seed(0)
-    engine = zero.initialize(model=GPT(MODEL), config=_config(str(tmp_path), True))[0]
+    engine = zero.initialize(model=GPT(MODEL), config=_config(str(tmp_path), True, in_ram=in_ram))[0]
     data = corpus_bytes()
     x, y = (t.to(engine.device) for t in get_batch(data, 2, MODEL.seq_len, 0))
     before = [p.detach().clone() for p in engine.module.parameters()]

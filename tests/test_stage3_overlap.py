@@ -40,6 +40,7 @@ def run(cfg, steps: int, freeze: bool = False, gas: int = 1):
         "early": engine.overlap.enabled,
         "skipped": engine.skipped_steps,
         "param_io": dict(engine.last_param_io),
+        "info": engine.optimizer_state_info(),
     }
     engine.close()
     return out
@@ -64,6 +65,26 @@ def test_overlapped_steps_match_steps_after_backward(tmp_path, param, device):
     assert_same(plain, overlapped)
     if param == "nvme":  # every partition written back once per step, from the optimizer thread
         assert overlapped["param_io"]["param_nvme_write_bytes"] == plain["param_io"]["param_nvme_write_bytes"]
+
+
+@pytest.mark.parametrize("param", ["none", "nvme"])
+def test_a_share_of_the_state_in_ram(tmp_path, param):
+    """max_in_cpu: the swapped sub-groups are stepped during backward, the resident ones after it; their
+    new weights reach the parameter tier all the same."""
+
+    def cfg(pipeline):
+        c = config(param, tmp_path, pipeline)
+        c["zero_optimization"]["offload_optimizer"]["max_in_cpu"] = (
+            2 * c["zero_optimization"]["sub_group_size"]
+        )
+        return c
+
+    plain = run(cfg(False), steps=3)
+    overlapped = run(cfg(True), steps=3)
+    assert overlapped["early"] and overlapped["state"]["step"] == 3
+    info = overlapped["info"]
+    assert 0 < info.resident_numel < info.numel and info.swapped_numel == info.numel - info.resident_numel
+    assert_same(plain, overlapped)
 
 
 def test_bf16_and_a_partly_frozen_unit_on_nvme(tmp_path, device):

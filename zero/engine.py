@@ -288,28 +288,27 @@ class ZeroEngine:
 
     def _enable_overlap(self, off: Any) -> None:
         """Step NVMe sub-groups during backward (offload_optimizer.pipeline_read / pipeline_write) when a
-        pass can be dropped (two copies) and needs no gradient still to come: no clipping (global norm
-        first), one rank (the reduction ends with backward). Elsewhere the optimizer runs after backward."""
-        tier = self._opt.tier
-        if off is not None and bool(off.pipeline) and self.offload_device == "nvme" and not self._opt.swapped:
+        pass can be dropped (two copies; with a share of the state in memory, that share steps after
+        backward) and needs no gradient still to come: no clipping (global norm first), one rank (the
+        reduction ends with backward). Elsewhere the optimizer runs after backward."""
+        if off is None or not bool(off.pipeline) or self.offload_device != "nvme":
+            return
+        if self.world_size > 1 or self.gradient_clipping > 0:
+            return
+        chunks = self._opt.overlap_chunks()
+        if chunks is None:
             info = self._opt.info(self.offload_device)
             logger.warning(
                 "offload_optimizer.pipeline_read/pipeline_write: the optimizer does not step during backward "
-                "here, since %d of %d optimizer-state elements stay in memory (offload_optimizer.max_in_cpu, "
-                "ratio); it steps after backward. Set max_in_cpu: 0 and ratio: 1.0 for the overlap",
-                info.resident_numel,
+                "with this placement (%d NVMe copies, %d of %d optimizer-state elements on the training "
+                "device); it steps after backward. The overlap needs two NVMe copies and, with ratio "
+                "below 1.0, no NVMe share behind both a device and a host share",
+                info.copies,
+                info.device_numel,
                 info.numel,
             )
-        if not (
-            off is not None
-            and bool(off.pipeline)
-            and self._opt.atomic
-            and self.world_size == 1
-            and self.gradient_clipping <= 0
-        ):
             return
-        tier.step_order = list(reversed(range(len(tier.chunks))))  # type: ignore[attr-defined]
-        self.overlap.enable(*self.layout.grad_gate(tier.chunks))  # type: ignore[attr-defined]
+        self.overlap.enable(*self.layout.grad_gate(chunks))
 
     def _make_scheduler(self, lr_scheduler: Optional[Any]) -> Optional[Any]:
         if lr_scheduler is not None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import shutil
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, NoReturn, Optional, Protocol, Union
+from typing import Any, Callable, Dict, List, NoReturn, Optional, Protocol, Tuple, Union
 
 import torch
 from torch import nn
@@ -381,7 +381,8 @@ class OptimizerState:
         self.device_step = device_step
         self._put_master = put_master
         self._on_step_lost = on_step_lost
-        self.pass_updates = 0  # chunks the running pass updated (an in-place tier is torn then)
+        self.pass_updates = 0  # chunks the running pass updated
+        self.torn = False  # the running pass updated state in place (before `atomic_from`)
         part = tier.device_part if isinstance(tier, SplitTier) else tier
         self.device_part = part if isinstance(part, TorchDevicePart) else None
         self._device_args: Optional[tuple] = None  # what chunk_update gave the device share's launch
@@ -394,6 +395,35 @@ class OptimizerState:
     def atomic(self) -> bool:
         """Whether a failed pass leaves the committed state untouched (two NVMe copies)."""
         return isinstance(self.tier, OptimizerSwapper) and self.tier.copies > 1
+
+    @property
+    def atomic_from(self) -> int:
+        """The first element from which the state is updated out of place (two NVMe copies) to the end: a
+        failed pass that updated no chunk before it leaves the committed state intact."""
+        t = self.tier
+        if isinstance(t, SplitTier):
+            return t.atomic_from
+        return 0 if self.atomic else t.numel
+
+    @property
+    def split_pass(self) -> bool:
+        """Whether a pass during backward covers only the swapped share, the in-memory rest being stepped
+        after backward (`run_resident`): a split state (zero.split_state)."""
+        return isinstance(self.tier, SplitTier)
+
+    def overlap_chunks(self) -> Optional[List[Tuple[int, int]]]:
+        """The chunks (start, numel) the pass during backward waits on, in the order of the `ready` indices
+        it calls, with the swapped chunks set to go last-first (the order backward finishes them); None
+        when this state cannot be stepped during backward (a failed or dropped pass would have to roll
+        back an in-place update)."""
+        t = self.tier
+        if isinstance(t, SplitTier) and t.overlappable:
+            t.step_order = list(reversed(range(len(t.back.chunks))))
+            return t.chunks
+        if self.atomic and self.device_part is None:
+            t.step_order = list(reversed(range(len(t.chunks))))  # type: ignore[union-attr]
+            return list(t.chunks)  # type: ignore[union-attr]
+        return None
 
     def info(self, tier_name: str) -> StateInfo:
         t = self.tier
@@ -433,7 +463,7 @@ class OptimizerState:
         """The tier's per-chunk update: the rule on [start, start + n), then the copy-back. With `sq`, each
         chunk's sum of squared (raw) gradients is appended to it first: the step's gradient norm, taken
         while the pass walks the gradients anyway (on NVMe, under the reads and writes in flight)."""
-        rule, writer = self.rule, self.writer
+        rule, writer, atomic_from = self.rule, self.writer, self.atomic_from
         if self.device_part is not None:
             self._device_args = (grad, step, group, grad_scale, sq)
 
@@ -454,6 +484,8 @@ class OptimizerState:
             )
             if ok:
                 self.pass_updates += 1
+                if start < atomic_from:
+                    self.torn = True
                 writer.after_update(start, n, master)
                 if on_chunk is not None:
                     on_chunk()
@@ -462,14 +494,30 @@ class OptimizerState:
         return update
 
     def run(self, update: Callable[..., bool], ready: Optional[Callable[[int], bool]] = None) -> bool:
-        """Walk the tier with `update` (waiting on `ready(c)` per chunk when given); False: overflow. A
-        torch-stepped device share is launched first, with what `chunk_update` was given."""
+        """Walk the tier with `update` (waiting on `ready(c)` per chunk when given: a pass during
+        backward, over the `overlap_chunks`); False: overflow. A torch-stepped device share is launched
+        first, with what `chunk_update` was given. A split state's pass during backward walks only its
+        swapped share: `run_resident` finishes it."""
         self.pass_updates = 0
+        self.torn = False
         if self.device_part is not None:
             self._launch_device_part()
         if ready is None:
             return self.tier.step(update)
+        if isinstance(self.tier, SplitTier):
+            return self.tier.step_swapped(update, ready)
         return self.tier.step(update, ready=ready)  # type: ignore[call-arg]
+
+    def resident_share(self) -> Tuple[int, int]:
+        """(elements, chunks) of a split state's in-memory front: the first of `overlap_chunks`."""
+        assert isinstance(self.tier, SplitTier)
+        return self.tier.split, self.tier.front_chunks
+
+    def run_resident(self, update: Callable[..., bool]) -> bool:
+        """The in-memory share of a split pass that `run(update, ready)` began during backward (in place:
+        the caller checked its gradients for overflow first); False: overflow."""
+        assert isinstance(self.tier, SplitTier)
+        return self.tier.step_resident(update)
 
     def _launch_device_part(self) -> None:
         """Twin-Flow: queue the device share's update with the pass's gradient scale (asynchronous on CUDA),
@@ -481,7 +529,8 @@ class OptimizerState:
         part = self.device_part
         g = grad[: part.numel]
         part.launch(g, step, group, grad_scale)
-        self.pass_updates += 1  # the share is updated in place: a failure after this tears the state
+        self.pass_updates += 1
+        self.torn = True  # the share is updated in place: a failure after this tears the state
         self._put_master(self.writer, part)  # device to device on CUDA, queued after the update
         if sq is not None:  # the norm adds both shares' squares (on the host, while the GPU steps)
             sq.append(sum_of_squares(g))
@@ -511,7 +560,7 @@ class OptimizerState:
         put back from it and the error raised (a retry redoes the update). In-place state (memory tiers, one
         NVMe copy) that the pass already changed is torn: the guard is poisoned."""
         self.tier.abort()
-        if self.pass_updates and not self.atomic:
+        if self.torn:
             self.writer.finish()
             self.guard.poison(
                 err,

@@ -23,10 +23,17 @@ counters (the front's only compute time).
 
 Failure safety. A split state is not atomic: the front tier is updated in place. The back swapper runs with
 its write-back drained inside the step (no deferred writes), so an NVMe error surfaces from `step` and never
-after a commit. The engine then treats the failed pass as it treats an in-place tier: if any chunk was
-updated, the state is poisoned (`StateCorruptedError` until a checkpoint is loaded, zero.integrity), exactly
-as for a single-copy swapper; a failure before the first update keeps the state usable. The overlap of the
-optimizer pass with backward is not run over a split state (the engine says so when it was asked for).
+after a commit. `atomic_from` is the first element whose state is on a two-copy swapper: the engine poisons
+the state (`StateCorruptedError` until a checkpoint is loaded, zero.integrity) only when a failed pass had
+updated a chunk before it, in place; a failure in the swapped share alone keeps the committed state.
+
+Stepping during backward (`offload_optimizer.pipeline_read` / `pipeline_write`). When the back is one
+two-copy swapper behind an in-memory front (`overlappable`), the pass is cut in two: `step_swapped` walks
+the swapped chunks on the overlap's worker while backward runs (each as soon as its gradients are final;
+the back holds the last sub-groups, whose gradients come first), and `step_resident` walks the in-memory
+front once backward has ended, from `engine.step()`. A pass dropped before `step()` has then only touched
+the swapped share, which is never committed, so nothing has to be rolled back. `chunks` lists the gate's
+chunks in element coordinates: the front's, then the back's.
 """
 
 from __future__ import annotations
@@ -74,7 +81,7 @@ def plan_split(
 ) -> SplitPlan:
     """How `offload_optimizer.ratio` and `max_in_cpu` split a partition of `numel` elements (the arithmetic
     is offload.swap.split's; "auto" takes what the pinned budget has left after `in_use_bytes` and
-    `reserved_bytes`, all or nothing with `pipeline_read`/`pipeline_write`)."""
+    `reserved_bytes`)."""
     ratio = float(getattr(offload, "ratio", 1.0)) if offload is not None else 1.0
     want = getattr(offload, "max_in_cpu", 0) if offload is not None else 0
     if want == "auto" and tier == "nvme":
@@ -87,11 +94,6 @@ def plan_split(
             free_bytes=cap_bytes - in_use_bytes - reserved_bytes,
             alignment=alignment,
         )
-        if 0 < want < rest and getattr(offload, "pipeline", False):
-            # Stepping sub-groups during backward (pipeline_read/write) is not run over a split state, and
-            # losing it costs more than the share kept in RAM saves (benchmarks/RESULTS.md): "auto" keeps
-            # all of the state in RAM or none of it when the overlap was asked for.
-            want = 0
     s = split_numel(numel, sub_group, tier=tier, ratio=ratio, max_in_cpu=0 if want == "auto" else int(want))
     return SplitPlan(device=s.device, host=s.host, offload=s.offload, tier=tier)
 
@@ -173,6 +175,42 @@ class SplitTier:
         for t in (front, back):
             if isinstance(t, OptimizerSwapper):
                 t.defer_writes = False  # an NVMe error must surface from step(), never after a commit
+
+    # ------------------------------------------------------------------------------------ chunks
+    @property
+    def chunks(self) -> List[Tuple[int, int]]:
+        """(start, numel) of every chunk a pass visits, in element coordinates: the front's, then the
+        back's."""
+        return _chunks_of(self.front) + [(self.split + s, n) for s, n in _chunks_of(self.back)]
+
+    @property
+    def atomic_from(self) -> int:
+        """The first element whose state lives on a two-copy swapper up to the end (updated out of place,
+        so a failed pass leaves it committed); `numel` when the tail is updated in place."""
+        if isinstance(self.back, OptimizerSwapper):
+            return self.split if self.back.copies > 1 else self.numel
+        if isinstance(self.back, SplitTier):
+            return self.split + self.back.atomic_from
+        return self.numel
+
+    @property
+    def overlappable(self) -> bool:
+        """Whether the pass may step the swapped share during backward (module doc): one two-copy swapper
+        behind an in-memory front that this tier's chunk walk steps."""
+        return (
+            isinstance(self.back, OptimizerSwapper)
+            and self.back.copies > 1
+            and not isinstance(self.front, (OptimizerSwapper, SplitTier, TorchDevicePart))
+        )
+
+    @property
+    def step_order(self) -> List[int]:
+        """The back swapper's chunk order (its own indices); the front is always walked in order."""
+        return self.back.step_order
+
+    @step_order.setter
+    def step_order(self, order: List[int]) -> None:
+        self.back.step_order = list(order)
 
     def use_device_part(self, part: TorchDevicePart) -> None:
         """Step the device share with `part` (a `TorchDevicePart` over the current front): the pass launches
@@ -267,6 +305,28 @@ class SplitTier:
                 self._own.compute_s += time.perf_counter() - t0
                 self._own.chunks += _chunk_count(self.front)
 
+    @property
+    def front_chunks(self) -> int:
+        """Chunks of the front: the first indices of `chunks`."""
+        return len(_chunks_of(self.front))
+
+    def step_swapped(self, fn: ChunkFn, ready: Callable[[int], bool]) -> bool:
+        """The swapped share's part of a pass (`overlappable` only): `ready(c)` with c the chunk's index in
+        `chunks` is called before each update; the front is left for `step_resident`."""
+        if not self.overlappable:
+            raise RuntimeError("SplitTier.step_swapped: this split is not overlappable (see `overlappable`)")
+        nf = self.front_chunks
+        return bool(self.back.step(self._shifted(fn), ready=lambda i: ready(nf + i)))
+
+    def step_resident(self, fn: ChunkFn) -> bool:
+        """The in-memory front's part of a pass cut by `step_swapped` (in place)."""
+        t0 = time.perf_counter()
+        try:
+            return bool(self.front.step(fn))
+        finally:
+            self._own.compute_s += time.perf_counter() - t0
+            self._own.chunks += _chunk_count(self.front)
+
     def commit(self) -> None:
         self.back.commit()
         self.front.commit()
@@ -309,6 +369,13 @@ class SplitTier:
                 first = first or e
         if first is not None:
             raise first
+
+
+def _chunks_of(t: Any) -> List[Tuple[int, int]]:
+    if isinstance(t, (SplitTier, OptimizerSwapper)):
+        return list(t.chunks)
+    n, c = int(t.numel), int(t.chunk_numel)
+    return [(s, min(c, n - s)) for s in range(0, n, c)]
 
 
 def _chunk_count(t: Any) -> int:

@@ -53,6 +53,7 @@ class UpdatePass:
         self._norm: Optional[Union[float, torch.Tensor]] = None
         self._overlap_sq: List[float] = []  # the pass during backward sums its chunks' squares here
         self._h2d0 = 0  # the writer's byte count when the overlapped pass started
+        self._overlap_args: tuple = ()  # (gradients, step, group, scale) of the pass during backward
 
     @property
     def last_grad_norm(self) -> Optional[float]:
@@ -148,10 +149,26 @@ class UpdatePass:
         self._h2d0 = opt.writer.h2d_bytes
         group = self.zopt.param_groups[0]
         self._overlap_sq = []
+        self._overlap_args = (grad, step, group, grad_scale)
         update = opt.chunk_update(
             grad, step, group, grad_scale, fused_check, self.overlap.chunk_updated, sq=self._overlap_sq
         )
         self.overlap.start(lambda ready: opt.run(update, ready=ready))
+
+    def _step_resident(self) -> bool:
+        """A split state's in-memory share, after its swapped share was stepped during backward: its
+        gradients made final (fetched from a GPU), checked for overflow before anything is updated in
+        place, then stepped; False: overflow (the swapped share is then dropped uncommitted)."""
+        grad, step, group, grad_scale = self._overlap_args
+        ready = self.overlap.ready_fn()
+        resident, chunks = self.opt.resident_share()
+        for c in range(chunks):
+            ready(c)
+        sq = sum_of_squares(grad[:resident])
+        self._overlap_sq.append(sq)
+        if self.check_overflow and not math.isfinite(sq):
+            return False
+        return self.opt.run_resident(self.opt.chunk_update(grad, step, group, grad_scale, False))
 
     def _finish_overlapped(self, rep: StepReport) -> bool:
         """Wait for the pass started in backward, then commit it or keep the previous state."""
@@ -165,8 +182,14 @@ class UpdatePass:
         rep.optimizer_chunks_in_backward += self.overlap.chunks_in_backward
         if result.error is not None:
             self.opt.fail_pass(result.error, step)
+        ok = result.ok
+        if ok and self.opt.split_pass:
+            try:
+                ok = self._step_resident()
+            except BaseException as e:
+                self.opt.fail_pass(e, step)
         self._set_norm_from_chunks(self._overlap_sq, self.loss_scale() * self.world_size)
-        return self.opt.end_pass(result.ok, step, rep, self._h2d0)
+        return self.opt.end_pass(ok, step, rep, self._h2d0)
 
     def drop_overlapped(self) -> None:
         """Stop a pass started during backward and undo its effect on the parameters (state uncommitted)."""
