@@ -229,6 +229,12 @@ def test_split_arithmetic():
     assert split_numel(10_500, 1000, tier="nvme", max_in_cpu=10_500).host == 10_500  # covers the last piece
     assert split_numel(10_000, 1000, tier="none", ratio=0.0).device == 0  # nothing offloaded: no Twin-Flow
     assert auto_max_in_cpu(10_000, 2, 1000, 4, free_bytes=10_000 * 12) == 10_000
+    # the resident share is sized at the state dtype's bytes per element (fp32 12, bf16 8, int8 6 + scales)
+    assert auto_max_in_cpu(10_000, 2, 1000, 4, free_bytes=10_000 * 8, state_dtype="bf16") == 10_000
+    assert auto_max_in_cpu(10_000, 2, 1000, 4, free_bytes=10_000 * 8) < 10_000
+    int8 = 6 * 8192 + 2 * 4 * 4  # 8192 elements: int8 moments and one fp32 absmax per 2048 per moment
+    assert auto_max_in_cpu(8192, 2, 2048, 4, free_bytes=int8, state_dtype="int8") == 8192
+    assert auto_max_in_cpu(8192, 2, 2048, 4, free_bytes=int8 - 1, state_dtype="int8") < 8192
     assert swap_pass_bytes(10_000, 4096, 2) == 2 * 49152 + 24576  # 3 x 1808 x 4 bytes padded to 4 KiB
     assert swap_file_bytes(10_000, 4096, 2) == 2 * 3 * 49152
 

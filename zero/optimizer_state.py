@@ -163,7 +163,7 @@ def build_tier(
     is fp32). `alias`: a tensor the master may be (fp32 weights on the host). `pinned(numel, what)`
     allocates fp32 elements within the pinned budget. `offload.ratio` and `offload.max_in_cpu` may split
     the state over several tiers (zero.split_state); with int8 states the split falls on whole
-    QUANT_BLOCKs, and "auto" sizes the resident share as if the states were fp32 (a conservative bound)."""
+    QUANT_BLOCKs, and "auto" sizes the resident share at the state dtype's bytes per element."""
     fmt = StateFormat(n_states, state_dtype)
     if fmt.quantized:
         sub_group = -(-sub_group // QUANT_BLOCK) * QUANT_BLOCK
@@ -178,6 +178,7 @@ def build_tier(
         in_use_bytes=pool.bytes_in_use,
         reserved_bytes=device_staging_bytes,
         alignment=SWAP_ALIGNMENT,
+        state_dtype=fmt.dtype,
     )
     common = (device, pool, pinned, sub_group, offload, aio, rank)
     if plan.offload and not (plan.device or plan.host):

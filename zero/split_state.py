@@ -78,10 +78,11 @@ def plan_split(
     in_use_bytes: int,
     reserved_bytes: int,
     alignment: int,
+    state_dtype: str = "fp32",
 ) -> SplitPlan:
     """How `offload_optimizer.ratio` and `max_in_cpu` split a partition of `numel` elements (the arithmetic
     is offload.swap.split's; "auto" takes what the pinned budget has left after `in_use_bytes` and
-    `reserved_bytes`)."""
+    `reserved_bytes`, at the bytes per element of `state_dtype`)."""
     ratio = float(getattr(offload, "ratio", 1.0)) if offload is not None else 1.0
     want = getattr(offload, "max_in_cpu", 0) if offload is not None else 0
     if want == "auto" and tier == "nvme":
@@ -93,6 +94,7 @@ def plan_split(
             max(1, int(offload.buffer_count)),
             free_bytes=cap_bytes - in_use_bytes - reserved_bytes,
             alignment=alignment,
+            state_dtype=state_dtype,
         )
     s = split_numel(numel, sub_group, tier=tier, ratio=ratio, max_in_cpu=0 if want == "auto" else int(want))
     return SplitPlan(device=s.device, host=s.host, offload=s.offload, tier=tier)

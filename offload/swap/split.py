@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from offload.swap.slots import FP32_BYTES, slot_bytes, swap_chunk
+from offload.swap.slots import FP32_BYTES, StateFormat, slot_bytes, state_chunk
 
 __all__ = [
     "SplitNumel",
@@ -73,18 +73,20 @@ def auto_max_in_cpu(
     *,
     free_bytes: int,
     alignment: int = 4096,
+    state_dtype: str = "fp32",
 ) -> int:
-    """`max_in_cpu: "auto"` for `numel` elements bound for NVMe: all of them when master + states fit in
-    `free_bytes` (what the pinned budget has left); otherwise whole `host_granule`s in what remains after
-    `buffer_count` staging slots for the swapped rest (the slots' size as `swap_chunk` plans them)."""
-    sub_group = max(1, min(int(sub_group), numel))
-    per_elem = (1 + n_states) * FP32_BYTES
-    if numel * per_elem <= free_bytes:
+    """`max_in_cpu: "auto"` for `numel` elements bound for NVMe: all of them when master + states (in
+    `state_dtype`, int8 with its block scales) fit in `free_bytes` (what the pinned budget has left);
+    otherwise whole `host_granule`s in what remains after `buffer_count` staging slots for the swapped rest
+    (the slots' size as `state_chunk` plans them)."""
+    fmt = StateFormat(n_states, state_dtype)
+    if fmt.whole_bytes(numel) <= free_bytes:
         return numel
-    chunk = swap_chunk(sub_group, numel, n_states * FP32_BYTES)
-    room = max(0, free_bytes - buffer_count * slot_bytes(chunk, n_states, alignment))
+    sub_group = max(1, min(int(sub_group), numel))
+    chunk = state_chunk(sub_group, numel, n_states, state_dtype)
+    room = max(0, free_bytes - buffer_count * slot_bytes(chunk, n_states, alignment, state_dtype))
     g = host_granule(sub_group)
-    return min(numel // g * g, room // (g * per_elem) * g)
+    return min(numel // g * g, room // fmt.whole_bytes(g) * g)
 
 
 def swap_pass_bytes(numel: int, chunk: int, n_states: int, alignment: int = 4096) -> int:
