@@ -164,6 +164,16 @@ def _read_bytes() -> int:
     return -1
 
 
+def _time_each_forward(model: Any) -> List[float]:
+    """A list that the model's root forwards append their wall seconds to (the prefill first, then one per
+    new token)."""
+    times: List[float] = []
+    start: List[float] = []
+    model.register_forward_pre_hook(lambda m, a: start.append(time.perf_counter()))
+    model.register_forward_hook(lambda m, a, o: times.append(time.perf_counter() - start.pop()))
+    return times
+
+
 def run_child(args: argparse.Namespace) -> Dict[str, Any]:
     """One contender in this process: load, then one timed generation."""
     import torch
@@ -203,6 +213,7 @@ def run_child(args: argparse.Namespace) -> Dict[str, Any]:
     if args.drop_after_load:
         drop_page_cache()  # the load read the checkpoint
     meter = ForwardMeter(model)
+    each_s = _time_each_forward(model)
     read0 = _read_bytes()
     t0 = time.perf_counter()
     with torch.no_grad():
@@ -221,6 +232,7 @@ def run_child(args: argparse.Namespace) -> Dict[str, Any]:
     forwards, tokens, forward_s = meter.take()
     meter.close()
     result: Dict[str, Any] = {
+        "forward_s_each": each_s,
         "load_s": load_s,
         "generate_s": gen_s,
         "forwards": forwards,
@@ -317,6 +329,10 @@ def summarize(runs: List[Dict[str, Any]], weight_bytes: int, ceiling: Optional[f
             len(r["tokens"]) * len(r["tokens"][0]) / r["generate_s"] for r in ok
         ),
         "s_per_forward": statistics.median(r["forward_s"] / r["forwards"] for r in ok),
+        "prefill_s": statistics.median(r["forward_s_each"][0] for r in ok),
+        "decode_s_per_forward": statistics.median(
+            statistics.median(r["forward_s_each"][1:] or r["forward_s_each"]) for r in ok
+        ),
         "peak_rss_bytes": med("peak_rss_bytes"),
         "weight_bytes": weight_bytes,
     }
@@ -330,6 +346,9 @@ def summarize(runs: List[Dict[str, Any]], weight_bytes: int, ceiling: Optional[f
     if "report" in ok[0]:
         s["param_nvme_read_bytes_per_forward"] = statistics.median(
             r["report"]["nvme_read_bytes_per_forward"] for r in ok
+        )
+        s["read_wait_s_per_forward"] = statistics.median(
+            r["report"]["read_wait_s"] / max(1, r["report"]["forwards"]) for r in ok
         )
         s["prefetch_hits"] = ok[0]["report"]["param_prefetch_hits"]
         s["param_reads"] = ok[0]["report"]["param_reads"]
@@ -450,6 +469,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         "new tokens/s",
         "vs accelerate",
         "s/forward",
+        "prefill s",
+        "decode s/forward",
+        "read wait s/forward",
         "GB read/forward",
         "read GB/s",
         "of ceiling",
@@ -468,6 +490,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                 f"{s['new_tokens_per_s']:.3g}",
                 f"{s['new_tokens_per_s'] / base:.2f}" if base else "",
                 f"{s['s_per_forward']:.3g}",
+                f"{s['prefill_s']:.3g}",
+                f"{s['decode_s_per_forward']:.3g}",
+                f"{s['read_wait_s_per_forward']:.3g}" if "read_wait_s_per_forward" in s else "",
                 f"{s['disk_read_bytes_per_forward'] / 1e9:.3f}" if "disk_read_bytes_per_forward" in s else "",
                 f"{s['disk_read_gbps']:.3f}" if "disk_read_gbps" in s else "",
                 f"{frac:.0%}" if frac is not None else "",

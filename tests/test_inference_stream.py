@@ -121,6 +121,8 @@ def test_prefetch_depth_is_buffer_count(tmp_path, buffer_count):
     assert on.peak_prefetch_depth == buffer_count and on.param_prefetches > 0
     assert off.peak_prefetch_depth == 0 and off.param_prefetches == off.param_prefetch_hits == 0
     assert on.nvme_read_bytes == off.nvme_read_bytes and on.param_reads == off.param_reads
+    # every read on demand is waited for; the waits are part of the forwards' time
+    assert 0 < off.read_wait_s <= off.forward_s and 0 <= on.read_wait_s <= on.forward_s
 
 
 def test_bucket_bounds_the_depth(tmp_path):

@@ -145,7 +145,9 @@ class InferenceReport:
     `forward_s` is wall time from each root forward's start to its return, summed (on CUDA: kernels queued by
     then may still run; generation reads each step's logits, which waits for them). Bytes are the parameter
     tier's: `nvme_read_bytes` from the swap files, `host_to_device_bytes` from host memory (a `cpu` tier or
-    an NVMe staging slot) to a GPU (0 when the compute device is the CPU)."""
+    an NVMe staging slot) to a GPU (0 when the compute device is the CPU). `read_wait_s`, part of
+    `forward_s`: time the forwards waited for the disk (a read on demand, a prefetch not finished): near
+    `forward_s` the stream is disk-bound, near 0 compute (or copies) bound."""
 
     forwards: int = 0
     tokens: int = 0  # input positions processed: batch x sequence length of each forward, summed
@@ -158,6 +160,7 @@ class InferenceReport:
     param_prefetch_hits: int = 0
     peak_prefetch_depth: int = 0
     gathers: int = 0
+    read_wait_s: float = 0.0  # of forward_s, time spent waiting for NVMe reads no prefetch had finished
     read_ceiling_gbs: Optional[float] = None  # the disk's sequential read bandwidth, decimal GB/s
     read_ceiling_source: str = "none"
 
@@ -214,6 +217,8 @@ class InferenceReport:
         if frac is not None:
             text += f", {frac:.0%} of {self.read_ceiling_gbs:g} GB/s"
         text += f"), h2d {format_bytes(self.host_to_device_bytes_per_forward)}/forward"
+        if self.forwards:
+            text += f", read wait {self.read_wait_s / self.forwards * 1e3:.1f} ms/forward"
         return text
 
 
@@ -321,6 +326,7 @@ def inference_report(
         param_prefetch_hits=io.get("param_prefetch_hits", 0),
         peak_prefetch_depth=io.get("peak_prefetch_depth", 0),
         gathers=io.get("gathers", 0),
+        read_wait_s=io.get("param_read_wait_s", 0.0),
         read_ceiling_gbs=ceiling,
         read_ceiling_source=source,
     )

@@ -60,8 +60,9 @@ class ParamIOReport:
     param_staged_bytes: int = 0  # NVMe bytes copied out of a staging slot into a gathered buffer
     param_in_place_bytes: int = 0  # NVMe bytes used where they landed: viewed (or decoded) in a staging slot
     param_direct_bytes: int = 0  # NVMe bytes read straight into a gathered buffer in host memory
+    param_read_wait_s: float = 0.0  # seconds gathers blocked on NVMe reads (not hidden by a prefetch)
 
-    def as_dict(self) -> Dict[str, int]:
+    def as_dict(self) -> Dict[str, Any]:
         """The counts by field name."""
         return asdict(self)
 
@@ -449,9 +450,11 @@ class Stage3Partitioner:
             param_staged_bytes=st.staged_bytes,
             param_in_place_bytes=st.in_place_bytes,
             param_direct_bytes=st.direct_bytes,
+            param_read_wait_s=st.read_wait_s,
         )
         st.bytes_read = st.bytes_written = st.reads = st.prefetches = st.prefetch_hits = st.cpu_bytes_read = 0
         st.staged_bytes = st.in_place_bytes = st.direct_bytes = 0
+        st.read_wait_s = 0.0
         st.peak_inflight = len([u for u in self.units if self.store.prefetching(u)])
         self.gathers = self.grads.device_to_host_bytes = self.host_to_device_bytes = 0
         self.peak_full_bytes = self.live_full_bytes

@@ -26,9 +26,11 @@ thread - and splitting it would spread that invariant over modules.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -68,7 +70,8 @@ class StoreStats:
     slot, `in_place_bytes` were used where they landed (viewed by the parameters, `lend`, or decoded from the
     slot) and `direct_bytes` were read straight into their
     destination. `peak_inflight`: most prefetches in flight at once; `slots_replaced`: lent slots still
-    referenced from outside when given back (see the module doc)."""
+    referenced from outside when given back (see the module doc); `read_wait_s`: time the reading thread
+    waited for the disk (the rest of a gather's time is copies, decoding and bookkeeping)."""
 
     bytes_read: int = 0
     cpu_bytes_read: int = 0
@@ -81,6 +84,7 @@ class StoreStats:
     direct_bytes: int = 0
     peak_inflight: int = 0
     slots_replaced: int = 0
+    read_wait_s: float = 0.0  # seconds a gather blocked on NVMe reads (a prefetch not done, a read on demand)
     extra: Dict[str, Any] = field(default_factory=dict)
 
 
@@ -368,6 +372,15 @@ class PartitionStore:
         if unit.full is None:
             set_status(unit, PartitionStatus.NOT_AVAILABLE)
 
+    @contextlib.contextmanager
+    def _waiting(self) -> Iterator[None]:
+        """Count the time inside as waiting for the disk (`StoreStats.read_wait_s`)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.stats.read_wait_s += time.perf_counter() - t0
+
     def _wait_copy(self, s: _Slot) -> None:
         if s.event is not None:
             s.event.synchronize()  # the slot's last host->device copy must finish before it is refilled
@@ -446,12 +459,13 @@ class PartitionStore:
                 s.lent = unit.index
                 self._lent[unit.index] = s
         try:
-            if hit:
-                self._prefetch_over(unit)
-                s.handle.wait()  # raises AioError naming the file if the read failed
-            else:
-                self._wait_copy(s)
-                s.handle.sync_pread(s.buf[:nbytes], path, 0)
+            with self._waiting():
+                if hit:
+                    self._prefetch_over(unit)
+                    s.handle.wait()  # raises AioError naming the file if the read failed
+                else:
+                    self._wait_copy(s)
+                    s.handle.sync_pread(s.buf[:nbytes], path, 0)
         except BaseException:
             self._done(s)
             self.give_back(unit)
@@ -537,7 +551,8 @@ class PartitionStore:
             s = self._inflight.pop(unit.index, None)
         if s is not None:
             self._prefetch_over(unit)
-            s.handle.wait()  # raises AioError naming the file if the read failed
+            with self._waiting():
+                s.handle.wait()  # raises AioError naming the file if the read failed
             self.stats.prefetch_hits += 1
             self._copy_out(s, dst_bytes, nbytes)
             self.stats.staged_bytes += nbytes
@@ -552,7 +567,8 @@ class PartitionStore:
                 raise RuntimeError(f"no free staging slot to read {unit.name!r} into device memory")
             if self._direct_handle is None:
                 self._direct_handle = self._aio.handle()
-            self._direct_handle.sync_pread(dst_bytes[:nbytes], path, 0)
+            with self._waiting():
+                self._direct_handle.sync_pread(dst_bytes[:nbytes], path, 0)
             self.stats.direct_bytes += nbytes
             return
         self.stats.staged_bytes += nbytes
@@ -561,7 +577,8 @@ class PartitionStore:
         for off in range(0, nbytes, chunk):
             n = min(chunk, nbytes - off)
             self._wait_copy(s)
-            s.handle.sync_pread(s.buf[:n], path, off)
+            with self._waiting():
+                s.handle.sync_pread(s.buf[:n], path, off)
             self._copy_out(s, dst_bytes[off : off + n], n)
 
     def write(self, unit: Unit, src: torch.Tensor, only: Optional[set] = None) -> None:
