@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import zero
+from zero.stage3.trace import PREFETCH_LOOKAHEAD
 
 transformers = pytest.importorskip("transformers")
 
@@ -96,6 +97,34 @@ def test_report_counts_forwards_tokens_and_exactly_the_weight_bytes(tmp_path):
     assert again.forwards == again.tokens == again.nvme_read_bytes == again.param_reads == 0
     assert again.read_ceiling_gbs is None and again.read_ceiling_fraction is None
     engine.close()
+
+
+LAYERS = 10  # 9 units a layer: more units than one window of guesses (PREFETCH_LOOKAHEAD)
+
+
+def test_first_forward_prefetches_past_units_never_read(tmp_path):
+    """The first forward has no recorded order: it prefetches in build order, stepping over units already
+    used or not on NVMe, so a model of more units than one window of guesses, with persistent norms used
+    out of build order, is streamed with every read but the first prefetched."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        )
+    ).eval()  # fmt: skip
+    cfg = config(tmp_path, stage3_param_persistence_threshold=64)  # the norms (32 elements) persist
+    engine, *_ = zero.initialize(model=model, config=cfg)
+    units = engine.partitioner.units
+    assert len(units) > PREFETCH_LOOKAHEAD and any(u.persistent for u in units)
+    with torch.no_grad():
+        engine.module(prompt())
+    rep = engine.inference_report()
+    engine.close()
+    assert rep.param_reads == len(units)  # each read once (the persistent ones stay gathered after it)
+    # On demand: the first unit (the embedding), and each layer's input norm and the final norm, which run
+    # before the units built ahead of them; every other read was prefetched.
+    assert rep.param_prefetch_hits >= rep.param_reads - 1 - (LAYERS + 1)
 
 
 @pytest.mark.parametrize("buffer_count", [2, 4])

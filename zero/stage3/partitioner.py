@@ -220,10 +220,13 @@ class Stage3Partitioner:
         """Whether the unit's parameters may view the staging slot its partition lands in (zero copy): one
         rank, the CPU computes, and nothing keeps the weights past the unit's release - no autograd graph
         (grad mode off, not in a backward) and not a persistent unit (it would hold a slot for good)."""
+        return self._host_inference() and not unit.persistent
+
+    def _host_inference(self) -> bool:
+        """One rank computing on the CPU with grad mode off, outside backward: an inference forward."""
         return (
             self.world_size == 1
             and self.device.type == "cpu"
-            and not unit.persistent
             and not torch.is_grad_enabled()
             and not self.in_backward
         )
@@ -273,7 +276,7 @@ class Stage3Partitioner:
         """Record a use of `unit` (after its read: prefetches queued now must not take the slot it needs)."""
         if self.use_trace.record(unit, self.live_numel):
             self._drop_kept()
-        elif not self.use_trace.order and self._lends(unit):  # first pass of an inference: guess the order
+        elif not self.use_trace.order and self._host_inference():  # first inference pass: guess the order
             self.use_trace.guess(unit, self.live_numel)
 
     def fetch(self, unit: Unit) -> None:

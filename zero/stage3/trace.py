@@ -101,13 +101,22 @@ class UseTrace:
     def guess(self, unit: Unit, live_numel: int) -> None:
         """No order is recorded yet (the first pass): after a use of `unit`, prefetch the units not used yet
         in this pass, in the order they were built - modules' registration order, which is how most
-        models run them. A wrong guess costs reads that are given up when their slots are needed."""
+        models run them. A wrong guess costs reads that are given up when their slots are needed. Units
+        that are not read from NVMe (kept in host memory by max_in_cpu, or persistent and gathered) are
+        stepped over: the window of guesses must not stay anchored at one of them."""
         if self.order:
             return
         self._guessed.add(unit.index)
-        while self._guess_pos in self._guessed:
+        n = len(self.units)
+        while self._guess_pos < n and (
+            self._guess_pos in self._guessed or not self._streamed(self.units[self._guess_pos])
+        ):
             self._guess_pos += 1
         self._prefetch(self._guesses(), live_numel)
+
+    def _streamed(self, unit: Unit) -> bool:
+        """Whether a use of `unit` reads it from NVMe (so it is worth a guess)."""
+        return not unit.present and self.store.on_nvme(unit)
 
     def _guesses(self) -> List[int]:
         end = min(len(self.units), self._guess_pos + PREFETCH_LOOKAHEAD)
