@@ -7,7 +7,10 @@ the same host-memory budget (``--cpu-budget``, bytes of weights allowed in RAM) 
 tokens greedily from the same prompts:
 
 * ``ours``: ``zero.from_pretrained`` at stage 3 with ``offload_param`` nvme, ``max_in_cpu`` = the budget
-  in elements; each forward streams the weights from the swap files, prefetched ``buffer_count`` deep;
+  in elements; each forward streams the weights from the swap files, prefetched ``buffer_count`` deep
+  into staging buffers of ``buffer_size`` elements, with the ``aio`` section ds-nvme-bench writes for the
+  disk's best read settings (what a ZeRO-Inference user gets from tuning; ``--default-aio`` keeps
+  DeepSpeed's defaults, ``--aio-config FILE`` takes another);
 * ``accelerate``: ``AutoModelForCausalLM.from_pretrained(device_map="auto", max_memory={"cpu": budget},
   offload_folder=...)``: what does not fit the budget is offloaded to disk and loaded by hooks per module.
 
@@ -139,11 +142,15 @@ def our_config(args: argparse.Namespace, swap: str, element_bytes: int) -> Dict[
                 "nvme_path": swap,
                 "max_in_cpu": int(args.cpu_budget // element_bytes),
                 "buffer_count": args.buffer_count,
+                "buffer_size": args.buffer_size,
             },
             # prefetch depth is also bounded by this many elements ahead: room for every staging buffer
             "stage3_prefetch_bucket_size": args.prefetch_bucket,
         },
     }
+    if args.aio_config:
+        with open(args.aio_config) as f:
+            cfg["aio"] = json.load(f)["aio"]
     if args.weight_bits:
         cfg["weight_quantization"] = {
             "quantized_initialization": {"num_bits": args.weight_bits, "group_size": args.group_size}
@@ -266,12 +273,18 @@ def drop_page_cache() -> Optional[str]:
 
 
 def read_ceiling(args: argparse.Namespace, scratch: str) -> Tuple[Optional[float], str]:
-    """The disk's sequential read bandwidth: --read-ceiling-gbs, else ds-nvme-bench's quick read test."""
+    """The disk's sequential read bandwidth: --read-ceiling-gbs, else ds-nvme-bench's quick read test, whose
+    best settings become our `aio` section (`args.aio_config`) unless --default-aio or --aio-config."""
     if args.read_ceiling_gbs is not None:
         return args.read_ceiling_gbs, "--read-ceiling-gbs"
     out = os.path.join(scratch, "nvme_profile.json")
     cmd = [sys.executable, "-m", "offload.cli.nvme_bench", "--path", scratch, "--quick", "--read-only"]
+    tuned = os.path.join(scratch, "aio_tuned.json")
+    if not (args.default_aio or args.aio_config):
+        cmd += ["--write-config", tuned]
     proc = subprocess.run(cmd + ["--json", out], cwd=ROOT, capture_output=True, text=True)
+    if os.path.isfile(tuned):
+        args.aio_config = tuned
     try:
         with open(out) as f:
             value = json.load(f).get("nvme_read_gbps")
@@ -296,7 +309,9 @@ def _run(args: argparse.Namespace, contender: str, ckpt: str, scratch: str) -> D
     ]
     cmd += ["--cpu-budget", str(args.cpu_budget), "--gpu-budget", str(args.gpu_budget)]
     cmd += ["--buffer-count", str(args.buffer_count), "--group-size", str(args.group_size)]
-    cmd += ["--prefetch-bucket", str(args.prefetch_bucket)]
+    cmd += ["--prefetch-bucket", str(args.prefetch_bucket), "--buffer-size", str(args.buffer_size)]
+    if args.aio_config:
+        cmd += ["--aio-config", args.aio_config]
     if args.weight_bits:
         cmd += ["--weight-bits", str(args.weight_bits)]
     if not args.drop_after_load:
@@ -379,6 +394,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     )
     ap.add_argument(
         "--buffer-count", type=int, default=5, help="our offload_param.buffer_count (prefetch depth)"
+    )
+    ap.add_argument(
+        "--buffer-size",
+        type=int,
+        default=int(1e8),
+        help="our offload_param.buffer_size (elements per staging buffer; DeepSpeed's default 1e8)",
+    )
+    ap.add_argument(
+        "--aio-config",
+        help="a JSON file with our `aio` section (default: the best read settings ds-nvme-bench finds)",
+    )
+    ap.add_argument(
+        "--default-aio", action="store_true", help="our `aio` section left at DeepSpeed's defaults"
     )
     ap.add_argument(
         "--prefetch-bucket",

@@ -41,14 +41,26 @@ def test_smoke_run_compares_both_contenders(tmp_path):
     assert not [p for p in os.listdir(tmp_path) if p.startswith("zo-bench-inf-")]  # scratch removed
 
 
-def test_weight_bits_builds_the_deepspeed_section():
+def test_our_config_builds_the_deepspeed_sections(tmp_path):
+    aio = tmp_path / "aio.json"
+    aio.write_text(json.dumps({"aio": {"block_size": 4194304, "queue_depth": 32}}))
     args = argparse.Namespace(
-        cpu_budget=4e6, buffer_count=3, weight_bits=4, group_size=64, prefetch_bucket=10**8
-    )
+        cpu_budget=4e6, buffer_count=3, buffer_size=10**7, weight_bits=4, group_size=64,
+        prefetch_bucket=10**8, aio_config=str(aio),
+    )  # fmt: skip
     cfg = bench_inference.our_config(args, "/swap", 4)
     assert cfg["weight_quantization"] == {"quantized_initialization": {"num_bits": 4, "group_size": 64}}
     off = cfg["zero_optimization"]["offload_param"]
-    assert off == {"device": "nvme", "nvme_path": "/swap", "max_in_cpu": 10**6, "buffer_count": 3}
+    want = {
+        "device": "nvme",
+        "nvme_path": "/swap",
+        "max_in_cpu": 10**6,
+        "buffer_count": 3,
+        "buffer_size": 10**7,
+    }
+    assert off == want
     assert cfg["zero_optimization"]["stage3_prefetch_bucket_size"] == 10**8
-    args.weight_bits = None
-    assert "weight_quantization" not in bench_inference.our_config(args, "/swap", 4)
+    assert cfg["aio"] == {"block_size": 4194304, "queue_depth": 32}
+    args.weight_bits = args.aio_config = None
+    cfg = bench_inference.our_config(args, "/swap", 4)
+    assert "weight_quantization" not in cfg and "aio" not in cfg
