@@ -252,6 +252,7 @@ def run_child(args: argparse.Namespace) -> Dict[str, Any]:
     if engine is not None:
         rep = engine.inference_report()
         result["report"] = rep.as_dict()
+        result["aio"] = our_config(args, args.scratch, dtype.itemsize).get("aio", "defaults")
         engine.close()
     else:
         result["device_map_tiers"] = sorted({str(v) for v in getattr(model, "hf_device_map", {}).values()})
