@@ -300,12 +300,13 @@ class ZeroEngine:
             info = self._opt.info(self.offload_device)
             logger.warning(
                 "offload_optimizer.pipeline_read/pipeline_write: the optimizer does not step during backward "
-                "with this placement (%d NVMe copies, %d of %d optimizer-state elements on the training "
-                "device); it steps after backward. The overlap needs two NVMe copies and, with ratio "
-                "below 1.0, no NVMe share behind both a device and a host share",
+                "with this placement (of %d optimizer-state elements %d swapped to NVMe in %d copies, %d on "
+                "the training device); it steps after backward. The overlap needs a share on NVMe in two "
+                "copies and, with ratio below 1.0, no host share between it and the device share",
+                info.numel,
+                info.swapped_numel,
                 info.copies,
                 info.device_numel,
-                info.numel,
             )
             return
         self.overlap.enable(*self.layout.grad_gate(chunks))
