@@ -175,19 +175,21 @@ class UpdatePass:
         result = self.overlap.join()
         assert result is not None
         step = self.zopt.step_count + 1
-        rep.device_to_host_bytes += self.overlap.take_fetched_bytes()
-        moved = getattr(self.layout, "moved_grad_bytes", None)  # stage 2: what its buckets moved
-        if moved is not None:
-            rep.device_to_host_bytes += moved()
         rep.optimizer_chunks_in_backward += self.overlap.chunks_in_backward
-        if result.error is not None:
-            self.opt.fail_pass(result.error, step)
-        ok = result.ok
-        if ok and self.opt.split_pass:
-            try:
-                ok = self._step_resident()
-            except BaseException as e:
-                self.opt.fail_pass(e, step)
+        try:
+            if result.error is not None:
+                self.opt.fail_pass(result.error, step)
+            ok = result.ok
+            if ok and self.opt.split_pass:
+                try:
+                    ok = self._step_resident()
+                except BaseException as e:
+                    self.opt.fail_pass(e, step)
+        finally:  # after the resident share fetched its gradients too
+            rep.device_to_host_bytes += self.overlap.take_fetched_bytes()
+            moved = getattr(self.layout, "moved_grad_bytes", None)  # stage 2: what its buckets moved
+            if moved is not None:
+                rep.device_to_host_bytes += moved()
         self._set_norm_from_chunks(self._overlap_sq, self.loss_scale() * self.world_size)
         return self.opt.end_pass(ok, step, rep, self._h2d0)
 
