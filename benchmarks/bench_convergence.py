@@ -114,8 +114,9 @@ def run_variant(args: argparse.Namespace, state_dtype: str, data: Any, nvme_dir:
     }
 
 
-def plot(results: Dict[str, Dict[str, Any]], path: str) -> Optional[str]:
-    """The loss curves as a PNG at `path`; None (nothing written) when matplotlib does not import."""
+def plot(results: Dict[str, Dict[str, Any]], path: str, title: str = "") -> Optional[str]:
+    """The loss curves as a PNG at `path` (`title` above them); None (nothing written) when matplotlib does
+    not import."""
     try:
         import matplotlib
 
@@ -130,6 +131,8 @@ def plot(results: Dict[str, Dict[str, Any]], path: str) -> Optional[str]:
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (nats per byte)")
     ax.legend()
+    if title:
+        ax.set_title(title, fontsize=8, wrap=True)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -203,7 +206,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     name = f"convergence_{args.device}" + ("_smoke" if args.smoke else "")
     out_dir = args.out or OUT_DIR
     os.makedirs(out_dir, exist_ok=True)
-    png = plot(results, os.path.join(out_dir, name + ".png"))
+    png = plot(results, os.path.join(out_dir, name + ".png"), title)
     note = f"plot: {png}" if png else "plot: matplotlib does not import here, no PNG written"
     payload = {
         "args": vars(args),
