@@ -32,6 +32,9 @@ peak RSS, load time, and whether both generated identical tokens.
     python -m benchmarks.bench_inference --size 1b --device cuda
     python -m benchmarks.bench_inference --smoke            # seconds: what tests/test_bench_inference.py runs
 
+Over 500 lines in one file because the parent (rounds, page cache, ceiling, table) re-runs this module as
+each contender's child process with the same argument parser.
+
 ``--weight-bits 4`` (or 8) adds DeepSpeed's ``weight_quantization`` section to our config,
 ``{"quantized_initialization": {"num_bits": 4, "group_size": 64}}``; the engine needs weight quantization
 support for that key (without it the config is refused) and accelerate stays unquantized, so the tokens
