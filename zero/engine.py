@@ -295,7 +295,7 @@ class ZeroEngine:
             return
         if self.world_size > 1 or self.gradient_clipping > 0:
             return
-        chunks = self._opt.overlap_chunks()
+        chunks = self._opt.prepare_overlap()
         if chunks is None:
             info = self._opt.info(self.offload_device)
             logger.warning(

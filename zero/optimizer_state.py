@@ -412,19 +412,20 @@ class OptimizerState:
         after backward (`run_resident`): a split state (zero.split_state)."""
         return isinstance(self.tier, SplitTier)
 
-    def overlap_chunks(self) -> Optional[List[Tuple[int, int]]]:
-        """The chunks (start, numel) the pass during backward waits on, in the order of the `ready` indices
-        it calls, with the swapped chunks set to go last-first (the order backward finishes them); None
-        when this state cannot be stepped during backward (a failed or dropped pass would have to roll
-        back an in-place update)."""
+    def prepare_overlap(self) -> Optional[List[Tuple[int, int]]]:
+        """Set the swapped chunks to be stepped last-first (the order backward finishes them) and return the
+        chunks (start, numel) the pass during backward waits on, in the order of the `ready` indices it
+        calls; None when this state cannot be stepped during backward (a failed or dropped pass would have
+        to roll back an in-place update)."""
         t = self.tier
         if isinstance(t, SplitTier) and t.overlappable:
-            t.step_order = list(reversed(range(len(t.back.chunks))))
-            return t.chunks
-        if self.atomic and self.device_part is None:
-            t.step_order = list(reversed(range(len(t.chunks))))  # type: ignore[union-attr]
-            return list(t.chunks)  # type: ignore[union-attr]
-        return None
+            swapper, chunks = t.back, t.chunks
+        elif self.atomic:
+            swapper, chunks = t, list(t.chunks)  # type: ignore[union-attr]
+        else:
+            return None
+        swapper.step_order = list(reversed(range(len(swapper.chunks))))
+        return chunks
 
     def info(self, tier_name: str) -> StateInfo:
         t = self.tier
@@ -496,9 +497,9 @@ class OptimizerState:
 
     def run(self, update: Callable[..., bool], ready: Optional[Callable[[int], bool]] = None) -> bool:
         """Walk the tier with `update` (waiting on `ready(c)` per chunk when given: a pass during
-        backward, over the `overlap_chunks`); False: overflow. A torch-stepped device share is launched
-        first, with what `chunk_update` was given. A split state's pass during backward walks only its
-        swapped share: `run_resident` finishes it."""
+        backward, over the `prepare_overlap` chunks); False: overflow. A torch-stepped device share is
+        launched first, with what `chunk_update` was given. A split state's pass during backward walks
+        only its swapped share: `run_resident` finishes it."""
         self.pass_updates = 0
         self.torn = False
         if self.device_part is not None:
@@ -510,7 +511,7 @@ class OptimizerState:
         return self.tier.step(update, ready=ready)  # type: ignore[call-arg]
 
     def resident_share(self) -> Tuple[int, int]:
-        """(elements, chunks) of a split state's in-memory front: the first of `overlap_chunks`."""
+        """(elements, chunks) of a split state's in-memory front: the first `prepare_overlap` chunks."""
         assert isinstance(self.tier, SplitTier)
         return self.tier.split, self.tier.front_chunks
 

@@ -205,15 +205,6 @@ class SplitTier:
             and not isinstance(self.front, (OptimizerSwapper, SplitTier, TorchDevicePart))
         )
 
-    @property
-    def step_order(self) -> List[int]:
-        """The back swapper's chunk order (its own indices); the front is always walked in order."""
-        return self.back.step_order
-
-    @step_order.setter
-    def step_order(self, order: List[int]) -> None:
-        self.back.step_order = list(order)
-
     def use_device_part(self, part: TorchDevicePart) -> None:
         """Step the device share with `part` (a `TorchDevicePart` over the current front): the pass launches
         it before this tier's `step`, whose visit of the front then only checks that it was."""
