@@ -157,18 +157,22 @@ class UpdatePass:
 
     def _step_resident(self) -> bool:
         """A split state's in-memory share, after its swapped share was stepped during backward: its
-        gradients made final (fetched from a GPU), checked for overflow before anything is updated in
-        place, then stepped; False: overflow (the swapped share is then dropped uncommitted)."""
+        gradients made final (fetched from a GPU), checked for overflow (when the step checks) before
+        anything is updated in place, then stepped; False: overflow (the swapped share is then dropped
+        uncommitted)."""
         grad, step, group, grad_scale = self._overlap_args
         ready = self.overlap.ready_fn()
         resident, chunks = self.opt.resident_share()
         for c in range(chunks):
             ready(c)
-        sq = sum_of_squares(grad[:resident])
-        self._overlap_sq.append(sq)
-        if self.check_overflow and not math.isfinite(sq):
-            return False
-        return self.opt.run_resident(self.opt.chunk_update(grad, step, group, grad_scale, False))
+        if self.check_overflow:  # before anything is updated in place
+            sq = sum_of_squares(grad[:resident])
+            self._overlap_sq.append(sq)
+            if not math.isfinite(sq):
+                return False
+        # without the check, the norm's squares are summed chunk by chunk as the update walks the gradients
+        norm_sq = None if self.check_overflow else self._overlap_sq
+        return self.opt.run_resident(self.opt.chunk_update(grad, step, group, grad_scale, False, sq=norm_sq))
 
     def _finish_overlapped(self, rep: StepReport) -> bool:
         """Wait for the pass started in backward, then commit it or keep the previous state."""
