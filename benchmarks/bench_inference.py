@@ -202,10 +202,9 @@ def run_child(args: argparse.Namespace) -> Dict[str, Any]:
     )
     engine = None
     t0 = time.perf_counter()
+    cfg = our_config(args, args.scratch, dtype.itemsize)
     if args.child == "ours":
-        engine = zero.from_pretrained(
-            args.ckpt, config=our_config(args, args.scratch, dtype.itemsize), dtype=dtype
-        )
+        engine = zero.from_pretrained(args.ckpt, config=cfg, dtype=dtype)
         model = engine.module
         engine.inference_report()  # start counting at the generation
     else:
@@ -255,7 +254,7 @@ def run_child(args: argparse.Namespace) -> Dict[str, Any]:
     if engine is not None:
         rep = engine.inference_report()
         result["report"] = rep.as_dict()
-        result["aio"] = our_config(args, args.scratch, dtype.itemsize).get("aio", "defaults")
+        result["aio"] = cfg.get("aio", "defaults")
         engine.close()
     else:
         result["device_map_tiers"] = sorted({str(v) for v in getattr(model, "hf_device_map", {}).values()})

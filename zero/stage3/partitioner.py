@@ -67,6 +67,9 @@ class ParamIOReport:
         return asdict(self)
 
 
+_HOST_ALIGN = 4096
+
+
 def _empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """An uninitialised gathered buffer; in host memory 4 KiB aligned, so that an NVMe read straight into
     it goes to the device without bouncing (O_DIRECT)."""
@@ -76,9 +79,6 @@ def _empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor
     raw = torch.empty(numel * esize + _HOST_ALIGN, dtype=torch.uint8)
     skip = -raw.data_ptr() % _HOST_ALIGN
     return raw[skip : skip + numel * esize].view(dtype)
-
-
-_HOST_ALIGN = 4096
 
 
 class Stage3Partitioner:
