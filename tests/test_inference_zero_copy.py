@@ -218,3 +218,20 @@ def test_first_forward_prefetches_in_build_order(tmp_path, arch):
     misses = io.param_reads - io.param_prefetch_hits
     assert io.param_reads >= len(part.units) and misses <= io.param_reads // 4
     engine.close()
+
+
+def test_every_slot_lent_refuses_a_device_read(tmp_path):
+    """With every staging slot lent out, a read into device memory (which has no direct path) is refused
+    naming the unit, before anything is read; reads into host memory go around the slots."""
+    engine, *_ = zero.initialize(model=llama(), config=config(tmp_path, 2))
+    store, units = engine.partitioner.store, engine.partitioner.units
+    lent = [u for u in units if store.lend(u) is not None][:2]
+    other = units[-1]
+    assert len(lent) == 2 and other not in lent
+    with pytest.raises(RuntimeError, match=f"no free staging slot to read {other.name!r}"):
+        store.read(other, torch.empty(other.part_numel, dtype=other.dtype, device="meta"))
+    host = torch.empty(other.part_numel, dtype=other.dtype)
+    store.read(other, host)  # straight into host memory
+    for u in lent:
+        assert store.give_back(u)
+    engine.close()

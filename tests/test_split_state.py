@@ -319,6 +319,12 @@ def test_overlap_over_three_tiers_says_it_is_not_used(tmp_path, caplog):
     assert "does not step during backward" in caplog.text
     assert got["info"].device_numel > 0 and got["info"].resident_numel > got["info"].device_numel
     assert got["report"].optimizer_chunks_in_backward == 0
+    engine, *_ = zero.initialize(model=make_model(), config=cfg)
+    try:
+        with pytest.raises(RuntimeError, match="not overlappable"):
+            engine.optimizer_state.step_swapped(lambda *a: True, lambda c: True)
+    finally:
+        engine.close()
 
 
 # ------------------------------------------------------------------------------------------ estimator
