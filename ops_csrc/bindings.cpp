@@ -11,6 +11,7 @@
 
 #include "cpu_optim.h"
 #include "dispatch.h"
+#include "qmatmul.h"
 
 namespace py = pybind11;
 using namespace zo_optim;
@@ -69,6 +70,18 @@ std::vector<Segment> make_segments(const std::vector<SegmentTuple>& tuples) {
         out.push_back(s);
     }
     return out;
+}
+
+QuantMatrix make_quant(uintptr_t codes, uintptr_t scale, uintptr_t offset, int bits, size_t group,
+                       int round_to = kF32) {
+    QuantMatrix w;
+    w.codes = reinterpret_cast<const uint8_t*>(codes);
+    w.scale = reinterpret_cast<const uint16_t*>(scale);
+    w.offset = reinterpret_cast<const uint16_t*>(offset);  // 0: symmetric
+    w.bits = bits;
+    w.group = group;
+    w.round_to = round_to;
+    return w;
 }
 
 }  // namespace
@@ -187,4 +200,25 @@ PYBIND11_MODULE(_cpu_optim, m) {
             return all_finite(reinterpret_cast<const void*>(data), dtype, n);
         },
         py::arg("data"), py::arg("n"), py::arg("dtype"), py::call_guard<py::gil_scoped_release>());
+
+    // Group-wise quantized weights (qmatmul.h): addresses of the codes, fp16 scales and offsets (0 when
+    // symmetric) and of fp32 inputs/outputs; offload/ops/qmatmul.py checks the tensors behind them.
+    m.def(
+        "dequantize_f32",
+        [](uintptr_t codes, uintptr_t scale, uintptr_t offset, int bits, size_t group, size_t n,
+           uintptr_t out) {
+            dequantize_f32(make_quant(codes, scale, offset, bits, group), n, reinterpret_cast<float*>(out));
+        },
+        py::arg("codes"), py::arg("scale"), py::arg("offset"), py::arg("bits"), py::arg("group"),
+        py::arg("n"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
+    m.def(
+        "quantized_matmul_f32",
+        [](uintptr_t codes, uintptr_t scale, uintptr_t offset, int bits, size_t group, size_t rows,
+           size_t cols, uintptr_t x, size_t batch, uintptr_t y, int round_to) {
+            quantized_matmul_f32(make_quant(codes, scale, offset, bits, group, round_to), rows, cols,
+                                 reinterpret_cast<const float*>(x), batch, reinterpret_cast<float*>(y));
+        },
+        py::arg("codes"), py::arg("scale"), py::arg("offset"), py::arg("bits"), py::arg("group"),
+        py::arg("rows"), py::arg("cols"), py::arg("x"), py::arg("batch"), py::arg("y"),
+        py::arg("round_to") = static_cast<int>(kF32), py::call_guard<py::gil_scoped_release>());
 }

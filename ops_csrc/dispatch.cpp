@@ -69,17 +69,17 @@ struct alignas(64) PaddedFlag {
 // Splits [0, n) into blocks handed out through an atomic counter rather than one fixed range per thread:
 // on a shared machine a thread that gets descheduled then delays only its current block, not the step.
 template <class Fn>
-bool parallel_for(size_t n, const Fn& fn) {
+bool parallel_for(size_t n, const Fn& fn, size_t min_per_thread = kMinPerThread, size_t align = kChunkAlign) {
     std::unique_lock<std::mutex> lock(g_pool_mu);
     adopt_pool_after_fork();
     const size_t threads = static_cast<size_t>(g_pool->size());
-    const size_t used = std::max<size_t>(1, std::min(threads, n / kMinPerThread));
+    const size_t used = std::max<size_t>(1, std::min(threads, n / min_per_thread));
     if (used == 1) {
         lock.unlock();
         return fn(size_t{0}, n);
     }
-    size_t block = std::max(kMinPerThread, (n + used * kBlocksPerThread - 1) / (used * kBlocksPerThread));
-    block = (block + kChunkAlign - 1) / kChunkAlign * kChunkAlign;
+    size_t block = std::max(min_per_thread, (n + used * kBlocksPerThread - 1) / (used * kBlocksPerThread));
+    block = (block + align - 1) / align * align;
     const size_t blocks = (n + block - 1) / block;
     std::atomic<size_t> next{0};
     std::vector<PaddedFlag> flags(used);
@@ -249,6 +249,19 @@ void set_num_threads(int threads) {
     if (g_pool->size() == threads) return;
     g_pool.reset();  // join the old workers before starting new ones
     g_pool = std::make_unique<ThreadPool>(threads);
+}
+
+void parallel_ranges(size_t n, size_t min_per_thread, size_t align,
+                     const std::function<void(size_t, size_t)>& fn) {
+    if (n == 0) return;
+    if (min_per_thread == 0 || align == 0) throw std::invalid_argument("parallel_ranges: zero block size");
+    parallel_for(
+        n,
+        [&](size_t begin, size_t end) {
+            fn(begin, end);
+            return true;
+        },
+        min_per_thread, align);
 }
 
 bool all_finite(const void* data, int dtype, size_t n) {

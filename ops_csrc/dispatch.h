@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -45,6 +46,11 @@ bool adam_step(const Arrays& a, size_t n, const AdamHyper& h, double grad_scale,
 bool adagrad_step(const Arrays& a, size_t n, const AdagradHyper& h, double grad_scale, bool check_finite);
 bool lion_step(const Arrays& a, size_t n, const LionHyper& h, double grad_scale, bool check_finite);
 bool all_finite(const void* data, int dtype, size_t n);
+
+// Runs fn(begin, end) over blocks tiling [0, n) on the pool, at least `min_per_thread` items per thread
+// used, block bounds on multiples of `align`. Serialized with the steps; rethrows a block's exception.
+void parallel_ranges(size_t n, size_t min_per_thread, size_t align,
+                     const std::function<void(size_t, size_t)>& fn);
 
 // Memory-bandwidth reference for the benchmark, on the same pool: "read" sums a (returns the sum),
 // "scale" writes dst = 0.5 * a, "triad" dst = a + 0.5 * b. n floats each; throws for another kind.

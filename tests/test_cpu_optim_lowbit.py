@@ -19,15 +19,12 @@ and the tests that use them belong together.
 
 from __future__ import annotations
 
-import glob
 import math
 import os
-import shutil
-import subprocess
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from ops_sanitized import run_sanitized
 
 import offload.ops as ops
 from offload.ops import _lowbit_torch
@@ -708,39 +705,5 @@ def test_zero_elements():
 
 @pytest.mark.slow  # compiles the kernels (every dtype instantiation, three ISAs) from scratch
 def test_lowbit_kernels_under_sanitizers(tmp_path):
-    gxx = shutil.which("g++")
-    if gxx is None:
-        pytest.skip("g++ not found: cannot build the sanitizer test program")
-    flags = [
-        "-std=c++17",
-        "-fsanitize=address,undefined",
-        "-fno-sanitize-recover=all",
-        "-fno-omit-frame-pointer",
-    ]
-    flags += ["-g1", "-O1", "-pthread", "-I", OPS_CSRC]
-    sources = [
-        s for s in sorted(glob.glob(os.path.join(OPS_CSRC, "*.cpp"))) if not s.endswith("bindings.cpp")
-    ]
-    sources.append(os.path.join(OPS_CSRC, "tests", "lowbit_test.cpp"))
-
-    def compile_one(src: str) -> str:
-        obj = str(tmp_path / (os.path.basename(src) + ".o"))
-        res = subprocess.run([gxx, *flags, "-c", src, "-o", obj], capture_output=True, text=True)
-        assert res.returncode == 0, f"compiling {src} failed:\n{res.stderr[-4000:]}"
-        return obj
-
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        objects = list(pool.map(compile_one, sources))
-    exe = str(tmp_path / "lowbit_test")
-    res = subprocess.run([gxx, *flags, *objects, "-o", exe], capture_output=True, text=True)
-    assert res.returncode == 0, f"linking failed:\n{res.stderr[-4000:]}"
-    env = dict(os.environ)
-    env["ASAN_OPTIONS"] = "detect_leaks=1:abort_on_error=0:exitcode=66"
-    env["UBSAN_OPTIONS"] = "print_stacktrace=1:halt_on_error=1"
-    run = subprocess.run([exe], capture_output=True, text=True, timeout=600, env=env)
-    report = f"stdout:\n{run.stdout}\nstderr:\n{run.stderr[-8000:]}"
-    for marker in ("AddressSanitizer", "LeakSanitizer", "runtime error:", "UndefinedBehaviorSanitizer"):
-        assert marker not in run.stderr, report
-    assert run.returncode == 0, report
-    assert "ALL OK" in run.stdout, report
-    assert f"levels: {' '.join(LEVELS)}" in run.stdout, report
+    stdout = run_sanitized("lowbit_test.cpp", tmp_path)
+    assert f"levels: {' '.join(LEVELS)}" in stdout, stdout
