@@ -79,6 +79,18 @@ def is_quantized_module(m):
     return isinstance(m, (torch.nn.Linear, torch.nn.Embedding)) or type(m).__name__ == "Conv1D"
 
 
+def assert_fp32_close(got, want):
+    """Equal up to fp32 rounding of the sums: a product from the codes adds in an order of its own."""
+    assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
+
+
+def fused_linears(model):
+    """Forwards computed from the codes in one forward of `model`: every nn.Linear with a quantized weight
+    of its own (GPT-2's tied head finds the embedding's weight decoded already: it uses that)."""
+    embedded = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    return sum(1 for m in model.modules() if type(m) is torch.nn.Linear and id(m.weight) not in embedded)
+
+
 def fake_quantized(model, spec):
     """A copy of `model` whose Linear/Embedding/Conv1D weights are replaced by their quantize-dequantize
     values (what the engine computes with)."""
@@ -223,7 +235,7 @@ def test_post_init_quant_selects_modules_by_name(tmp_path):
             codes, scale, offset = quantize(m.weight.reshape(-1), WeightQuantSpec(num_bits=4))
             m.weight.copy_(dequantize(codes, scale, offset, WeightQuantSpec(num_bits=4), m.weight.numel(),
                                       torch.float32).view_as(m.weight))  # fmt: skip
-        assert torch.equal(engine(prompt()).logits, ref(prompt()).logits)
+        assert_fp32_close(engine(prompt()).logits, ref(prompt()).logits)
     engine.close()
     cfg["weight_quantization"] = {"post_init_quant": {"mlp": {}, "up_proj": {}}}
     with pytest.raises(ConfigError, match="'model.layers.0.mlp.up_proj' matches the keys 'mlp' and 'up_"):
@@ -246,10 +258,15 @@ def test_engine_computes_with_the_dequantized_weights(tmp_path, arch, bits, tier
     q = engine.layout.quantization()
     weights = {id(m.weight) for m in exact.modules() if is_quantized_module(m)}  # GPT-2's head: tied
     assert q["units"] == len(weights)
-    with torch.no_grad():
+    engine.partitioner.take_io_report()
+    with torch.enable_grad():  # a gather that decodes the weights: bit for bit
+        assert torch.equal(engine(ids).logits, ref(ids).logits)
+    assert engine.partitioner.take_io_report().quantized_matmuls == 0
+    with torch.no_grad():  # an inference forward: the Linears compute from the codes (fused.py)
         got = engine(ids).logits
-        assert torch.equal(got, ref(ids).logits)
+        assert_fp32_close(got, ref(ids).logits)
         want = exact(ids).logits
+    assert engine.partitioner.take_io_report().quantized_matmuls == fused_linears(model)
     assert torch.equal(generate(engine.module, ids), generate(ref, ids))
     rel = float((got - want).abs().max() / want.abs().max())
     assert 0 < rel <= REL_LOGIT_BOUND[bits]
@@ -316,8 +333,12 @@ def test_bf16_engine_dequantizes_into_bf16(tmp_path):
     ref = fake_quantized(model.to(torch.bfloat16), WeightQuantSpec(num_bits=4))
     engine, *_ = zero.initialize(model=model, config=config("nvme", tmp_path, 4, bf16={"enabled": True}))
     assert engine.dtype == torch.bfloat16
-    with torch.no_grad():
+    with torch.enable_grad():
         assert torch.equal(engine(prompt()).logits, ref(prompt()).logits)
+    with torch.no_grad():  # from the codes, each weight rounded to bf16 as the decode rounds it
+        got, want = engine(prompt()).logits.float(), ref(prompt()).logits.float()
+    assert engine.partitioner.take_io_report().quantized_matmuls > 0
+    assert float((got - want).abs().max()) <= 2**-7 * float(want.abs().max())  # bf16 output rounding
     engine.close()
 
 

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from zero.stage3.fused import FusedLinears
 from zero.stage3.unit import PartitionStatus, Unit, is_partitioned
 
 __all__ = ["Stage3Hooks", "register_external_parameter", "unregister_external_parameter"]
@@ -83,6 +84,7 @@ class Stage3Hooks:
                 params.hooks = self
                 self._patched.append((m, m._parameters))
                 m._parameters = params
+        self.fused = FusedLinears(partitioner, model)
 
     # -------------------------------------------------------------------------------------------- forward
     def units_for(self, module: nn.Module) -> List[Unit]:
@@ -100,7 +102,7 @@ class Stage3Hooks:
             self.p.begin_pass()
         frame = list(self.units_for(module))
         for u in frame:
-            self.p.fetch(u)
+            self.p.fetch(u, encoded=self.fused.owns(module, u))
         self.stack.append((module, frame))
 
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
@@ -164,6 +166,7 @@ class Stage3Hooks:
         for m, _original in self._patched:
             m._parameters = OrderedDict(m._parameters)  # current contents, without the fetching behaviour
         self._patched = []
+        self.fused.remove()
 
 
 def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:

@@ -61,6 +61,7 @@ class ParamIOReport:
     param_in_place_bytes: int = 0  # NVMe bytes used where they landed: viewed (or decoded) in a staging slot
     param_direct_bytes: int = 0  # NVMe bytes read straight into a gathered buffer in host memory
     param_read_wait_s: float = 0.0  # seconds gathers blocked on NVMe reads (not hidden by a prefetch)
+    quantized_matmuls: int = 0  # nn.Linear forwards computed straight from quantized codes (fused.py)
 
     def as_dict(self) -> Dict[str, Any]:
         """The counts by field name."""
@@ -231,9 +232,12 @@ class Stage3Partitioner:
             and not self.in_backward
         )
 
-    def _gather(self, unit: Unit) -> None:
+    def _gather(self, unit: Unit, encoded: bool = False) -> None:
         for kept in self.use_trace.make_room(self.live_numel, unit.numel):
             self._free(kept)
+        if encoded and self._host_inference():
+            self._gather_encoded(unit)
+            return
         full = self.partition_as_full(unit)
         if full is None and self._lends(unit):
             full = self.store.lend(unit)
@@ -249,6 +253,9 @@ class Stage3Partitioner:
                 own = torch.empty(unit.part_numel, dtype=unit.dtype, device=self.device)
                 self.store.read(unit, own)
                 all_gather_flat(full, own, self.group)
+        self._gathered(unit, full)
+
+    def _gathered(self, unit: Unit, full: torch.Tensor) -> None:
         unit.full = full
         for i, p in enumerate(unit.params):
             a, z = unit.param_range(i)
@@ -260,7 +267,37 @@ class Stage3Partitioner:
         self.live_numel += unit.numel
         self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
 
+    def _gather_encoded(self, unit: Unit) -> None:
+        """Gather a unit whose nn.Linear computes from the codes (zero/stage3/fused.py): its stored bytes
+        stay where they are, only the raw parameters are decoded, the weight stays released."""
+        assert self.hooks is not None
+        stored = self.store.encoded(unit)
+        codec = self.store.codec(unit)
+        assert codec is not None
+        full = torch.empty(unit.padded_numel, dtype=unit.dtype)  # the weight's pages are never touched
+        codec.decode(stored, full, quantized=False)
+        unit.encoded = self.hooks.fused.encoded_weight(self, unit, stored)
+        self._gathered(unit, full)
+        weight = unit.params[unit.encoded.weight]
+        weight.data = self.released_tensor(unit.dtype)
+        weight.ds_status = PartitionStatus.NOT_AVAILABLE  # a read from elsewhere decodes it (`fetch`)
+
+    def _decode_encoded(self, unit: Unit) -> None:
+        """Decode an encoded-gathered unit's weight into its buffer: something besides its own forward
+        reads it (the module then runs its own forward too)."""
+        enc, full = unit.encoded, unit.full
+        assert enc is not None and full is not None
+        codec = self.store.codec(unit)
+        assert codec is not None
+        codec.decode(enc.stored, full)
+        unit.encoded = None
+        weight = unit.params[enc.weight]
+        a, z = unit.param_range(enc.weight)
+        weight.data = full[a:z].view(unit.shapes[enc.weight])
+        weight.ds_status = PartitionStatus.AVAILABLE
+
     def _free(self, unit: Unit) -> None:
+        unit.encoded = None  # drops its views of the staging slot before the slot is given back
         released = self.released_tensor(unit.dtype)
         for p in unit.params:
             p.data = released
@@ -279,11 +316,15 @@ class Stage3Partitioner:
         elif not self.use_trace.order and self._host_inference():  # first inference pass: guess the order
             self.use_trace.guess(unit, self.live_numel)
 
-    def fetch(self, unit: Unit) -> None:
-        """Hold `unit` whole on the device until the matching `release`."""
+    def fetch(self, unit: Unit, encoded: bool = False) -> None:
+        """Hold `unit` whole on the device until the matching `release`. `encoded`: the fetch is its own
+        nn.Linear's, which may compute from the codes (zero/stage3/fused.py); any other fetch of a unit
+        gathered that way decodes its weight."""
         unit.refs += 1
         if unit.full is None:
-            self._gather(unit)
+            self._gather(unit, encoded)
+        elif unit.encoded is not None and not encoded:
+            self._decode_encoded(unit)
         self._use(unit)
 
     def release(self, unit: Unit) -> None:
@@ -454,12 +495,15 @@ class Stage3Partitioner:
             param_in_place_bytes=st.in_place_bytes,
             param_direct_bytes=st.direct_bytes,
             param_read_wait_s=st.read_wait_s,
+            quantized_matmuls=self.hooks.fused.forwards if self.hooks is not None else 0,
         )
         st.bytes_read = st.bytes_written = st.reads = st.prefetches = st.prefetch_hits = st.cpu_bytes_read = 0
         st.staged_bytes = st.in_place_bytes = st.direct_bytes = 0
         st.read_wait_s = 0.0
         st.peak_inflight = len([u for u in self.units if self.store.prefetching(u)])
         self.gathers = self.grads.device_to_host_bytes = self.host_to_device_bytes = 0
+        if self.hooks is not None:
+            self.hooks.fused.forwards = 0
         self.peak_full_bytes = self.live_full_bytes
         return report
 

@@ -4,8 +4,10 @@ A quantized unit stores its partition encoded instead of in the model dtype: the
 Embedding or transformers Conv1D module as integer codes with one float16 scale (and, asymmetric, one
 float16 offset) per `group_size` consecutive elements, two int4 codes per byte; the module's other
 parameters (a bias) and any padding as raw model-dtype values. The store reads those bytes from its tier
-and `PartitionCodec.decode` turns them into model-dtype values on the compute device (plain torch ops, the
-same on CPU and CUDA), just before the module runs. Rank partitions are encoded independently, so a
+and `PartitionCodec.decode` turns them into model-dtype values on the compute device (torch ops on a GPU, the
+C++ kernel of offload.ops.qmatmul on the CPU, bit-identical), just before the module runs; on the CPU an
+inference forward of an nn.Linear reads the codes directly instead (zero/stage3/fused.py). Rank
+partitions are encoded independently, so a
 gather with several ranks all-gathers decoded values.
 
 Stored bytes of a unit's partition (`PartitionCodec.nbytes`, rounded up to 8 so that the next partition
@@ -30,6 +32,7 @@ from torch import nn
 
 from offload.config._reader import ConfigError
 from offload.config.quantization import WeightQuantizationConfig, WeightQuantSpec
+from offload.ops.qmatmul import dequantize_into
 
 __all__ = [
     "PartitionCodec",
@@ -289,16 +292,24 @@ class PartitionCodec:
                 if offset is not None:
                     self._f16(stored, q.offset_at + 2 * first, n).copy_(offset)
 
-    def decode(self, stored: torch.Tensor, out: torch.Tensor) -> None:
+    def decode(self, stored: torch.Tensor, out: torch.Tensor, quantized: bool = True) -> None:
         """Write the partition's values (model dtype) into `out` (part_numel elements, same device as
-        `stored`)."""
+        `stored`). `quantized=False`: only the raw elements (a bias); the quantized shares of `out` are left
+        as they are (`operands` serves them to a product that reads the codes). On the CPU the codes are
+        decoded by the C++ kernel (offload.ops.qmatmul, bit-identical to `dequantize`)."""
         out = out.reshape(-1)
         esize = out.element_size()
         for r in self.raw:
             out[r.lo : r.hi].copy_(stored[r.at : r.at + (r.hi - r.lo) * esize].view(self.dtype))
+        if not quantized:
+            return
         g = self.spec.group_size
         per = max(1, _CHUNK // g)
         for q in self.quant:
+            if out.device.type == "cpu" and out.dtype == torch.float32:
+                codes, scale, offset = self._operands(stored, q)
+                dequantize_into(out[q.lo : q.hi], codes, scale, offset, self.spec.num_bits, g)
+                continue
             for first in range(0, q.groups, per):
                 n = min(per, q.groups - first)
                 lo = q.lo + first * g
@@ -308,6 +319,30 @@ class PartitionCodec:
                 scale = self._f16(stored, q.scale_at + 2 * first, n)
                 offset = None if q.offset_at < 0 else self._f16(stored, q.offset_at + 2 * first, n)
                 out[lo:hi].copy_(dequantize(codes, scale, offset, self.spec, hi - lo, out.dtype))
+
+    def _operands(
+        self, stored: torch.Tensor, q: _Quant
+    ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        codes = stored[q.codes_at : q.codes_at + _codes_nbytes(q.groups, self.spec)]
+        scale = self._f16(stored, q.scale_at, q.groups)
+        offset = None if q.offset_at < 0 else self._f16(stored, q.offset_at, q.groups)
+        return codes, scale, offset
+
+    def operands(
+        self, stored: torch.Tensor, param: int
+    ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """(codes, scales, offsets or None) of parameter `param`'s quantized share: views of `stored`."""
+        q = next(q for q in self.quant if q.param == param)
+        return self._operands(stored, q)
+
+    def covers(self, param: int, lo: int, numel: int, row: int) -> bool:
+        """Whether parameter `param` is quantized whole - its `numel` elements from partition element `lo`
+        in one share - with every row of `row` elements made of whole groups (what a product straight
+        from the codes needs)."""
+        return any(
+            q.param == param and q.lo == lo and q.hi - q.lo == numel and row % self.spec.group_size == 0
+            for q in self.quant
+        )
 
 
 def unit_codec(unit: Any, target: Optional[QuantTarget]) -> Optional[PartitionCodec]:

@@ -12,7 +12,7 @@ import enum
 import itertools
 import re
 from dataclasses import dataclass
-from typing import Iterator, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Iterator, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -116,6 +116,8 @@ class Unit:
         # state owned by the partitioner
         self.owner: Optional[UnitOwner] = None  # the Stage3Partitioner that holds it
         self.full: Optional[torch.Tensor] = None  # the gathered flat buffer while fetched
+        # gathered encoded (zero.stage3.fused): its quantized weight's codes, the weight not decoded
+        self.encoded: Optional[Any] = None
         self.refs = 0  # forward fetches (module invocations) and GatheredParameters holding it
         self.bwd_hold = False  # fetched by a pre-backward; freed when its gradients are in
         self.persistent = False

@@ -1,0 +1,138 @@
+"""The quantized-weight kernels (offload.ops.qmatmul) and the inference forwards that use them
+(zero/stage3/fused.py): decoding bit-identical to zero.stage3.quant.dequantize on every SIMD level, the
+product from the codes against a float64 reference, and an engine whose modules read a Linear's weight
+besides its own forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ops_sanitized import run_sanitized
+from torch import nn
+
+import zero
+from offload.config.quantization import WeightQuantSpec
+from offload.ops import available_simd_levels, force_simd_level
+from offload.ops.qmatmul import dequantize_into, quantized_linear
+from zero.stage3.quant import dequantize, quantize
+
+
+@pytest.fixture(params=available_simd_levels())
+def simd(request):
+    previous = force_simd_level(request.param)
+    yield request.param
+    force_simd_level(previous)
+
+
+def encoded(n, bits, group, symmetric, seed=0):
+    spec = WeightQuantSpec(num_bits=bits, group_size=group, symmetric=symmetric)
+    w = torch.randn(n, generator=torch.Generator().manual_seed(seed)) * 0.05 + 0.01
+    codes, scale, offset = quantize(w, spec)
+    return spec, codes, scale, offset
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("bits,group", [(4, 64), (4, 32), (4, 6), (8, 64), (8, 8), (8, 5)])
+def test_dequantize_is_bit_identical_to_the_torch_decoder(simd, bits, group, symmetric):
+    """Groups the AVX2 kernel takes (multiples of 16 / 8) and groups only the scalar one takes; a count
+    that ends inside a group."""
+    n = 48 * 192 + 7
+    spec, codes, scale, offset = encoded(n, bits, group, symmetric)
+    want = dequantize(codes, scale, offset, spec, n, torch.float32)
+    got = dequantize_into(torch.full((n,), float("nan")), codes, scale, offset, bits, group)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("bits,group", [(4, 64), (4, 6), (8, 64), (8, 8)])
+def test_product_from_the_codes_against_float64(simd, bits, group, symmetric, weight_dtype):
+    """x @ W^T + b for batches around the kernel's tile of 8 rows; W is the decoded weight rounded to the
+    model dtype. Error within fp32 rounding of sums of |x| |W| terms."""
+    rows, cols = 40, 12 * group
+    spec, codes, scale, offset = encoded(rows * cols, bits, group, symmetric, seed=1)
+    w = dequantize(codes, scale, offset, spec, rows * cols, weight_dtype).double().view(rows, cols)
+    bias = torch.randn(rows)
+    for batch in (1, 3, 8, 9, 17):
+        x = torch.randn(batch, cols, generator=torch.Generator().manual_seed(batch))
+        y = quantized_linear(x, codes, scale, offset, bits, group, rows, bias, weight_dtype)
+        want = x.double() @ w.T + bias.double()
+        bound = 1e-6 * cols * float((x.double().abs() @ w.abs().T).max())
+        assert y.shape == (batch, rows) and y.dtype == torch.float32
+        assert float((y.double() - want).abs().max()) <= bound
+
+
+def test_product_keeps_leading_dimensions_and_dtype():
+    spec, codes, scale, offset = encoded(16 * 128, 4, 64, False)
+    x = torch.randn(2, 3, 128, dtype=torch.bfloat16)
+    y = quantized_linear(x, codes, scale, offset, 4, 64, 16)
+    w = dequantize(codes, scale, offset, spec, 16 * 128, torch.float32).view(16, 128)
+    assert y.shape == (2, 3, 16) and y.dtype == torch.bfloat16
+    assert torch.allclose(y.float(), (x.float() @ w.T).bfloat16().float(), rtol=2e-2, atol=2e-2)
+
+
+def test_bad_arguments_name_what_is_wrong():
+    _, codes, scale, offset = encoded(16 * 128, 4, 64, False)
+    x = torch.randn(2, 128)
+    with pytest.raises(ValueError, match="in_features 100 is not a whole number of groups of 64"):
+        quantized_linear(torch.randn(2, 100), codes, scale, offset, 4, 64, 16)
+    with pytest.raises(ValueError, match="codes: .* need 1024 values, got 512"):
+        quantized_linear(x, codes[:512], scale, offset, 4, 64, 16)
+    with pytest.raises(ValueError, match="scale: expected a contiguous CPU torch.float16"):
+        quantized_linear(x, codes, scale.float(), offset, 4, 64, 16)
+    with pytest.raises(ValueError, match="bits must be 4 or 8"):
+        dequantize_into(torch.empty(16), codes, scale, offset, 3, 64)
+    with pytest.raises(ValueError, match="out: expected a contiguous CPU float32"):
+        dequantize_into(torch.empty(16, dtype=torch.float64), codes, scale, offset, 4, 64)
+    with pytest.raises(ValueError, match="weight_dtype must be one of"):
+        quantized_linear(x, codes, scale, offset, 4, 64, 16, weight_dtype=torch.float64)
+
+
+# ------------------------------------------------------------------------------------------ the engine
+class ReadsTheWeight(nn.Module):
+    """A parent that uses its child Linear's weight besides calling the child."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(128, 128)
+        self.out = nn.Linear(128, 64, bias=False)
+
+    def forward(self, x):
+        h = self.lin(x) + x @ self.lin.weight.T
+        return self.out(h)
+
+
+def config(tier, tmp_path):
+    off = {"device": tier, "nvme_path": str(tmp_path)} if tier == "nvme" else {"device": tier}
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": {"stage": 3, "offload_param": off, "stage3_param_persistence_threshold": 0},
+        "weight_quantization": {"quantized_initialization": {"num_bits": 4, "group_size": 64}},
+    }
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_a_weight_read_outside_its_forward_is_decoded(tmp_path, tier):
+    """The parent's read of `lin.weight` decodes it (the same values as a gather that decodes); `out`,
+    read by nothing else, computes from its codes in every forward. Forwards agree with the grad-enabled
+    (decoding) forward to fp32 rounding, first forward and later ones."""
+    torch.manual_seed(0)
+    model = ReadsTheWeight()
+    engine, *_ = zero.initialize(model=model, config=config(tier, tmp_path))
+    x = torch.randn(3, 128)
+    with torch.enable_grad():
+        want = engine(x).detach()
+    engine.partitioner.take_io_report()
+    for _ in range(3):
+        with torch.no_grad():
+            got = engine(x)
+        assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
+        io = engine.partitioner.take_io_report()
+        assert io.quantized_matmuls >= 1  # `out` at least; `lin` once its weight is known to be read
+    engine.close()
+
+
+@pytest.mark.slow  # compiles the kernels from scratch
+def test_kernels_under_sanitizers(tmp_path):
+    """ops_csrc/tests/qmatmul_test.cpp: exact-size arrays, every SIMD level, 1 and 3 threads."""
+    run_sanitized("qmatmul_test.cpp", tmp_path)
