@@ -303,3 +303,61 @@ def test_a_directory_argument_holds_the_cache(ckpts, tmp_path):
     finally:
         engine.close()
     assert json.loads(open(os.path.join(engine.load_report.swap_cache_dir, MANIFEST)).read())["files"]
+
+
+def test_manifest_naming_other_files_is_rebuilt(ckpts, tmp_path, caplog):
+    """A manifest whose files are not the ones the model asks for (one renamed, on disk and in the manifest):
+    the load notices while placing the units, warns and rebuilds."""
+    path, want, _ = ckpts["gpt2"]
+    cfg = config(tmp_path)
+    d = load(path, cfg)[0].swap_cache_dir
+    manifest_path = os.path.join(d, MANIFEST)
+    manifest = json.loads(open(manifest_path).read())
+    name = sorted(manifest["files"])[0]
+    manifest["files"]["renamed.param.swp"] = manifest["files"].pop(name)
+    os.rename(os.path.join(d, name), os.path.join(d, "renamed.param.swp"))
+    with open(manifest_path, "w") as f:
+        json.dump(manifest, f)
+    with caplog.at_level(logging.WARNING, logger="zero"):
+        report, tokens, _ = load(path, cfg)
+    assert os.path.join(d, name) in caplog.text and "does not list it" in caplog.text
+    assert report.swap_cache == "built" and torch.equal(tokens, want)
+    assert not os.path.exists(os.path.join(d, "renamed.param.swp"))
+    assert load(path, cfg)[0].swap_cache == "reused"
+
+
+def test_failure_while_building_leaves_no_cache(ckpts, tmp_path, monkeypatch):
+    import safetensors
+
+    path, want, _ = ckpts["gpt2"]
+    real = safetensors.safe_open
+
+    class Failing:
+        def __init__(self, *args, **kwargs):
+            self.f = real(*args, **kwargs)
+
+        def __enter__(self):
+            self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def get_tensor(self, key):
+            if key == "transformer.h.1.mlp.c_fc.weight":
+                raise RuntimeError("simulated read error")
+            return self.f.get_tensor(key)
+
+    cfg = config(tmp_path)
+    monkeypatch.setattr(safetensors, "safe_open", Failing)
+    with pytest.raises(zero.pretrained.PretrainedCheckpointError, match="simulated read error"):
+        zero.from_pretrained(path, config=cfg, swap_cache=True)
+    root = tmp_path / "nvme" / CACHE_DIR
+    assert [n for n in os.listdir(root) if not n.endswith(".lock")] == []  # the unfinished build is gone
+    assert sorted(os.listdir(tmp_path / "nvme")) == [CACHE_DIR]
+    monkeypatch.setattr(safetensors, "safe_open", real)
+    report, tokens, _ = load(path, cfg)
+    assert report.swap_cache == "built" and torch.equal(tokens, want)

@@ -246,10 +246,10 @@ class SwapCache:
         if self.reused:
             listed = self._expected.get(name)
             if listed != size:
-                found = "not listed" if listed is None else f"listed with {listed} bytes"
+                found = "does not list it" if listed is None else f"lists it with {listed} bytes"
                 raise SwapCacheMismatch(
                     errno.ENOENT if listed is None else errno.EINVAL,
-                    f"the model needs a swap file of {size} bytes; the cache's manifest has it {found}",
+                    f"the model needs this swap file with {size} bytes; the cache's manifest {found}",
                     path,
                 )
             f = SwapFile(path, size)
