@@ -554,16 +554,17 @@ def _load(
                 p.data = p.data.to(compute)
         return model, _plan(model, tensors, _renamer(model, key_mapping))
 
+    model, plan = build()  # every check of the checkpoint against the model: before the cache is opened
     cache: Optional[SwapCache] = None
     inputs: Dict[str, Any] = {}
     if cache_root is not None:
         inputs = _cache_inputs(root, files, compute, loaded, world_size, rank, hf_kwargs, key_mapping)
         cache = open_swap_cache(cache_root, inputs)
     while True:
-        model, plan = build()
-        part = Stage3Partitioner(loaded, device=compute_device(local_rank))
+        part: Optional[Stage3Partitioner] = None
         reused = cache is not None and cache.reused
         try:
+            part = Stage3Partitioner(loaded, device=compute_device(local_rank))
             if cache is not None:
                 part.store.use_swap_space(cache)  # the store closes it
             if loaded.weight_quantization.enabled:  # each selected weight is quantized as it streams in
@@ -577,16 +578,18 @@ def _load(
             nbytes = _stream(part, model, plan, skip=part.store.on_nvme if reused else None)
             if cache is not None:
                 cache.seal()  # every file fsync'd, then the manifest: complete from here on
-        except SwapCacheMismatch as e:
-            part.close()
+            break
+        except BaseException as e:
+            if part is not None:
+                part.close()  # partitions, pinned buffers, swap files of this load (a cache being built too)
+            if cache is not None:
+                cache.close()  # a complete cache stays; its lock is released
+            if not isinstance(e, SwapCacheMismatch):
+                raise
             logger.warning("zero.from_pretrained: %s; rebuilding the swap cache from the checkpoint", e)
-            assert cache_root is not None
-            cache = open_swap_cache(cache_root, inputs, rebuild=True)
-            continue
-        except BaseException:
-            part.close()  # partitions, pinned buffers and swap files of this load (a cache being built too)
-            raise
-        break
+        assert cache_root is not None
+        model, plan = build()  # the first model's parameters belong to the closed partitioner
+        cache = open_swap_cache(cache_root, inputs, rebuild=True)
     if getattr(model, "can_generate", lambda: False)() and os.path.isfile(
         os.path.join(root, "generation_config.json")
     ):
