@@ -361,3 +361,32 @@ def test_failure_while_building_leaves_no_cache(ckpts, tmp_path, monkeypatch):
     monkeypatch.setattr(safetensors, "safe_open", real)
     report, tokens, _ = load(path, cfg)
     assert report.swap_cache == "built" and torch.equal(tokens, want)
+
+
+def test_a_builder_killed_before_its_manifest_leaves_nothing_usable(ckpts, tmp_path):
+    """A child dies of SIGKILL with every swap file written but no manifest; a later cached load (here of
+    another fingerprint: bf16) removes its directory, since the dead builder's lock is free."""
+    import signal
+    import subprocess
+    import sys
+
+    from tests.aio_helpers import REPO
+
+    path, _, _ = ckpts["gpt2"]
+    cfg = config(tmp_path)
+    script = (
+        f"import os, signal, sys\nsys.path.insert(0, {REPO!r})\nimport zero\n"
+        "from zero.stage3.swap_cache import SwapCache\n"
+        "SwapCache.seal = lambda self: os.kill(os.getpid(), signal.SIGKILL)\n"
+        f"zero.from_pretrained({str(path)!r}, config={cfg!r}, swap_cache=True)\n"
+    )
+    env = {**os.environ, "ZO_ACCELERATOR": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=300, env=env)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    root = tmp_path / "nvme" / CACHE_DIR
+    [name] = [n for n in os.listdir(root) if not n.endswith(".lock")]
+    left = os.listdir(root / name)
+    assert left and MANIFEST not in left  # the files were written, the manifest never
+    report, _, _ = load(path, cfg, dtype=torch.bfloat16)
+    assert report.swap_cache == "built" and report.swap_cache_dir != str(root / name)
+    assert not (root / name).exists()
