@@ -35,8 +35,9 @@ from torch import nn
 if TYPE_CHECKING:
     from zero.engine import ZeroEngine
     from zero.stage3.partitioner import Stage3Partitioner
+    from zero.stage3.swap_cache import SwapCache
 
-__all__ = ["PretrainedCheckpointError", "from_pretrained", "partitioned_model"]
+__all__ = ["LoadReport", "PretrainedCheckpointError", "from_pretrained", "partitioned_model"]
 
 logger = logging.getLogger("zero")
 
@@ -54,6 +55,21 @@ class PretrainedCheckpointError(ValueError):
     """The checkpoint's files or tensors do not fit the model: a shard that is not complete safetensors, a
     tensor whose shape or dtype differs from its parameter's, parameters without a tensor, an index that
     disagrees with its shards. The message names the file, the tensor and the sizes."""
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What `from_pretrained` did (`engine.load_report`). `swap_cache`: "built" (the swap files were
+    written into a persistent cache), "reused" (an earlier run's cache was used: no tensor of a unit on
+    NVMe was read, no swap file written), None (no cache: private scratch swap). `checkpoint_bytes_read`:
+    tensor bytes read from the safetensors files; `swap_bytes_written`: bytes written to swap files."""
+
+    swap_cache: Optional[str]
+    swap_cache_dir: Optional[str]
+    checkpoint_bytes_read: int
+    swap_bytes_written: int
+    files: int
+    seconds: float
 
 
 @dataclass(frozen=True)
@@ -186,6 +202,68 @@ def _with_dtype(raw: Mapping[str, Any], dtype: torch.dtype) -> Dict[str, Any]:
         key = ("fp16",) if dtype == torch.float16 else ("bfloat16",) if "bfloat16" in out else ("bf16",)
         out[key[0]] = {**dict(out.get(key[0]) or {}), "enabled": True}
     return out
+
+
+# ------------------------------------------------------------------------------------------- swap cache
+def _cache_root(swap_cache: Union[bool, str, os.PathLike], loaded: Any) -> Optional[str]:
+    """Where the cache lives (None: no cache); refuses what it cannot serve before any weight is read."""
+    from offload.swap.space import check_nvme_path
+
+    if swap_cache is False or swap_cache is None:
+        return None
+    if loaded.optimizer is not None:
+        raise ValueError(
+            "swap_cache= is for inference engines: the config has an optimizer block, and training writes "
+            "the weights back into their swap files; leave swap_cache out or drop the optimizer"
+        )
+    off = loaded.zero_optimization.offload_param
+    if off is None or off.device != "nvme":
+        raise ValueError(
+            "swap_cache= keeps the parameter swap files between runs and needs "
+            f"zero_optimization.offload_param.device='nvme', got {None if off is None else off.device!r}"
+        )
+    return check_nvme_path(os.fspath(off.nvme_path or "") if swap_cache is True else os.fspath(swap_cache))
+
+
+def _cache_inputs(
+    root: str,
+    files: List[str],
+    compute: torch.dtype,
+    loaded: Any,
+    world_size: int,
+    rank: int,
+    hf_kwargs: Mapping[str, Any],
+    key_mapping: Optional[Dict[str, str]],
+) -> Dict[str, Any]:
+    """Everything that decides the names and bytes of this rank's swap files (the cache's fingerprint)."""
+    import dataclasses
+    import hashlib
+
+    import transformers
+
+    from offload import __version__
+
+    def stat_of(path: str) -> List[Any]:
+        st = os.stat(path)
+        return [os.path.basename(path), st.st_size, st.st_mtime_ns]
+
+    with open(os.path.join(root, "config.json"), "rb") as f:
+        config_sha = hashlib.sha256(f.read()).hexdigest()
+    index = os.path.join(root, INDEX_FILE)
+    return {
+        "package": __version__,
+        "transformers": transformers.__version__,
+        "checkpoint": os.path.realpath(root),
+        "files": [stat_of(f) for f in sorted(files)] + ([stat_of(index)] if os.path.isfile(index) else []),
+        "config_json_sha256": config_sha,
+        "dtype": str(compute),
+        "weight_quantization": json.loads(json.dumps(dataclasses.asdict(loaded.weight_quantization))),
+        "world_size": world_size,
+        "rank": rank,
+        "max_in_cpu": int(loaded.zero_optimization.offload_param.max_in_cpu),
+        "hf_kwargs": {k: repr(v) for k, v in sorted(hf_kwargs.items())},
+        "key_mapping": dict(key_mapping) if key_mapping else None,
+    }
 
 
 # ------------------------------------------------------------------------------------------------ model
@@ -326,18 +404,22 @@ def _plan(model: nn.Module, tensors: Dict[str, _Tensor], rename: Callable[[str],
 
 
 # ------------------------------------------------------------------------------------------- streaming
-def _stream(part: Stage3Partitioner, model: nn.Module, plan: _Plan) -> int:
-    """Copy every planned tensor into its partition (or buffer), file by file; returns bytes read."""
+def _stream(
+    part: Stage3Partitioner, model: nn.Module, plan: _Plan, skip: Optional[Callable[[Any], bool]] = None
+) -> int:
+    """Copy every planned tensor into its partition (or buffer), file by file, except those of the units
+    `skip(unit)` is true for (their partitions hold their values already); returns bytes read."""
     from safetensors import safe_open
 
     params = dict(model.named_parameters(remove_duplicate=False))
     buffers = dict(model.named_buffers(remove_duplicate=False))
-    files = sorted({f for f, _ in plan.params.values()} | {f for f, _ in plan.buffers.values()})
+    wanted = {k: v for k, v in plan.params.items() if skip is None or not skip(params[v[1]].ds_unit)}
+    files = sorted({f for f, _ in wanted.values()} | {f for f, _ in plan.buffers.values()})
     written: set = set()  # units whose partition already holds some values (the rest start as zeros)
     nbytes = 0
     for file in files:
         by_unit: Dict[int, List[Tuple[str, int]]] = {}
-        for key, (f, name) in plan.params.items():
+        for key, (f, name) in wanted.items():
             if f == file:
                 p = params[name]
                 by_unit.setdefault(p.ds_unit.index, []).append((key, p.ds_index))
@@ -371,7 +453,9 @@ def _stream(part: Stage3Partitioner, model: nn.Module, plan: _Plan) -> int:
                 for key, (fname, name) in plan.buffers.items():
                     if fname == file:
                         with torch.no_grad():
-                            buffers[name].copy_(f.get_tensor(key))
+                            t = f.get_tensor(key)
+                            buffers[name].copy_(t)
+                            nbytes += t.numel() * t.element_size()
         except (OSError, MemoryError):
             raise
         except Exception as e:
@@ -401,8 +485,10 @@ def _load(
     config: Union[str, os.PathLike, Dict[str, Any]],
     dtype: Optional[Union[torch.dtype, str]],
     hf_kwargs: Dict[str, Any],
-) -> Tuple[nn.Module, Dict[str, Any], Stage3Partitioner]:
-    """(partitioned model, the config with its compute dtype enabled, its partitioner): from_pretrained."""
+    swap_cache: Union[bool, str, os.PathLike] = False,
+) -> Tuple[nn.Module, Dict[str, Any], Stage3Partitioner, LoadReport]:
+    """(partitioned model, the config with its compute dtype enabled, its partitioner, what the load did):
+    from_pretrained."""
     import transformers
 
     from offload.config import ConfigError, load_config
@@ -410,6 +496,7 @@ def _load(
     from zero.accelerator import compute_device
     from zero.engine import init_distributed
     from zero.stage3.partitioner import Stage3Partitioner
+    from zero.stage3.swap_cache import SwapCacheMismatch, open_swap_cache
 
     start = time.monotonic()
     root = os.fspath(path)
@@ -435,7 +522,7 @@ def _load(
     files, index_map = _weight_files(root)
     tensors = _scan(files, index_map)
 
-    _, world_size, local_rank = init_distributed()
+    rank, world_size, local_rank = init_distributed()
     raw = read_json_file(os.fspath(config)) if isinstance(config, (str, os.PathLike)) else config
     if not isinstance(raw, Mapping):
         raise ConfigError(f"config must be a dict or the path of a JSON file, got {type(config).__name__}")
@@ -455,46 +542,84 @@ def _load(
 
         refuse_weight_quantization(loaded)  # before any weight is read
 
+    cache_root = _cache_root(swap_cache, loaded)  # checked before any weight is read
     trust = {k: hf_kwargs[k] for k in ("trust_remote_code",) if k in hf_kwargs}
     hf_config = transformers.AutoConfig.from_pretrained(root, **trust)
-    with _parameters_on_meta():
-        model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=compute, **hf_kwargs)
-    for p in model.parameters():
-        if p.is_floating_point() and p.dtype != compute:  # e.g. modules a model keeps in fp32
-            p.data = p.data.to(compute)
-    plan = _plan(model, tensors, _renamer(model, key_mapping))
+
+    def build() -> Tuple[nn.Module, _Plan]:
+        with _parameters_on_meta():
+            model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=compute, **hf_kwargs)
+        for p in model.parameters():
+            if p.is_floating_point() and p.dtype != compute:  # e.g. modules a model keeps in fp32
+                p.data = p.data.to(compute)
+        return model, _plan(model, tensors, _renamer(model, key_mapping))
+
+    model, plan = build()  # every check of the checkpoint against the model: before the cache is opened
+    cache: Optional[SwapCache] = None
+    inputs: Dict[str, Any] = {}
+    if cache_root is not None:
+        inputs = _cache_inputs(root, files, compute, loaded, world_size, rank, hf_kwargs, key_mapping)
+        cache = open_swap_cache(cache_root, inputs)
+    while True:
+        part: Optional[Stage3Partitioner] = None
+        reused = cache is not None and cache.reused
+        try:
+            part = Stage3Partitioner(loaded, device=compute_device(local_rank))
+            if cache is not None:
+                part.store.use_swap_space(cache)  # the store closes it
+            if loaded.weight_quantization.enabled:  # each selected weight is quantized as it streams in
+                from zero.stage3.quant import quantization_plan
+
+                part.store.set_quantization(quantization_plan(model, loaded.weight_quantization))
+            part.partition_model(model)  # zero partitions; the pinned budget is checked here
+            if cache is not None and reused:
+                cache.check_complete()
+            # reusing: the swap files hold their units' values; only the partitions in memory are read
+            nbytes = _stream(part, model, plan, skip=part.store.on_nvme if reused else None)
+            if cache is not None:
+                cache.seal()  # every file fsync'd, then the manifest: complete from here on
+            break
+        except BaseException as e:
+            if part is not None:
+                part.close()  # partitions, pinned buffers, swap files of this load (a cache being built too)
+            if cache is not None:
+                cache.close()  # a complete cache stays; its lock is released
+            if not isinstance(e, SwapCacheMismatch):
+                raise
+            logger.warning("zero.from_pretrained: %s; rebuilding the swap cache from the checkpoint", e)
+        assert cache_root is not None
+        model, plan = build()  # the first model's parameters belong to the closed partitioner
+        cache = open_swap_cache(cache_root, inputs, rebuild=True)
     if getattr(model, "can_generate", lambda: False)() and os.path.isfile(
         os.path.join(root, "generation_config.json")
     ):
         model.generation_config = transformers.GenerationConfig.from_pretrained(root)
-
-    part = Stage3Partitioner(loaded, device=compute_device(local_rank))
-    try:
-        if loaded.weight_quantization.enabled:  # each selected weight is quantized as it streams in
-            from zero.stage3.quant import quantization_plan
-
-            part.store.set_quantization(quantization_plan(model, loaded.weight_quantization))
-        part.partition_model(model)  # zero partitions; the pinned budget is checked here
-        nbytes = _stream(part, model, plan)
-    except BaseException:
-        part.close()  # partitions, pinned buffers and swap files of this load
-        raise
+    report = LoadReport(
+        swap_cache=None if cache is None else "reused" if reused else "built",
+        swap_cache_dir=None if cache is None else cache.dir,
+        checkpoint_bytes_read=nbytes,
+        swap_bytes_written=part.store.stats.bytes_written,
+        files=len(files),
+        seconds=time.monotonic() - start,
+    )
     logger.info(
-        "zero.from_pretrained: %d tensors (%.1f MB) from %d file(s) into %d units on %s in %.1f s",
+        "zero.from_pretrained: %d tensors (%.1f MB read) from %d file(s) into %d units on %s in %.1f s%s",
         len(plan.params) + len(plan.buffers),
         nbytes / 1e6,
         len(files),
         len(part.units),
         part.store.tier,
-        time.monotonic() - start,
+        report.seconds,
+        f" (swap cache {report.swap_cache}: {report.swap_cache_dir})" if cache is not None else "",
     )
-    return model, raw, part
+    return model, raw, part, report
 
 
 def from_pretrained(
     path: Union[str, os.PathLike],
     config: Union[str, os.PathLike, Dict[str, Any]],
     dtype: Optional[Union[torch.dtype, str]] = None,
+    swap_cache: Union[bool, str, os.PathLike] = False,
     **hf_kwargs: Any,
 ) -> ZeroEngine:
     """Build the causal LM of the Hugging Face checkpoint directory `path` straight into stage-3 partitions
@@ -514,7 +639,15 @@ def from_pretrained(
 
     Returns what `zero.initialize(model=..., config=...)` returns first: a `ZeroEngine` without an
     optimizer (with one if the config has an `optimizer` block), in eval mode; the Hugging Face model is
-    `engine.module` (`engine.module.generate(...)`). `engine.close()` removes the swap files.
+    `engine.module` (`engine.module.generate(...)`). `engine.close()` removes the swap files (not a swap
+    cache's). `engine.load_report` (a `LoadReport`) says what the load read and wrote.
+
+    `swap_cache`: True (or a directory to use instead of `offload_param.nvme_path`) keeps the parameter swap
+    files in `<nvme_path>/zero-offload-cache/<fingerprint>/` after the engine is closed, and a later load
+    with the same fingerprint (checkpoint files' names, sizes and mtimes, config.json, dtype, quantization,
+    world size, rank, `max_in_cpu`, hf_kwargs, package versions) reuses them without reading the weights
+    they hold (zero.stage3.swap_cache; docs/inference.md, "Reusing the swap files of an earlier load").
+    Needs `offload_param.device` "nvme" and no optimizer block (`ValueError` otherwise).
 
     Raises `FileNotFoundError` (no config.json, no weights, a shard the index names is missing),
     `PretrainedCheckpointError` (a truncated or corrupt shard, a tensor whose shape or dtype does not fit
@@ -526,11 +659,12 @@ def from_pretrained(
     """
     from zero.initialization import initialize
 
-    model, raw, part = _load(path, config, dtype, hf_kwargs)
+    model, raw, part, report = _load(path, config, dtype, hf_kwargs, swap_cache)
     try:
         engine = initialize(model=model, config=raw)[0]  # takes the partitioner over (as after zero.Init)
     except BaseException:
         part.close()
         raise
     engine.eval()
+    engine.load_report = report
     return engine

@@ -47,6 +47,7 @@ __all__ = [
     "SwapSpaceError",
     "align_up",
     "check_nvme_path",
+    "create_swap_file",
     "reclaim_stale",
 ]
 
@@ -91,6 +92,25 @@ def check_nvme_path(nvme_path: str) -> str:
     if not os.access(path, os.W_OK | os.X_OK):
         raise SwapSpaceError(errno.EACCES, "offload nvme_path is not writable by this user", path)
     return path
+
+
+def create_swap_file(path: str, nbytes: int, alignment: int = DEFAULT_ALIGNMENT) -> SwapFile:
+    """A new 0600 file at `path` (which must not exist) of `nbytes` rounded up to `alignment`, fully
+    allocated on disk; SwapSpaceError naming the file, the size and the errno otherwise."""
+    nbytes = align_up(max(int(nbytes), 1), alignment)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+    except OSError as e:
+        raise SwapSpaceError(e.errno, f"cannot create swap file: {e.strerror}", path) from e
+    try:
+        os.fchmod(fd, 0o600)  # a restrictive umask could only narrow it; make it exact
+        _preallocate(fd, nbytes, path)
+    except BaseException:
+        os.close(fd)
+        os.unlink(path)
+        raise
+    os.close(fd)
+    return SwapFile(path, nbytes)
 
 
 class SwapSpace:
@@ -139,27 +159,19 @@ class SwapSpace:
     def closed(self) -> bool:
         return not self._finalizer.alive
 
+    @property
+    def read_only(self) -> bool:
+        """False: scratch swap files are written as often as their owner likes (a persistent cache of
+        weights, zero.stage3.swap_cache, is read-only once complete)."""
+        return False
+
     def create(self, name: str, nbytes: int) -> SwapFile:
         """A new 0600 file of `nbytes` (rounded up to the alignment), fully allocated on disk."""
         if self.closed:
             raise SwapSpaceError(errno.EBADF, "swap space is closed", self.dir)
         if os.sep in name or name in ("", ".", ".."):
             raise ValueError(f"swap file name must be a plain file name, got {name!r}")
-        nbytes = align_up(max(int(nbytes), 1), self.alignment)
-        path = os.path.join(self.dir, name)
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
-        except OSError as e:
-            raise SwapSpaceError(e.errno, f"cannot create swap file: {e.strerror}", path) from e
-        try:
-            os.fchmod(fd, 0o600)  # a restrictive umask could only narrow it; make it exact
-            _preallocate(fd, nbytes, path)
-        except BaseException:
-            os.close(fd)
-            os.unlink(path)
-            raise
-        os.close(fd)
-        f = SwapFile(path, nbytes)
+        f = create_swap_file(os.path.join(self.dir, name), nbytes, self.alignment)
         with self._lock:
             self._files[name] = f
         return f

@@ -27,6 +27,7 @@ thread - and splitting it would spread that invariant over modules.
 from __future__ import annotations
 
 import contextlib
+import errno
 import threading
 import time
 from dataclasses import dataclass, field
@@ -37,7 +38,7 @@ import torch
 from offload.config.aio import AioConfig
 from offload.config.zero import OffloadParamConfig
 from offload.pinned import PinnedMemoryBudgetError, PinnedPool
-from offload.swap.space import SwapFile, SwapSpace, check_nvme_path
+from offload.swap.space import SwapFile, SwapSpace, SwapSpaceError, check_nvme_path
 from zero.stage3.quant import PartitionCodec, QuantTarget, planned_nbytes, unit_codec
 from zero.stage3.unit import PartitionStatus, Unit, safe_file_name, set_status
 
@@ -275,6 +276,14 @@ class PartitionStore:
         """Bytes the unit's partition occupies on its tier and moves per read (quantized: encoded)."""
         codec = self._codecs.get(unit.index)
         return codec.nbytes if codec is not None else unit.part_nbytes
+
+    def use_swap_space(self, space: Any) -> None:
+        """Create the swap files of the units placed from now on in `space` instead of a private
+        SwapSpace: anything with SwapSpace's `create`, `close`, `dir`, `bytes_allocated` and `read_only`
+        (zero.stage3.swap_cache.SwapCache). The store closes it. Writes to a `read_only` space are refused."""
+        if self._space is not None:
+            raise RuntimeError("the store already has a swap space: set it before placing any unit")
+        self._space = space
 
     def _new_file(self, unit: Unit) -> SwapFile:
         if self._space is None:
@@ -618,6 +627,10 @@ class PartitionStore:
         path = self.swap_file(unit)
         if path is None:
             raise KeyError(f"unit {unit.name!r} has no partition in this store")
+        if self._space is not None and self._space.read_only:
+            raise SwapSpaceError(
+                errno.EROFS, f"the partition of {unit.name!r} is in a read-only swap cache: not written", path
+            )
         self._drop_inflight(unit.index)  # a prefetch of the old values must not be used
         host = src.detach().to("cpu").contiguous()
         if codec is not None:
