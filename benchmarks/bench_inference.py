@@ -133,9 +133,9 @@ def write_checkpoint(path: str, size: str, dtype: str) -> int:
     return total
 
 
-def our_config(args: argparse.Namespace, swap: str, element_bytes: int) -> Dict[str, Any]:
-    """Stage 3, parameters on NVMe, at most the budget's elements kept in host memory; `--weight-bits`
-    adds DeepSpeed's weight_quantization section."""
+def our_config(args: argparse.Namespace, swap: str, element_bytes: float) -> Dict[str, Any]:
+    """Stage 3, parameters on NVMe, at most the budget's elements kept in host memory (`element_bytes`:
+    stored bytes per element); `--weight-bits` adds DeepSpeed's weight_quantization section."""
     cfg: Dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 1,
         "zero_optimization": {
@@ -159,6 +159,18 @@ def our_config(args: argparse.Namespace, swap: str, element_bytes: int) -> Dict[
             "quantized_initialization": {"num_bits": args.weight_bits, "group_size": args.group_size}
         }
     return cfg
+
+
+def stored_element_bytes(args: argparse.Namespace, itemsize: int) -> float:
+    """Bytes a weight element takes in RAM: the dtype's, or with `--weight-bits` its codes and float16
+    constants, so that the budget (bytes) keeps as many bytes of weights in RAM quantized as not."""
+    if not args.weight_bits:
+        return float(itemsize)
+    from offload.config.quantization import WeightQuantSpec
+    from zero.stage3.quant import quantized_nbytes
+
+    spec = WeightQuantSpec(num_bits=args.weight_bits, group_size=args.group_size)
+    return quantized_nbytes(args.group_size, spec) / args.group_size
 
 
 # ------------------------------------------------------------------------------------------- one run
@@ -202,9 +214,9 @@ def run_child(args: argparse.Namespace) -> Dict[str, Any]:
     )
     engine = None
     t0 = time.perf_counter()
-    cfg = our_config(args, args.scratch, dtype.itemsize)
+    cfg = our_config(args, args.scratch, stored_element_bytes(args, dtype.itemsize))
     if args.child == "ours":
-        engine = zero.from_pretrained(args.ckpt, config=cfg, dtype=dtype)
+        engine = zero.from_pretrained(args.ckpt, config=cfg, dtype=dtype, swap_cache=args.swap_cache or False)
         model = engine.module
         engine.inference_report()  # start counting at the generation
     else:
@@ -255,6 +267,7 @@ def run_child(args: argparse.Namespace) -> Dict[str, Any]:
         rep = engine.inference_report()
         result["report"] = rep.as_dict()
         result["aio"] = cfg.get("aio", "defaults")
+        result["swap_cache"] = engine.load_report.swap_cache
         engine.close()
     else:
         result["device_map_tiers"] = sorted({str(v) for v in getattr(model, "hf_device_map", {}).values()})
@@ -317,6 +330,8 @@ def _run(args: argparse.Namespace, contender: str, ckpt: str, scratch: str) -> D
         cmd += ["--aio-config", args.aio_config]
     if args.weight_bits:
         cmd += ["--weight-bits", str(args.weight_bits)]
+    if args.swap_cache and contender == "ours":
+        cmd += ["--swap-cache", args.swap_cache]
     if not args.drop_after_load:
         cmd += ["--keep-cache-after-load"]
     env = dict(os.environ, ZO_ACCELERATOR=args.device)
@@ -433,6 +448,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--contenders", default="ours,accelerate")
     ap.add_argument("--nvme-path", default=os.environ.get("ZO_TEST_IO_DIR", "/var/tmp"))
     ap.add_argument("--checkpoint", help="checkpoint folder to reuse or create (default: a temporary one)")
+    ap.add_argument(
+        "--swap-cache",
+        help="ours: zero.from_pretrained(swap_cache=DIR): the first run writes its swap files there, later "
+        "runs (rounds, or a later invocation) reuse them; the report's load s shows the difference",
+    )
     ap.add_argument("--out", default=None, help="output folder (default benchmarks/out)")
     ap.add_argument("--child", choices=CONTENDERS, help=argparse.SUPPRESS)
     ap.add_argument("--ckpt", help=argparse.SUPPRESS)
