@@ -136,3 +136,41 @@ def test_a_weight_read_outside_its_forward_is_decoded(tmp_path, tier):
 def test_kernels_under_sanitizers(tmp_path):
     """ops_csrc/tests/qmatmul_test.cpp: exact-size arrays, every SIMD level, 1 and 3 threads."""
     run_sanitized("qmatmul_test.cpp", tmp_path)
+
+
+def test_a_unit_held_for_good_keeps_no_staging_slot(tmp_path):
+    """Persistent units (every unit, by the threshold) on NVMe compute from their codes from a copy of
+    their bytes: no staging slot stays lent to them after the forward."""
+    torch.manual_seed(0)
+    model = ReadsTheWeight()
+    cfg = config("nvme", tmp_path)
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 10**9
+    engine, *_ = zero.initialize(model=model, config=cfg)
+    x = torch.randn(3, 128)
+    engine.partitioner.take_io_report()
+    with torch.no_grad():  # first: the units are then gathered (for good) encoded
+        got = engine(x)
+    assert engine.partitioner.take_io_report().quantized_matmuls >= 1
+    assert not any(engine.partitioner.store.lent(u) for u in engine.partitioner.units)
+    with torch.enable_grad():
+        want = engine(x).detach()
+    assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
+    engine.close()
+
+
+def test_an_embedding_decodes_only_the_rows_it_looks_up(tmp_path):
+    """Bit-identical to the decoding (grad-enabled) forward; an id out of range is torch's IndexError."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(100, 128), nn.Linear(128, 64))
+    engine, *_ = zero.initialize(model=model, config=config("cpu", tmp_path))
+    ids = torch.tensor([[3, 99, 0], [3, 17, 42]])
+    with torch.enable_grad():
+        want = engine.module[0](ids).detach()
+    engine.partitioner.take_io_report()
+    with torch.no_grad():
+        got = engine.module[0](ids)
+        assert engine.partitioner.take_io_report().quantized_matmuls == 1
+        assert torch.equal(got, want)
+        with pytest.raises(IndexError, match="index out of range"):
+            engine.module[0](torch.tensor([100]))
+    engine.close()

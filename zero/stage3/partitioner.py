@@ -271,7 +271,7 @@ class Stage3Partitioner:
         """Gather a unit whose nn.Linear computes from the codes (zero/stage3/fused.py): its stored bytes
         stay where they are, only the raw parameters are decoded, the weight stays released."""
         assert self.hooks is not None
-        stored = self.store.encoded(unit)
+        stored = self.store.encoded(unit, lend=not unit.persistent)
         codec = self.store.codec(unit)
         assert codec is not None
         full = torch.empty(unit.padded_numel, dtype=unit.dtype)  # the weight's pages are never touched

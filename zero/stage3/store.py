@@ -446,16 +446,17 @@ class PartitionStore:
         s = self._land(unit, unit.part_nbytes, lend=True)
         return s.buf[: unit.part_nbytes].view(unit.dtype) if s is not None else None
 
-    def encoded(self, unit: Unit) -> torch.Tensor:
+    def encoded(self, unit: Unit, lend: bool = True) -> torch.Tensor:
         """The stored (quantized) bytes of the unit's partition in host memory, for a product that reads
-        the codes: a view of its memory partition, else of the staging slot its read landed in (lent to the
-        unit until `give_back(unit)`, as `lend`), else a copy read around the slots. Read-only."""
+        the codes: a view of its memory partition, else (`lend`) of the staging slot its read landed in
+        (lent to the unit until `give_back(unit)`, as `lend`), else a copy read around the slots (a unit
+        held for good must not keep a slot). Read-only."""
         codec = self._codecs[unit.index]
         entry = self._mem.get(unit.index)
         if entry is not None and entry[2].device.type == "cpu":
             self._count_memory_read(entry[2], codec.nbytes)
             return entry[2][: codec.nbytes]
-        s = self._land(unit, codec.nbytes, lend=True)
+        s = self._land(unit, codec.nbytes, lend=True) if lend else None
         if s is not None:
             return s.buf[: codec.nbytes]
         stored = torch.empty(codec.nbytes, dtype=torch.uint8)
