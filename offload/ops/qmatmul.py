@@ -7,11 +7,11 @@ byte, the first element in the high nibble), one float16 scale and, asymmetric, 
 `dequantize_into` is bit-identical to zero.stage3.quant.dequantize (both round the product before adding
 the offset). `quantized_linear` never materializes the weight: each group's codes are decoded in registers
 and used against every input row at once, so a forward with a few rows (decoding tokens) reads
-`bits / 32` of the bytes an fp32 weight would; with many rows (a prefill) it decodes a block of weight rows
-at a time into a buffer that stays in cache and uses torch's matmul. Its sums run in an order of its
-own: results match decode + matmul to fp32 rounding, not bit for bit. The kernels run on the C++ thread
-pool (offload.ops' `set_num_threads`), AVX2 where the CPU has it and the group size is a multiple of 16
-(int4) or 8 (int8).
+`bits / 32` of the bytes an fp32 weight would; with many rows (a prefill) it runs about as fast as torch's
+fp32 matmul of the decoded weight (which a block-wise decode + matmul did not beat). Its sums run in an
+order of its own: results match decode + matmul to fp32 rounding, not bit for bit. The kernels run on
+the C++ thread pool (offload.ops' `set_num_threads`), AVX2 where the CPU has it and the group size is a
+multiple of 16 (int4) or 8 (int8).
 """
 
 from __future__ import annotations
@@ -23,11 +23,6 @@ import torch
 from offload import _cpu_optim
 
 __all__ = ["dequantize_into", "quantized_linear"]
-
-# More input rows than this (a prefill): the weight is decoded a block at a time and multiplied by torch's
-# matmul, which beats decoding each group once per 8 rows in the kernel there (benchmarks/RESULTS.md).
-BLOCKED_ABOVE_ROWS = 32
-_BLOCK_ELEMENTS = 1 << 21  # weight elements decoded per block: 8 MiB of fp32, which stays in cache
 
 # model dtype -> the kernel's dtype code for rounding each decoded weight
 _ROUND_TO = {torch.float32: _cpu_optim.F32, torch.bfloat16: _cpu_optim.BF16, torch.float16: _cpu_optim.F16}
@@ -93,9 +88,8 @@ def quantized_linear(
     """`F.linear(x, W, bias)` for the row-major [out_features, in_features] weight W stored as (codes,
     scale, offset); in_features is x's last dimension and must be a multiple of `group`. Each weight is
     decoded as `dequantize_into` decodes it and rounded to `weight_dtype` (float32, bfloat16 or float16:
-    the values a decode into a buffer of the model dtype holds); products and sums run in fp32 (with more
-    than BLOCKED_ABOVE_ROWS rows: in x's dtype when that is `weight_dtype`, as torch's matmul of the
-    decoded weight does), and the result has x's dtype."""
+    the values a decode into a buffer of the model dtype holds); products and sums run in fp32, and the
+    result has x's dtype."""
     if weight_dtype not in _ROUND_TO:
         raise ValueError(f"weight_dtype must be one of {sorted(map(str, _ROUND_TO))}, got {weight_dtype}")
     if x.device.type != "cpu" or not x.is_floating_point():
@@ -104,61 +98,21 @@ def quantized_linear(
     if cols % group:
         raise ValueError(f"in_features {cols} is not a whole number of groups of {group}")
     _check_consts(codes, scale, offset, bits, group, out_features * cols)
-    flat = x.reshape(-1, cols)
-    if flat.shape[0] > BLOCKED_ABOVE_ROWS:
-        y = _blocked(flat, codes, scale, offset, bits, group, out_features, weight_dtype)
-    else:
-        flat = flat.to(torch.float32).contiguous()
-        y = torch.empty(flat.shape[0], out_features, dtype=torch.float32)
-        _cpu_optim.quantized_matmul_f32(
-            _addr(codes),
-            _addr(scale),
-            _addr(offset),
-            bits,
-            group,
-            out_features,
-            cols,
-            _addr(flat),
-            flat.shape[0],
-            _addr(y),
-            _ROUND_TO[weight_dtype],
-        )
+    flat = x.reshape(-1, cols).to(torch.float32).contiguous()
+    y = torch.empty(flat.shape[0], out_features, dtype=torch.float32)
+    _cpu_optim.quantized_matmul_f32(
+        _addr(codes),
+        _addr(scale),
+        _addr(offset),
+        bits,
+        group,
+        out_features,
+        cols,
+        _addr(flat),
+        flat.shape[0],
+        _addr(y),
+        _ROUND_TO[weight_dtype],
+    )
     if bias is not None:
         y.add_(bias)
     return y.to(x.dtype).reshape(*x.shape[:-1], out_features)
-
-
-def _blocked(
-    x: torch.Tensor,
-    codes: torch.Tensor,
-    scale: torch.Tensor,
-    offset: Optional[torch.Tensor],
-    bits: int,
-    group: int,
-    rows: int,
-    weight_dtype: torch.dtype,
-) -> torch.Tensor:
-    """Many input rows: decode `_BLOCK_ELEMENTS` of the weight at a time into a scratch buffer that stays in
-    cache and multiply with torch's matmul, in x's dtype when it is the weight's (as the decoded model)."""
-    cols = x.shape[1]
-    per = max(1, _BLOCK_ELEMENTS // cols)
-    scratch = torch.empty(min(per, rows) * cols, dtype=torch.float32)
-    groups_per_row = cols // group
-    compute = x.dtype if x.dtype == weight_dtype else torch.float32
-    xc = x.to(compute)
-    y = torch.empty(x.shape[0], rows, dtype=compute)
-    for r0 in range(0, rows, per):
-        r1 = min(rows, r0 + per)
-        w = scratch[: (r1 - r0) * cols]
-        g0, g1 = r0 * groups_per_row, r1 * groups_per_row
-        dequantize_into(
-            w,
-            codes[r0 * cols * bits // 8 : r1 * cols * bits // 8],
-            scale[g0:g1],
-            offset[g0:g1] if offset is not None else None,
-            bits,
-            group,
-        )
-        wt = w.view(r1 - r0, cols).to(weight_dtype).to(compute)
-        y[:, r0:r1] = torch.mm(xc, wt.T)
-    return y
