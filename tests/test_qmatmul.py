@@ -174,3 +174,21 @@ def test_an_embedding_decodes_only_the_rows_it_looks_up(tmp_path):
         with pytest.raises(IndexError, match="index out of range"):
             engine.module[0](torch.tensor([100]))
     engine.close()
+
+
+def test_a_backward_after_inference_forwards_differentiates_the_decoded_weights(tmp_path):
+    """Units kept gathered (encoded) from an inference forward are decoded for a forward with grad mode on:
+    the input gets its gradient, equal to the one through the decoded weights."""
+    torch.manual_seed(0)
+    model = ReadsTheWeight()
+    cfg = config("cpu", tmp_path)
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 10**9  # every unit kept gathered
+    engine, *_ = zero.initialize(model=model, config=cfg)
+    x = torch.randn(3, 128)
+    with torch.no_grad():
+        engine(x)
+    xs = [x.clone().requires_grad_(True) for _ in range(2)]
+    for xi in xs:
+        engine(xi).square().sum().backward()
+    assert xs[0].grad is not None and torch.equal(xs[0].grad, xs[1].grad)
+    engine.close()

@@ -7,8 +7,9 @@ byte, the first element in the high nibble), one float16 scale and, asymmetric, 
 `dequantize_into` is bit-identical to zero.stage3.quant.dequantize (both round the product before adding
 the offset). `quantized_linear` never materializes the weight: each group's codes are decoded in registers
 and used against every input row at once, so a forward with a few rows (decoding tokens) reads
-`bits / 32` of the bytes an fp32 weight would; with many rows (a prefill) it runs about as fast as torch's
-fp32 matmul of the decoded weight (which a block-wise decode + matmul did not beat). Its sums run in an
+`bits / 32` of the bytes an fp32 weight would. With many rows (a prefill) it is compute-bound, about 1.3x
+the time of torch's fp32 matmul of the decoded weight (a block-wise decode + torch matmul measured no
+faster in the engine: benchmarks/RESULTS.md). Its sums run in an
 order of its own: results match decode + matmul to fp32 rounding, not bit for bit. The kernels run on
 the C++ thread pool (offload.ops' `set_num_threads`), AVX2 where the CPU has it and the group size is a
 multiple of 16 (int4) or 8 (int8).

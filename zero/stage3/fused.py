@@ -19,7 +19,7 @@ during the forward - a parent module using `child.weight`, a GatheredParameters 
 the usual way, which decodes the weight in place (`Stage3Partitioner.fetch`), and the modules then run
 their own forwards. Training, backward and CUDA never take this path.
 
-How: `FusedLinears` replaces the `forward` of each eligible module instance (the way accelerate's hooks
+How: `QuantizedForwards` replaces the `forward` of each eligible module instance (the way accelerate's hooks
 wrap a module's forward) with one that calls the original forward whenever its unit is not gathered
 encoded. `remove()` puts the original forwards back.
 """
@@ -38,7 +38,7 @@ from zero.stage3.unit import Unit
 if TYPE_CHECKING:
     from zero.stage3.partitioner import Stage3Partitioner
 
-__all__ = ["EncodedWeight", "FusedLinears"]
+__all__ = ["EncodedWeight", "QuantizedForwards"]
 
 
 @dataclass
@@ -59,13 +59,13 @@ class EncodedWeight:
 class _Forward:
     """The forward of one eligible module: from the codes when its unit is gathered encoded."""
 
-    def __init__(self, owner: FusedLinears, module: nn.Module, unit: Unit, kernel: Callable) -> None:
+    def __init__(self, owner: QuantizedForwards, module: nn.Module, unit: Unit, kernel: Callable) -> None:
         self.owner, self.module, self.unit, self.kernel = owner, module, unit, kernel
         self.original = module.forward
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         enc: Optional[EncodedWeight] = self.unit.encoded
-        if enc is None or x.device.type != "cpu":
+        if enc is None or x.device.type != "cpu" or torch.is_grad_enabled():
             return self.original(x)
         self.owner.forwards += 1
         return self.kernel(self.module, enc, self.unit.dtype, x)
@@ -103,7 +103,7 @@ def _eligible(m: nn.Module) -> Optional[Tuple[Callable, int]]:
     return None
 
 
-class FusedLinears:
+class QuantizedForwards:
     """Finds the partitioner's eligible modules in `model` and wraps their forwards (above)."""
 
     def __init__(self, partitioner: Stage3Partitioner, model: nn.Module) -> None:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from zero.stage3.fused import FusedLinears
+from zero.stage3.fused import QuantizedForwards
 from zero.stage3.unit import PartitionStatus, Unit, is_partitioned
 
 __all__ = ["Stage3Hooks", "register_external_parameter", "unregister_external_parameter"]
@@ -84,7 +84,7 @@ class Stage3Hooks:
                 params.hooks = self
                 self._patched.append((m, m._parameters))
                 m._parameters = params
-        self.fused = FusedLinears(partitioner, model)
+        self.fused = QuantizedForwards(partitioner, model)
 
     # -------------------------------------------------------------------------------------------- forward
     def units_for(self, module: nn.Module) -> List[Unit]:

@@ -61,7 +61,7 @@ class ParamIOReport:
     param_in_place_bytes: int = 0  # NVMe bytes used where they landed: viewed (or decoded) in a staging slot
     param_direct_bytes: int = 0  # NVMe bytes read straight into a gathered buffer in host memory
     param_read_wait_s: float = 0.0  # seconds gathers blocked on NVMe reads (not hidden by a prefetch)
-    quantized_matmuls: int = 0  # nn.Linear forwards computed straight from quantized codes (fused.py)
+    quantized_matmuls: int = 0  # Linear/Embedding forwards computed straight from quantized codes (fused.py)
 
     def as_dict(self) -> Dict[str, Any]:
         """The counts by field name."""
@@ -268,7 +268,7 @@ class Stage3Partitioner:
         self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
 
     def _gather_encoded(self, unit: Unit) -> None:
-        """Gather a unit whose nn.Linear computes from the codes (zero/stage3/fused.py): its stored bytes
+        """Gather a unit whose module computes from the codes (zero/stage3/fused.py): its stored bytes
         stay where they are, only the raw parameters are decoded, the weight stays released."""
         assert self.hooks is not None
         stored = self.store.encoded(unit, lend=not unit.persistent)
@@ -318,13 +318,13 @@ class Stage3Partitioner:
 
     def fetch(self, unit: Unit, encoded: bool = False) -> None:
         """Hold `unit` whole on the device until the matching `release`. `encoded`: the fetch is its own
-        nn.Linear's, which may compute from the codes (zero/stage3/fused.py); any other fetch of a unit
-        gathered that way decodes its weight."""
+        module's, which may compute from the codes (zero/stage3/fused.py); any other fetch of a unit
+        gathered that way, or one outside an inference forward, decodes its weight."""
         unit.refs += 1
         if unit.full is None:
             self._gather(unit, encoded)
-        elif unit.encoded is not None and not encoded:
-            self._decode_encoded(unit)
+        elif unit.encoded is not None and not (encoded and self._host_inference()):
+            self._decode_encoded(unit)  # read by another module, or by a forward that may be differentiated
         self._use(unit)
 
     def release(self, unit: Unit) -> None:
