@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoint_helpers import failing_safe_open
 
 import zero
 from offload.config import ConfigError
@@ -345,24 +346,7 @@ def test_failure_while_streaming_names_the_tensor_and_cleans_up(ckpts, tmp_path,
 
     real = safetensors.safe_open
 
-    class Failing:
-        def __init__(self, *args, **kwargs):
-            self.f = real(*args, **kwargs)
-
-        def __enter__(self):
-            self.f.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.f.__exit__(*exc)
-
-        def __getattr__(self, name):
-            return getattr(self.f, name)
-
-        def get_tensor(self, key):
-            if key == "model.layers.1.mlp.up_proj.weight":
-                raise RuntimeError("simulated read error")
-            return self.f.get_tensor(key)
+    Failing = failing_safe_open(real, "model.layers.1.mlp.up_proj.weight")
 
     monkeypatch.setattr(safetensors, "safe_open", Failing)
     with pytest.raises(PretrainedCheckpointError, match=r"reading tensor 'model.layers.1.mlp.up_proj.weight' "

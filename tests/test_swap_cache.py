@@ -20,6 +20,7 @@ import stat
 
 import pytest
 import torch
+from checkpoint_helpers import failing_safe_open
 
 import zero
 from offload.swap.space import SwapSpaceError
@@ -332,24 +333,7 @@ def test_failure_while_building_leaves_no_cache(ckpts, tmp_path, monkeypatch):
     path, want, _ = ckpts["gpt2"]
     real = safetensors.safe_open
 
-    class Failing:
-        def __init__(self, *args, **kwargs):
-            self.f = real(*args, **kwargs)
-
-        def __enter__(self):
-            self.f.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.f.__exit__(*exc)
-
-        def __getattr__(self, name):
-            return getattr(self.f, name)
-
-        def get_tensor(self, key):
-            if key == "transformer.h.1.mlp.c_fc.weight":
-                raise RuntimeError("simulated read error")
-            return self.f.get_tensor(key)
+    Failing = failing_safe_open(real, "transformer.h.1.mlp.c_fc.weight")
 
     cfg = config(tmp_path)
     monkeypatch.setattr(safetensors, "safe_open", Failing)

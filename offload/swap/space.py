@@ -48,6 +48,7 @@ __all__ = [
     "align_up",
     "check_nvme_path",
     "create_swap_file",
+    "is_file_at",
     "reclaim_stale",
 ]
 
@@ -251,7 +252,7 @@ class _Lease:
                     continue
                 except OSError as e:  # no flock here (some network filesystems): nothing is reclaimable
                     logger.debug("swap directory lock unsupported under %s: %s", root, e)
-                if not _is_file_at(fd, lock_path):  # unlinked by a reclaimer before we locked it
+                if not is_file_at(fd, lock_path):  # unlinked by a reclaimer before we locked it
                     os.close(fd)
                     continue
                 _write_all(fd, stamp)
@@ -345,7 +346,7 @@ def _reclaim_one(root: str, lock_name: str, me: Tuple[str, str]) -> Optional[Rec
     except OSError:
         return None
     try:
-        if not os.path.samestat(st, os.fstat(fd)) or not _lock_nb(fd) or not _is_file_at(fd, lock_path):
+        if not os.path.samestat(st, os.fstat(fd)) or not _lock_nb(fd) or not is_file_at(fd, lock_path):
             return None  # replaced since the lstat, owner alive, or removed by another reclaimer
         data = os.pread(fd, 4096, 0)
         if not data:
@@ -416,7 +417,8 @@ def _lock_nb(fd: int) -> bool:
         return False
 
 
-def _is_file_at(fd: int, path: str) -> bool:
+def is_file_at(fd: int, path: str) -> bool:
+    """Whether the open file `fd` is the file at `path` now (not unlinked or replaced since it was opened)."""
     try:
         return os.path.samestat(os.fstat(fd), os.lstat(path))
     except OSError:

@@ -47,7 +47,14 @@ import weakref
 from typing import Any, Dict, List, Mapping, Optional
 
 from offload import cleanup
-from offload.swap.space import DEFAULT_ALIGNMENT, SwapFile, SwapSpaceError, align_up, create_swap_file
+from offload.swap.space import (
+    DEFAULT_ALIGNMENT,
+    SwapFile,
+    SwapSpaceError,
+    align_up,
+    create_swap_file,
+    is_file_at,
+)
 
 __all__ = [
     "CACHE_DIR",
@@ -102,13 +109,6 @@ def _lock(fd: int, how: int) -> bool:
         fcntl.flock(fd, how | fcntl.LOCK_NB)
         return True
     except BlockingIOError:
-        return False
-
-
-def _is_file_at(fd: int, path: str) -> bool:
-    try:
-        return os.path.samestat(os.fstat(fd), os.lstat(path))
-    except OSError:
         return False
 
 
@@ -174,7 +174,7 @@ def _reclaim_unfinished(root: str, keep: str) -> None:
         except (OSError, SwapCacheError):
             continue
         try:
-            if _lock(fd, fcntl.LOCK_EX) and _is_file_at(fd, path + _LOCK_SUFFIX):
+            if _lock(fd, fcntl.LOCK_EX) and is_file_at(fd, path + _LOCK_SUFFIX):
                 if not os.path.exists(os.path.join(path, MANIFEST)):
                     shutil.rmtree(path, ignore_errors=True)
                     logger.warning("removed unfinished swap cache %s (its builder is gone)", path)
@@ -342,7 +342,7 @@ def open_swap_cache(root: str, inputs: Mapping[str, Any], rebuild: bool = False)
                 )
                 os.close(fd)
                 return None
-            if not _is_file_at(fd, lock_path):  # replaced since we opened it: try the new one
+            if not is_file_at(fd, lock_path):  # replaced since we opened it: try the new one
                 os.close(fd)
                 continue
             manifest = None if rebuild else _usable(directory, inputs)
