@@ -120,6 +120,7 @@ class ZeroEngine:
         self.skipped_steps = 0
         self.last_report: Optional[StepReport] = None
         self.last_param_io: Optional[Dict[str, int]] = None  # stage 3: parameter I/O of the last step
+        self.load_report: Optional[Any] = None  # zero.from_pretrained's LoadReport (None: built otherwise)
         self._closed = False
         self._guard = StateGuard()
         sync = (lambda: torch.cuda.synchronize(self.device)) if self.device.type == "cuda" else None
