@@ -4,11 +4,11 @@ A quantized unit stores its partition encoded instead of in the model dtype: the
 Embedding or transformers Conv1D module as integer codes with one float16 scale (and, asymmetric, one
 float16 offset) per `group_size` consecutive elements, two int4 codes per byte; the module's other
 parameters (a bias) and any padding as raw model-dtype values. The store reads those bytes from its tier
-and `PartitionCodec.decode` turns them into model-dtype values on the compute device (torch ops on a GPU, the
-C++ kernel of offload.ops.qmatmul on the CPU, bit-identical), just before the module runs; on the CPU an
-inference forward of an nn.Linear reads the codes directly instead (zero/stage3/fused.py). Rank
-partitions are encoded independently, so a
-gather with several ranks all-gathers decoded values.
+and `PartitionCodec.decode` turns them into model-dtype values on the compute device (torch ops; into
+fp32 on the CPU the C++ kernel of offload.ops.qmatmul, bit-identical), just before the module runs; on
+the CPU an inference forward of an nn.Linear or nn.Embedding reads the codes directly instead
+(zero/stage3/fused.py). Rank partitions are encoded independently, so a gather with several ranks
+all-gathers decoded values.
 
 Stored bytes of a unit's partition (`PartitionCodec.nbytes`, rounded up to 8 so that the next partition
 in a memory segment stays aligned): for each quantized slice of n elements, G = ceil(n / group_size)
@@ -295,8 +295,8 @@ class PartitionCodec:
     def decode(self, stored: torch.Tensor, out: torch.Tensor, quantized: bool = True) -> None:
         """Write the partition's values (model dtype) into `out` (part_numel elements, same device as
         `stored`). `quantized=False`: only the raw elements (a bias); the quantized shares of `out` are left
-        as they are (`operands` serves them to a product that reads the codes). On the CPU the codes are
-        decoded by the C++ kernel (offload.ops.qmatmul, bit-identical to `dequantize`)."""
+        as they are (`operands` serves them to a product that reads the codes). Into fp32 on the CPU the codes
+        are decoded by the C++ kernel (offload.ops.qmatmul, bit-identical to `dequantize`)."""
         out = out.reshape(-1)
         esize = out.element_size()
         for r in self.raw:
