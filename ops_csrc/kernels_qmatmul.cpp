@@ -2,6 +2,7 @@
 // that target by pragma (qmatmul.cpp only calls it when the CPU reports all three).
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "cpu_optim.h"
 #include "qmatmul.h"
@@ -18,11 +19,6 @@ inline unsigned code_at(const QuantMatrix& w, size_t i) {
 
 inline float half_range(const QuantMatrix& w) { return static_cast<float>(1 << (w.bits - 1)); }
 
-// The fp32 offset of group g in the product's form value = code * scale + offset.
-inline float product_offset(const QuantMatrix& w, size_t g, float scale) {
-    return w.offset != nullptr ? f16_to_f32(w.offset[g]) : -half_range(w) * scale;
-}
-
 // A decoded weight rounded to the model dtype (QuantMatrix::round_to), back in fp32.
 inline float rounded(const QuantMatrix& w, float v) {
     if (w.round_to == kBF16) return bf16_to_f32(f32_to_bf16(v));
@@ -30,43 +26,46 @@ inline float rounded(const QuantMatrix& w, float v) {
     return v;
 }
 
+// Elements [lo, hi) of group g decoded into dst[0, hi - lo): the product rounded before the offset is
+// added (asymmetric), or (code - half) * scale (symmetric), as torch's decoder computes them.
+void decode_group(const QuantMatrix& w, size_t g, size_t lo, size_t hi, float* dst) {
+    const float s = f16_to_f32(w.scale[g]);
+    if (w.offset != nullptr) {
+        const float o = f16_to_f32(w.offset[g]);
+        for (size_t i = lo; i < hi; ++i) {
+            const float t = static_cast<float>(code_at(w, i)) * s;  // rounded before the add
+            dst[i - lo] = t + o;
+        }
+    } else {
+        const float half = half_range(w);
+        for (size_t i = lo; i < hi; ++i) dst[i - lo] = (static_cast<float>(code_at(w, i)) - half) * s;
+    }
+}
+
 }  // namespace
 
 void dequant_groups_scalar(const QuantMatrix& w, size_t n, size_t g0, size_t g1, float* out) {
-    const float half = half_range(w);
     for (size_t g = g0; g < g1; ++g) {
-        const float s = f16_to_f32(w.scale[g]);
         const size_t lo = g * w.group, hi = lo + w.group < n ? lo + w.group : n;
-        if (w.offset != nullptr) {
-            const float o = f16_to_f32(w.offset[g]);
-            for (size_t i = lo; i < hi; ++i) {
-                const float t = static_cast<float>(code_at(w, i)) * s;  // rounded before the add
-                out[i] = t + o;
-            }
-        } else {
-            for (size_t i = lo; i < hi; ++i) out[i] = (static_cast<float>(code_at(w, i)) - half) * s;
-        }
+        decode_group(w, g, lo, hi, out + lo);
     }
 }
 
 void qmatmul_rows_scalar(const QuantMatrix& w, size_t rows, size_t cols, const float* x, size_t batch,
                          float* y, size_t r0, size_t r1) {
+    // Each row of weights is decoded (and rounded to the model dtype) once, then used for every input row.
     const size_t groups = cols / w.group;
-    const float half = half_range(w);
+    std::vector<float> row(cols);
     for (size_t r = r0; r < r1; ++r) {
+        for (size_t gi = 0; gi < groups; ++gi) {
+            const size_t lo = r * cols + gi * w.group;
+            decode_group(w, r * groups + gi, lo, lo + w.group, row.data() + gi * w.group);
+        }
+        for (float& v : row) v = rounded(w, v);
         for (size_t m = 0; m < batch; ++m) {
             const float* xm = x + m * cols;
             float acc = 0.0f;
-            for (size_t gi = 0; gi < groups; ++gi) {
-                const size_t g = r * groups + gi;
-                const float s = f16_to_f32(w.scale[g]);
-                const float o = w.offset != nullptr ? f16_to_f32(w.offset[g]) : 0.0f;
-                for (size_t k = gi * w.group; k < (gi + 1) * w.group; ++k) {
-                    const float q = static_cast<float>(code_at(w, r * cols + k));
-                    const float t = w.offset != nullptr ? q * s : (q - half) * s;
-                    acc += rounded(w, w.offset != nullptr ? t + o : t) * xm[k];
-                }
-            }
+            for (size_t k = 0; k < cols; ++k) acc += row[k] * xm[k];
             y[m * rows + r] = acc;
         }
     }

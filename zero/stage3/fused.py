@@ -80,7 +80,8 @@ def _linear(module: nn.Module, enc: EncodedWeight, dtype: torch.dtype, x: torch.
 def _embedding(module: nn.Module, enc: EncodedWeight, dtype: torch.dtype, ids: torch.Tensor) -> torch.Tensor:
     """F.embedding(ids, W) decoding only the rows looked up (ids out of range: IndexError, as torch's)."""
     flat = ids.reshape(-1)
-    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= enc.rows):
+    lo, hi = flat.aminmax() if flat.numel() else (None, None)
+    if lo is not None and (int(lo) < 0 or int(hi) >= enc.rows):
         raise IndexError(f"index out of range in self: ids must lie in [0, {enc.rows})")
     per_row = enc.cols // enc.group
     codes = enc.codes.view(enc.rows, -1)[flat].reshape(-1)
