@@ -192,3 +192,24 @@ def test_a_backward_after_inference_forwards_differentiates_the_decoded_weights(
         engine(xi).square().sum().backward()
     assert xs[0].grad is not None and torch.equal(xs[0].grad, xs[1].grad)
     engine.close()
+
+
+def test_the_kernels_own_checks_refuse_bad_arguments():
+    """The C++ layer re-checks what keeps it memory safe, whatever its Python face lets through."""
+    from offload import _cpu_optim
+
+    _, codes, scale, offset = encoded(16 * 128, 4, 64, False)
+    x, y, out = torch.randn(2, 128), torch.empty(2, 16), torch.empty(16 * 128)
+    a = (codes.data_ptr(), scale.data_ptr(), offset.data_ptr())
+    with pytest.raises(ValueError, match="bits must be 4 or 8, got 3"):
+        _cpu_optim.dequantize_f32(*a, 3, 64, out.numel(), out.data_ptr())
+    with pytest.raises(ValueError, match="group size 63 must be positive"):
+        _cpu_optim.dequantize_f32(*a, 4, 63, out.numel(), out.data_ptr())
+    with pytest.raises(ValueError, match="null data pointer"):
+        _cpu_optim.dequantize_f32(0, a[1], a[2], 4, 64, out.numel(), out.data_ptr())
+    with pytest.raises(ValueError, match="100 columns are not a whole number of groups of 64"):
+        _cpu_optim.quantized_matmul_f32(*a, 4, 64, 16, 100, x.data_ptr(), 2, y.data_ptr())
+    with pytest.raises(ValueError, match="unknown dtype code 7"):
+        _cpu_optim.quantized_matmul_f32(*a, 4, 64, 16, 128, x.data_ptr(), 2, y.data_ptr(), 7)
+    with pytest.raises(ValueError, match="x: expected a floating-point CPU tensor"):
+        quantized_linear(torch.ones(2, 128, dtype=torch.int64), codes, scale, offset, 4, 64, 16)

@@ -374,3 +374,94 @@ def test_a_builder_killed_before_its_manifest_leaves_nothing_usable(ckpts, tmp_p
     report, _, _ = load(path, cfg, dtype=torch.bfloat16)
     assert report.swap_cache == "built" and report.swap_cache_dir != str(root / name)
     assert not (root / name).exists()
+
+
+@pytest.mark.parametrize(
+    "damage, warning",
+    [
+        (lambda m, d: "{not json", "unreadable"),
+        (lambda m, d: json.dumps({**m, "files": []}), "lists no files"),
+        (lambda m, d: _list_extra_file(m, d), "did not ask for 1 file(s) of the manifest"),
+    ],
+    ids=["unreadable", "no-files", "extra-file"],
+)
+def test_damaged_manifest_is_rebuilt_with_a_warning(ckpts, tmp_path, caplog, damage, warning):
+    """A manifest that is not JSON, lists no files, or lists a file the model does not ask for (present with
+    its listed size): the load warns, rebuilds from the checkpoint, and the next load reuses the rebuild."""
+    path, want, _ = ckpts["gpt2"]
+    cfg = config(tmp_path)
+    d = load(path, cfg)[0].swap_cache_dir
+    manifest_path = os.path.join(d, MANIFEST)
+    manifest = json.loads(open(manifest_path).read())
+    text = damage(manifest, d)
+    with open(manifest_path, "w") as f:
+        f.write(text)
+    with caplog.at_level(logging.WARNING, logger="zero"):
+        report, tokens, _ = load(path, cfg)
+    assert warning in caplog.text
+    assert report.swap_cache == "built" and torch.equal(tokens, want)
+    assert load(path, cfg)[0].swap_cache == "reused"
+
+
+def _list_extra_file(manifest, directory):
+    with open(os.path.join(directory, "extra.param.swp"), "wb") as f:
+        f.write(b"\0" * 4096)
+    return json.dumps({**manifest, "files": {**manifest["files"], "extra.param.swp": 4096}})
+
+
+def test_cache_root_that_is_not_a_directory_is_refused(ckpts, tmp_path):
+    """`<nvme_path>/zero-offload-cache` is a file (or a symlink): SwapCacheError (EPERM) naming it, before any
+    weight is read or swap file made."""
+    from zero.stage3.swap_cache import SwapCacheError
+
+    path, _, _ = ckpts["gpt2"]
+    cfg = config(tmp_path)
+    root = tmp_path / "nvme" / CACHE_DIR
+    root.write_bytes(b"")
+    with pytest.raises(SwapCacheError, match="not a directory of this user") as e:
+        zero.from_pretrained(path, config=cfg, swap_cache=True)
+    assert e.value.errno == errno.EPERM and e.value.filename == str(root)
+    assert os.listdir(tmp_path / "nvme") == [CACHE_DIR]
+
+
+def test_a_manifest_that_cannot_be_written_leaves_no_cache(tmp_path, monkeypatch):
+    """seal(): the rename of the manifest fails (EIO): SwapCacheError naming the temporary file and the errno;
+    closing removes the unfinished directory and a later build succeeds."""
+    from zero.stage3.swap_cache import SwapCacheError, open_swap_cache
+
+    inputs = {"checkpoint": "x"}
+    cache = open_swap_cache(str(tmp_path), inputs)
+    cache.create("a.param.swp", 100)
+
+    def failing_replace(src, dst):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "replace", failing_replace)
+    with pytest.raises(SwapCacheError, match="cannot write the swap cache manifest") as e:
+        cache.seal()
+    assert e.value.errno == errno.EIO and e.value.filename.endswith(MANIFEST + ".tmp")
+    monkeypatch.undo()
+    cache.close()
+    assert not os.path.exists(cache.dir)
+    again = open_swap_cache(str(tmp_path), inputs)
+    assert not again.reused
+    again.create("a.param.swp", 100)
+    again.seal()
+    again.close()
+    reused = open_swap_cache(str(tmp_path), inputs)
+    assert reused.reused and reused.read_only
+    reused.close()
+
+
+def test_a_closed_cache_and_a_bad_file_name_are_refused(tmp_path):
+    from zero.stage3.swap_cache import SwapCacheError, open_swap_cache
+
+    cache = open_swap_cache(str(tmp_path), {"checkpoint": "y"})
+    with pytest.raises(ValueError, match="plain file name"):
+        cache.create("../escape.swp", 100)
+    with pytest.raises(ValueError, match="plain file name"):
+        cache.create(MANIFEST, 100)
+    cache.close()
+    with pytest.raises(SwapCacheError, match="swap cache is closed") as e:
+        cache.create("a.param.swp", 100)
+    assert e.value.errno == errno.EBADF
