@@ -221,4 +221,15 @@ PYBIND11_MODULE(_cpu_optim, m) {
         py::arg("codes"), py::arg("scale"), py::arg("offset"), py::arg("bits"), py::arg("group"),
         py::arg("rows"), py::arg("cols"), py::arg("x"), py::arg("batch"), py::arg("y"),
         py::arg("round_to") = static_cast<int>(kF32), py::call_guard<py::gil_scoped_release>());
+    m.def(
+        "quantized_matmul_int8_activations",
+        [](uintptr_t codes, uintptr_t scale, uintptr_t offset, int bits, size_t group, size_t rows,
+           size_t cols, uintptr_t x, size_t batch, uintptr_t y) {
+            quantized_matmul_int8_activations(make_quant(codes, scale, offset, bits, group), rows, cols,
+                                              reinterpret_cast<const float*>(x), batch,
+                                              reinterpret_cast<float*>(y));
+        },
+        py::arg("codes"), py::arg("scale"), py::arg("offset"), py::arg("bits"), py::arg("group"),
+        py::arg("rows"), py::arg("cols"), py::arg("x"), py::arg("batch"), py::arg("y"),
+        py::call_guard<py::gil_scoped_release>());
 }

@@ -2,8 +2,10 @@
 // an AVX2 or AVX-512 level, when the group size suits their steps) and the split over the pool.
 #include "qmatmul.h"
 
+#include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "cpu_optim.h"
 #include "dispatch.h"
@@ -42,6 +44,23 @@ bool simd_fits(const QuantMatrix& w) {
 #endif
 }
 
+bool simd_fits_i8(const QuantMatrix& w) {
+#if (defined(__x86_64__) || defined(_M_X64)) && !defined(ZO_FORCE_PORTABLE)
+    return simd_level() != SimdLevel::kScalar && w.group % (w.bits == 4 ? 64 : 32) == 0;
+#else
+    (void)w;
+    return false;
+#endif
+}
+
+void check_product(const QuantMatrix& w, size_t cols) {
+    if (cols == 0 || cols % w.group != 0) {
+        throw std::invalid_argument("quantized matmul: " + std::to_string(cols) +
+                                    " columns are not a whole number of groups of " +
+                                    std::to_string(w.group));
+    }
+}
+
 }  // namespace
 
 void dequantize_f32(const QuantMatrix& w, size_t n, float* out) {
@@ -62,11 +81,7 @@ void quantized_matmul_f32(const QuantMatrix& w, size_t rows, size_t cols, const 
                           float* y) {
     if (rows == 0 || batch == 0) return;
     check(w, x, y);
-    if (cols == 0 || cols % w.group != 0) {
-        throw std::invalid_argument("quantized matmul: " + std::to_string(cols) +
-                                    " columns are not a whole number of groups of " +
-                                    std::to_string(w.group));
-    }
+    check_product(w, cols);
     const bool simd = simd_fits(w);
     (void)simd;  // unused where only the scalar kernels exist
     parallel_ranges(rows, kMinRowsPerThread, kRowAlign, [&](size_t r0, size_t r1) {
@@ -74,6 +89,38 @@ void quantized_matmul_f32(const QuantMatrix& w, size_t rows, size_t cols, const 
         if (simd) return qmatmul_rows_avx2(w, rows, cols, x, batch, y, r0, r1);
 #endif
         qmatmul_rows_scalar(w, rows, cols, x, batch, y, r0, r1);
+    });
+}
+
+void quantized_matmul_int8_activations(const QuantMatrix& w, size_t rows, size_t cols, const float* x,
+                                       size_t batch, float* y) {
+    if (rows == 0 || batch == 0) return;
+    check(w, x, y);
+    check_product(w, cols);
+    const bool simd = simd_fits_i8(w);
+    const size_t groups = cols / w.group;
+    std::vector<int8_t> codes(batch * cols);
+    std::vector<float> scale(batch * groups), sum(batch * groups);
+    parallel_ranges(batch, 1, 1, [&](size_t m0, size_t m1) {
+        const bool paired = simd && w.bits == 4;
+#if (defined(__x86_64__) || defined(_M_X64)) && !defined(ZO_FORCE_PORTABLE)
+        if (simd)
+            return quantize_acts_avx2(x, cols, w.group, paired, m0, m1, codes.data(), scale.data(),
+                                      sum.data());
+#endif
+        quantize_acts_scalar(x, cols, w.group, paired, m0, m1, codes.data(), scale.data(), sum.data());
+    });
+    QuantActs acts;
+    acts.codes = codes.data();
+    acts.scale = scale.data();
+    acts.sum = sum.data();
+    acts.cols = cols;
+    acts.groups = groups;
+    parallel_ranges(rows, kMinRowsPerThread, kRowAlign, [&](size_t r0, size_t r1) {
+#if (defined(__x86_64__) || defined(_M_X64)) && !defined(ZO_FORCE_PORTABLE)
+        if (simd) return qmatmul_i8_rows_avx2(w, rows, acts, batch, y, r0, r1);
+#endif
+        qmatmul_i8_rows_scalar(w, rows, acts, batch, y, r0, r1);
     });
 }
 

@@ -10,9 +10,11 @@ and used against every input row at once, so a forward with a few rows (decoding
 `bits / 32` of the bytes an fp32 weight would. With many rows (a prefill) it is compute-bound, about 1.3x
 the time of torch's fp32 matmul of the decoded weight (a block-wise decode + torch matmul measured no
 faster in the engine: benchmarks/RESULTS.md). Its sums run in an
-order of its own: results match decode + matmul to fp32 rounding, not bit for bit. The kernels run on
-the C++ thread pool (offload.ops' `set_num_threads`), AVX2 where the CPU has it and the group size is a
-multiple of 16 (int4) or 8 (int8).
+order of its own: results match decode + matmul to fp32 rounding, not bit for bit. With
+`int8_activations` the input rows are rounded to int8 per group and multiplied with the codes in integer
+arithmetic (vpmaddubsw), one fp32 scaling per group: 1.3-3x faster, with the activations' rounding error.
+The kernels run on the C++ thread pool (offload.ops' `set_num_threads`), AVX2 where the CPU has it and
+the group size is a multiple of 16 (int4) or 8 (int8), and 64 / 32 for int8 activations.
 """
 
 from __future__ import annotations
@@ -85,12 +87,19 @@ def quantized_linear(
     out_features: int,
     bias: Optional[torch.Tensor] = None,
     weight_dtype: torch.dtype = torch.float32,
+    int8_activations: bool = False,
 ) -> torch.Tensor:
     """`F.linear(x, W, bias)` for the row-major [out_features, in_features] weight W stored as (codes,
     scale, offset); in_features is x's last dimension and must be a multiple of `group`. Each weight is
     decoded as `dequantize_into` decodes it and rounded to `weight_dtype` (float32, bfloat16 or float16:
     the values a decode into a buffer of the model dtype holds); products and sums run in fp32, and the
-    result has x's dtype."""
+    result has x's dtype.
+
+    `int8_activations`: each group of `group` values of a row of x is rounded to int8 (scale max|x| / 127,
+    half to even) and multiplied with the weight codes in integer arithmetic, one fp32 scaling per group:
+    the product of the decoded weights with the rounded activations. Faster (AVX2: groups of a multiple
+    of 64 with int4, 32 with int8), at the cost of the activations' rounding error; `weight_dtype` is not
+    used."""
     if weight_dtype not in _ROUND_TO:
         raise ValueError(f"weight_dtype must be one of {sorted(map(str, _ROUND_TO))}, got {weight_dtype}")
     if x.device.type != "cpu" or not x.is_floating_point():
@@ -101,19 +110,11 @@ def quantized_linear(
     _check_consts(codes, scale, offset, bits, group, out_features * cols)
     flat = x.reshape(-1, cols).to(torch.float32).contiguous()
     y = torch.empty(flat.shape[0], out_features, dtype=torch.float32)
-    _cpu_optim.quantized_matmul_f32(
-        _addr(codes),
-        _addr(scale),
-        _addr(offset),
-        bits,
-        group,
-        out_features,
-        cols,
-        _addr(flat),
-        flat.shape[0],
-        _addr(y),
-        _ROUND_TO[weight_dtype],
-    )
+    args = (_addr(codes), _addr(scale), _addr(offset), bits, group, out_features, cols)
+    if int8_activations:
+        _cpu_optim.quantized_matmul_int8_activations(*args, _addr(flat), flat.shape[0], _addr(y))
+    else:
+        _cpu_optim.quantized_matmul_f32(*args, _addr(flat), flat.shape[0], _addr(y), _ROUND_TO[weight_dtype])
     if bias is not None:
         y.add_(bias)
     return y.to(x.dtype).reshape(*x.shape[:-1], out_features)

@@ -1,6 +1,7 @@
 // Runs the quantized-weight kernels (qmatmul.h) over exactly sized heap arrays (so AddressSanitizer sees any
 // access past the codes, constants, inputs or outputs), at every SIMD level this CPU has and with 1 and 3
-// threads: decodes must equal the scalar decode bit for bit, products the scalar product to fp32 rounding.
+// threads: decodes must equal the scalar decode bit for bit, products (fp32 or int8 activations) the scalar
+// product to fp32 rounding.
 // Built with -fsanitize=address,undefined by tests/test_qmatmul.py; prints "ALL OK".
 #include "qmatmul.h"
 
@@ -105,6 +106,39 @@ void run_case(int bits, size_t group, bool symmetric, int round_to, const std::s
     }
 }
 
+// The int8-activation product at `level` against the scalar one: the same integer sums, so equal to fp32
+// rounding of the group scalings.
+void run_int8_case(int bits, size_t group, bool symmetric, const std::string& level, int threads) {
+    const size_t rows = 37, cols = group * 5;
+    const Weights wts = make(rows * cols, bits, group, 11);
+    const QuantMatrix w = wts.view(bits, group, symmetric, kF32);
+    const std::string tag = "int8 activations bits=" + std::to_string(bits) +
+                            " group=" + std::to_string(group) + " sym=" + std::to_string(symmetric) + " " +
+                            level + " threads=" + std::to_string(threads);
+    std::mt19937 rng(5);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    for (size_t batch : {size_t{1}, size_t{4}, size_t{9}, size_t{17}}) {
+        auto x = std::make_unique<float[]>(batch * cols);
+        for (size_t i = 0; i < batch * cols; ++i) x[i] = normal(rng);
+        for (size_t k = 0; k < group; ++k) x[k] = 0.0f;  // a group of zeros: scale 0
+        auto y_ref = std::make_unique<float[]>(batch * rows);
+        auto y = std::make_unique<float[]>(batch * rows);
+        set_num_threads(1);
+        set_simd_level("scalar");
+        quantized_matmul_int8_activations(w, rows, cols, x.get(), batch, y_ref.get());
+        set_simd_level(level);
+        set_num_threads(threads);
+        quantized_matmul_int8_activations(w, rows, cols, x.get(), batch, y.get());
+        for (size_t i = 0; i < batch * rows; ++i) {
+            const float tol = 1e-4f * (1.0f + std::fabs(y_ref[i]));
+            if (!(std::fabs(y[i] - y_ref[i]) <= tol)) {
+                expect(false, tag + " batch " + std::to_string(batch) + " at " + std::to_string(i));
+                break;
+            }
+        }
+    }
+}
+
 }  // namespace
 
 int main() {
@@ -121,6 +155,10 @@ int main() {
                             run_case(bits, group, symmetric, round_to, level, threads);
                         }
                     }
+                }
+                for (size_t group : {size_t{128}, size_t{64}, size_t{32}, size_t{6}}) {
+                    run_int8_case(bits, group, false, level, threads);
+                    run_int8_case(bits, group, true, level, threads);
                 }
             }
         }
