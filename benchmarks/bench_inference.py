@@ -158,6 +158,8 @@ def our_config(args: argparse.Namespace, swap: str, element_bytes: float) -> Dic
         cfg["weight_quantization"] = {
             "quantized_initialization": {"num_bits": args.weight_bits, "group_size": args.group_size}
         }
+        if args.int8_activations:
+            cfg["zero_offload"] = {"int8_activations": True}
     return cfg
 
 
@@ -330,6 +332,8 @@ def _run(args: argparse.Namespace, contender: str, ckpt: str, scratch: str) -> D
         cmd += ["--aio-config", args.aio_config]
     if args.weight_bits:
         cmd += ["--weight-bits", str(args.weight_bits)]
+    if args.int8_activations:
+        cmd += ["--int8-activations"]
     if args.swap_cache and contender == "ours":
         cmd += ["--swap-cache", args.swap_cache]
     if not args.drop_after_load:
@@ -435,6 +439,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     )
     ap.add_argument("--weight-bits", type=int, choices=(4, 8), help="our weight_quantization num_bits")
     ap.add_argument("--group-size", type=int, default=64, help="our weight_quantization group_size")
+    ap.add_argument(
+        "--int8-activations",
+        action="store_true",
+        help="with --weight-bits: our zero_offload.int8_activations (integer products on the CPU)",
+    )
     ap.add_argument("--read-ceiling-gbs", type=float, help="the disk's read bandwidth (skips ds-nvme-bench)")
     ap.add_argument(
         "--keep-cache-after-load",
@@ -462,6 +471,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         args.size, args.new_tokens, args.prompt_len, args.batch = "tiny", 4, 8, 2
     if args.no_drop_caches:
         args.drop_after_load = False
+    if args.int8_activations and not args.weight_bits:
+        ap.error("--int8-activations applies to quantized weights: give --weight-bits too")
     if args.child:
         print("RESULT " + json.dumps(run_child(args)), flush=True)
         return 0

@@ -4,8 +4,10 @@
 
 For each model (random weights, built from a config: tiny GPT-2 and tiny Llama - the configs of
 tests/test_inference_quant.py - and with --big a Llama of hidden size 512, 4 layers, vocab 4096) and each
-setting (int8 / int4, asymmetric / symmetric, group 64), over `--seeds` model seeds: the inference engine at
-stage 3 (cpu tier) runs fixed prompts (2 x 6 tokens, seed 1, the tests' prompt) and
+setting (int8 / int4, asymmetric / symmetric, group 64; int8 / int4 with `zero_offload.int8_activations`,
+which applies to Linears with rows of whole groups: the Llamas', not GPT-2's Conv1D), over `--seeds` model
+seeds: the inference engine at stage 3 (cpu tier) runs fixed prompts (2 x 6 tokens, seed 1, the tests'
+prompt) and
 
 * `max_rel_logit_err`: max |logits_q - logits| / max |logits| over the batch, the worst seed;
 * `token_agreement`: the share of 8 greedy tokens equal to the unquantized model's, the worst seed;
@@ -32,6 +34,9 @@ SETTINGS = [
     ("int8 sym", {"num_bits": 8, "symmetric": True}),
     ("int4", {"num_bits": 4}),
     ("int4 sym", {"num_bits": 4, "symmetric": True}),
+    # zero_offload.int8_activations as well: Linears with rows of whole groups multiply int8 activations
+    ("int8 + int8 act", {"num_bits": 8, "int8_activations": True}),
+    ("int4 + int8 act", {"num_bits": 4, "int8_activations": True}),
 ]
 
 
@@ -78,10 +83,13 @@ def measure(build: Any, setting: Dict[str, Any], seed: int) -> Dict[str, float]:
     with torch.no_grad():
         want = model(ids).logits
         want_tokens = greedy(model, ids)
-    cfg = {
+    spec = {k: v for k, v in setting.items() if k != "int8_activations"}
+    cfg: Dict[str, Any] = {
         "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}},
-        "weight_quantization": {"quantized_initialization": setting},
+        "weight_quantization": {"quantized_initialization": spec},
     }
+    if setting.get("int8_activations"):
+        cfg["zero_offload"] = {"int8_activations": True}
     engine, *_ = zero.initialize(model=copy.deepcopy(model), config=cfg)
     with torch.no_grad():
         got = engine(ids).logits

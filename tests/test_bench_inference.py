@@ -46,10 +46,11 @@ def test_our_config_builds_the_deepspeed_sections(tmp_path):
     aio.write_text(json.dumps({"aio": {"block_size": 4194304, "queue_depth": 32}}))
     args = argparse.Namespace(
         cpu_budget=4e6, buffer_count=3, buffer_size=10**7, weight_bits=4, group_size=64,
-        prefetch_bucket=10**8, aio_config=str(aio),
+        prefetch_bucket=10**8, aio_config=str(aio), int8_activations=False,
     )  # fmt: skip
     cfg = bench_inference.our_config(args, "/swap", 4)
     assert cfg["weight_quantization"] == {"quantized_initialization": {"num_bits": 4, "group_size": 64}}
+    assert "zero_offload" not in cfg
     off = cfg["zero_optimization"]["offload_param"]
     want = {
         "device": "nvme",
@@ -61,6 +62,8 @@ def test_our_config_builds_the_deepspeed_sections(tmp_path):
     assert off == want
     assert cfg["zero_optimization"]["stage3_prefetch_bucket_size"] == 10**8
     assert cfg["aio"] == {"block_size": 4194304, "queue_depth": 32}
+    args.int8_activations = True
+    assert bench_inference.our_config(args, "/swap", 4)["zero_offload"] == {"int8_activations": True}
     args.weight_bits = args.aio_config = None
     cfg = bench_inference.our_config(args, "/swap", 4)
     assert "weight_quantization" not in cfg and "aio" not in cfg

@@ -273,6 +273,30 @@ def test_engine_computes_with_the_dequantized_weights(tmp_path, arch, bits, tier
     assert not os.listdir(tmp_path)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_int8_activations_stay_within_the_documented_error(tmp_path, bits):
+    """zero_offload.int8_activations on the tiny Llama: every Linear computes from the codes with rounded
+    activations (its logits differ from the fp32-activation ones by more than fp32 rounding), and the max
+    relative logit error against the unquantized model stays within the same documented bound."""
+    model = llama()
+    exact = copy.deepcopy(model)
+    ref = fake_quantized(model, WeightQuantSpec(num_bits=bits))
+    ids = prompt()
+    engine, *_ = zero.initialize(
+        model=model, config=config("cpu", tmp_path, bits, zero_offload={"int8_activations": True})
+    )
+    engine.partitioner.take_io_report()
+    with torch.no_grad():
+        got = engine(ids).logits
+        dequantized = ref(ids).logits
+        want = exact(ids).logits
+    assert engine.partitioner.take_io_report().quantized_matmuls == fused_linears(model)
+    assert float((got - dequantized).abs().max()) > 1e-4 * float(dequantized.abs().max())
+    rel = float((got - want).abs().max() / want.abs().max())
+    assert rel <= REL_LOGIT_BOUND[bits]
+    engine.close()
+
+
 def expected_stored_bytes(model, bits, group=64):
     """The size formula of docs/inference.md, per module: each quantized weight ceil(n/g) groups of g * bits
     / 8 bytes of codes and two float16 constants; every other parameter 4 bytes (fp32) per element; each

@@ -62,6 +62,51 @@ def test_product_from_the_codes_against_float64(simd, bits, group, symmetric, we
         assert float((y.double() - want).abs().max()) <= bound
 
 
+def int8_activation_reference(x, codes, scale, offset, bits, group, rows):
+    """float64 value of the int8-activation product: x rounded per group as the kernel rounds it (in
+    float32), times the weight codes as the kernel multiplies them, plus the offset that goes with them
+    times the rounded x's group sums."""
+    batch, cols = x.shape
+    xg = x.view(batch, -1, group)
+    amax = xg.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros(()))
+    xq = (xg * inv).round().clamp(-127, 127).double()
+    sx = (amax / 127.0).double()
+    if bits == 4:
+        q = torch.stack([codes >> 4, codes & 15], -1).view(-1)[: rows * cols].double()
+    else:
+        q = codes[: rows * cols].double() - 128
+    q = q.view(rows, -1, group)
+    s = scale[: rows * cols // group].double().view(rows, -1)
+    if offset is not None:
+        o = offset[: rows * cols // group].double().view(rows, -1) + (128 * s if bits == 8 else 0)
+    else:
+        o = -8 * s if bits == 4 else torch.zeros_like(s)
+    isum = torch.einsum("mgk,rgk->mrg", xq, q)
+    return (isum * s[None] * sx.squeeze(-1)[:, None]).sum(-1) + (xq.sum(-1) * sx.squeeze(-1)) @ o.T
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("bits,group", [(4, 64), (4, 128), (4, 32), (8, 32), (8, 64), (8, 8)])
+def test_product_with_int8_activations_against_float64(simd, bits, group, symmetric):
+    """The integer-dot path (AVX2 for int4 groups of 64k and int8 groups of 32k, scalar otherwise) against
+    the float64 value of the same rounding; and its error against the exact product stays at the size
+    of int8 rounding."""
+    rows, cols = 40, 6 * max(group, 64)
+    spec, codes, scale, offset = encoded(rows * cols, bits, group, symmetric, seed=2)
+    w = dequantize(codes, scale, offset, spec, rows * cols, torch.float32).double().view(rows, cols)
+    for batch in (1, 3, 4, 5, 9):
+        x = torch.randn(batch, cols, generator=torch.Generator().manual_seed(batch)) * 3
+        x[0, :group] = 0.0  # a group of zeros: scale 0
+        y = quantized_linear(x, codes, scale, offset, bits, group, rows, int8_activations=True)
+        want = int8_activation_reference(x, codes, scale, offset, bits, group, rows)
+        bound = 1e-6 * cols * float((x.double().abs() @ w.abs().T).max())
+        assert y.shape == (batch, rows) and y.dtype == torch.float32
+        assert float((y.double() - want).abs().max()) <= bound
+        exact = x.double() @ w.T
+        assert float((y.double() - exact).norm() / exact.norm()) < 2e-2
+
+
 def test_product_keeps_leading_dimensions_and_dtype():
     spec, codes, scale, offset = encoded(16 * 128, 4, 64, False)
     x = torch.randn(2, 3, 128, dtype=torch.bfloat16)
@@ -130,6 +175,74 @@ def test_a_weight_read_outside_its_forward_is_decoded(tmp_path, tier):
         io = engine.partitioner.take_io_report()
         assert io.quantized_matmuls >= 1  # `out` at least; `lin` once its weight is known to be read
     engine.close()
+
+
+def test_int8_activations_in_the_engine(tmp_path):
+    """zero_offload.int8_activations: each Linear's inference forward is quantized_linear with int8
+    activations over the codes of its weight (bit-identical to that call on the same quantized weight),
+    and differs from the exact product; with grad mode on the weights are decoded as usual."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(128, 192), nn.ReLU(), nn.Linear(192, 64))
+    spec = WeightQuantSpec(num_bits=4, group_size=64)
+    quantized = [quantize(model[i].weight.detach().reshape(-1), spec) for i in (0, 2)]
+    biases = [model[i].bias.detach().clone() for i in (0, 2)]
+    cfg = config("cpu", tmp_path)
+    cfg["zero_offload"] = {"int8_activations": True}
+    engine, *_ = zero.initialize(model=model, config=cfg)
+    x = torch.randn(5, 128)
+    h = x
+    for (codes, scale, offset), b, rows in zip(quantized, biases, (192, 64)):
+        h = quantized_linear(h, codes, scale, offset, 4, 64, rows, b, int8_activations=True)
+        h = h.relu() if rows == 192 else h
+    engine.partitioner.take_io_report()
+    with torch.no_grad():
+        got = engine(x)
+    assert engine.partitioner.take_io_report().quantized_matmuls == 2
+    assert torch.equal(got, h)
+    with torch.enable_grad():
+        exact = engine(x).detach()
+    assert not torch.equal(got, exact)
+    assert float((got - exact).norm() / exact.norm()) < 2e-2
+    engine.close()
+
+
+def _int8_activations_on_two_ranks(rank, world_size, nvme_dir, out_dir):
+    import warnings
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(128, 192), nn.ReLU(), nn.Linear(192, 64))
+    cfg = config("cpu", nvme_dir)
+    cfg["zero_offload"] = {"int8_activations": True}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine, *_ = zero.initialize(model=model, config=cfg)
+    x = torch.randn(5, 128)
+    with torch.no_grad():
+        got = engine(x)
+    with torch.enable_grad():
+        decoded = engine(x).detach()
+    io = engine.partitioner.take_io_report()
+    engine.close()
+    said = [str(w.message) for w in caught if "int8_activations is ignored" in str(w.message)]
+    return said, torch.equal(got, decoded), io.quantized_matmuls
+
+
+def test_int8_activations_on_several_ranks_warn_that_they_are_ignored(tmp_path):
+    """Several ranks never compute from the codes: the key is ignored with a warning naming why, and the
+    inference forward equals the decoding one."""
+    from dist_helpers import run_on_ranks
+
+    results, _ = run_on_ranks(_int8_activations_on_two_ranks, tmp_path)
+    for said, equal, products in results:
+        assert len(said) == 1 and "2 rank(s)" in said[0]
+        assert equal and products == 0
+
+
+def test_int8_activations_need_weight_quantization():
+    from offload.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="zero_offload.int8_activations.*enable weight_quantization"):
+        load_config({"zero_offload": {"int8_activations": True}})
 
 
 @pytest.mark.slow  # compiles the kernels from scratch

@@ -113,13 +113,17 @@ _CHECKPOINT_OFF_ONLY = {
 
 @dataclass(frozen=True)
 class ZeroOffloadSection:
-    """Our own keys (DeepSpeed has none of them): the per-step report and the pinned-memory cap."""
+    """Our own keys (DeepSpeed has none of them): the per-step report, the pinned-memory cap, and int8
+    activations for the products of quantized weights."""
 
     report: bool = False
     report_every: int = 1
     # None: $ZERO_OFFLOAD_PINNED_BUDGET if set, else offload.pinned.automatic_pinned_budget(): half of
     # min(physical memory, cgroup memory limit), shared by the processes of this node.
     pinned_budget_bytes: Optional[int] = None
+    # CPU inference forwards of weight_quantization's Linears: activations rounded to int8 per group too
+    # (offload.ops.qmatmul.quantized_linear); needs weight_quantization.
+    int8_activations: bool = False
 
 
 @dataclass(frozen=True)
@@ -222,6 +226,13 @@ def _parse(raw: Any, ctx: Context, world_size: int) -> ZeroOffloadConfig:
     zero = parse_zero(top.get("zero_optimization"), ctx, legacy_allgather_size=top.get("allgather_size"))
 
     train, micro, acc = _resolve_batch(top, world_size)
+    zero_offload = _parse_zero_offload(top.get("zero_offload"), ctx)
+    weight_quantization = parse_weight_quantization(top.get("weight_quantization"), ctx)
+    if zero_offload.int8_activations and not weight_quantization.enabled:
+        raise ConfigError(
+            f"zero_offload.int8_activations in {ctx.source}: applies to the products of quantized weights;"
+            " enable weight_quantization too, or remove the key"
+        )
     steps_per_print = top.int("steps_per_print", ZeroOffloadConfig.steps_per_print, min=1, allow_none=True)
 
     return ZeroOffloadConfig(
@@ -238,18 +249,21 @@ def _parse(raw: Any, ctx: Context, world_size: int) -> ZeroOffloadConfig:
         bf16=bf16,
         zero_optimization=zero,
         aio=parse_aio(top.get("aio"), ctx),
-        zero_offload=_parse_zero_offload(top.get("zero_offload"), ctx),
+        zero_offload=zero_offload,
         activation_checkpointing=parse_activation_checkpointing(top.get("activation_checkpointing"), ctx),
-        weight_quantization=parse_weight_quantization(top.get("weight_quantization"), ctx),
+        weight_quantization=weight_quantization,
     )
 
 
 def _parse_zero_offload(raw: Any, ctx: Context) -> ZeroOffloadSection:
-    s = Section(raw, "zero_offload", ctx, ("report", "report_every", "pinned_budget_bytes"))
+    s = Section(
+        raw, "zero_offload", ctx, ("report", "report_every", "pinned_budget_bytes", "int8_activations")
+    )
     return ZeroOffloadSection(
         report=s.bool("report", ZeroOffloadSection.report),
         report_every=s.int("report_every", ZeroOffloadSection.report_every, min=1),
         pinned_budget_bytes=s.int("pinned_budget_bytes", None, min=0, allow_none=True),
+        int8_activations=s.bool("int8_activations", ZeroOffloadSection.int8_activations),
     )
 
 

@@ -9,7 +9,8 @@ forward reads the codes:
 
 * nn.Linear: `offload.ops.qmatmul.quantized_linear`, `x @ W^T + b` from the codes. A forward with a few
   rows (a decoding step) reads 1/8 (int4) or 1/4 (int8) of the bytes of an fp32 weight and writes none,
-  where decode-then-matmul wrote and read the whole fp32 weight.
+  where decode-then-matmul wrote and read the whole fp32 weight. With `zero_offload.int8_activations` the
+  input rows are rounded to int8 per group as well and multiplied in integer arithmetic.
 * nn.Embedding: only the looked-up rows are decoded (the same values a whole decode gives), not the
   vocabulary.
 
@@ -26,6 +27,7 @@ encoded. `remove()` puts the original forwards back.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
 
@@ -68,16 +70,29 @@ class _Forward:
         if enc is None or x.device.type != "cpu" or torch.is_grad_enabled():
             return self.original(x)
         self.owner.forwards += 1
-        return self.kernel(self.module, enc, self.unit.dtype, x)
+        return self.kernel(self.module, enc, self.unit.dtype, x, self.owner.int8_activations)
 
 
-def _linear(module: nn.Module, enc: EncodedWeight, dtype: torch.dtype, x: torch.Tensor) -> torch.Tensor:
+def _linear(
+    module: nn.Module, enc: EncodedWeight, dtype: torch.dtype, x: torch.Tensor, int8_activations: bool
+) -> torch.Tensor:
     return quantized_linear(
-        x, enc.codes, enc.scale, enc.offset, enc.bits, enc.group, enc.rows, module.bias, dtype
+        x,
+        enc.codes,
+        enc.scale,
+        enc.offset,
+        enc.bits,
+        enc.group,
+        enc.rows,
+        module.bias,
+        dtype,
+        int8_activations,
     )
 
 
-def _embedding(module: nn.Module, enc: EncodedWeight, dtype: torch.dtype, ids: torch.Tensor) -> torch.Tensor:
+def _embedding(
+    module: nn.Module, enc: EncodedWeight, dtype: torch.dtype, ids: torch.Tensor, int8_activations: bool
+) -> torch.Tensor:
     """F.embedding(ids, W) decoding only the rows looked up (ids out of range: IndexError, as torch's)."""
     flat = ids.reshape(-1)
     lo, hi = flat.aminmax() if flat.numel() else (None, None)
@@ -111,6 +126,15 @@ class QuantizedForwards:
         """Wraps every eligible module (`_eligible`) whose weight's unit is quantized with the weight whole
         and rows of whole groups, one rank."""
         self.forwards = 0  # forwards computed from the codes (read by the I/O report)
+        # zero_offload.int8_activations: Linears round their input rows to int8 too (quantized_linear)
+        self.int8_activations = bool(partitioner.config.zero_offload.int8_activations)
+        if self.int8_activations and (partitioner.world_size != 1 or partitioner.device.type != "cpu"):
+            warnings.warn(
+                "zero_offload.int8_activations is ignored: quantized Linears compute from their codes only "
+                f"on the CPU with one rank (this engine: {partitioner.device.type}, "
+                f"{partitioner.world_size} rank(s)); their weights are decoded instead",
+                stacklevel=2,
+            )
         self._wrapped: List[Tuple[nn.Module, _Forward]] = []
         # unit index -> {module whose forward reads its codes: its weight's index in the unit}; kept so that
         # nothing here reads `module.weight`, which would count as a use of it (hooks._FetchOnAccess)
