@@ -232,8 +232,8 @@ void row_tile(const QuantMatrix& w, size_t cols, const float* x, size_t r, float
     for (int j = 0; j < B; ++j) out[j] = hsum(acc[j]);
 }
 
-// The scales of a tile of up to 4 rows of int8 activations, group-major: [group][4] (rows past the tile
-// hold 0), so that one group's four values are one load.
+// The scales of a tile of up to 8 rows of int8 activations, group-major: [group][8] (rows past the tile
+// hold 0), so that one group's eight values are one load.
 struct TileScales {
     std::vector<float> scale, sum;
     void fill(const QuantActs& x, size_t b) {
@@ -248,11 +248,11 @@ struct TileScales {
     }
 };
 
-// Up to 4 rows of int8 activations against one weight row (QuantActs, `paired` for int4): per 32 byte
+// Up to 8 rows of int8 activations against one weight row (QuantActs, `paired` for int4): per 32 byte
 // products, vpmaddubsw (unsigned weight bytes times signed activation bytes, pairs summed to int16) and
 // vpmaddwd into 8 int32 lanes, converted and scaled into fp32 accumulators once per 64 (int4) or 32 (int8)
-// elements. The int16 pair sums stay below 2 * 15 * 127 * 2 (int4) and 2 * 128 * 127 (int8, as
-// |code - 128| times the activation with the weight's sign), so nothing saturates.
+// elements. The int16 sums stay within 2 * 2 * 15 * 127 (int4: two byte-pair sums added) and 2 * 128 * 127
+// (int8, as |code - 128| times the activation with the weight's sign), so nothing saturates.
 template <int B>
 void row_tile_i8(const QuantMatrix& w, const QuantActs& x, const TileScales& ts, size_t r, float* out) {
     const size_t cols = x.cols, groups = x.groups;
