@@ -35,20 +35,12 @@ void check(const QuantMatrix& w, const void* data, const void* out) {
     }
 }
 
-bool simd_fits(const QuantMatrix& w) {
+// Whether the AVX2 kernels run: a SIMD level, and a group size a multiple of their step for these bits.
+bool simd_fits(const QuantMatrix& w, size_t int4_step, size_t int8_step) {
 #if (defined(__x86_64__) || defined(_M_X64)) && !defined(ZO_FORCE_PORTABLE)
-    return simd_level() != SimdLevel::kScalar && w.group % (w.bits == 4 ? 16 : 8) == 0;
+    return simd_level() != SimdLevel::kScalar && w.group % (w.bits == 4 ? int4_step : int8_step) == 0;
 #else
-    (void)w;
-    return false;
-#endif
-}
-
-bool simd_fits_i8(const QuantMatrix& w) {
-#if (defined(__x86_64__) || defined(_M_X64)) && !defined(ZO_FORCE_PORTABLE)
-    return simd_level() != SimdLevel::kScalar && w.group % (w.bits == 4 ? 64 : 32) == 0;
-#else
-    (void)w;
+    (void)w, (void)int4_step, (void)int8_step;
     return false;
 #endif
 }
@@ -67,7 +59,7 @@ void dequantize_f32(const QuantMatrix& w, size_t n, float* out) {
     if (n == 0) return;
     check(w, w.codes, out);
     const size_t groups = (n + w.group - 1) / w.group;
-    const bool simd = simd_fits(w);
+    const bool simd = simd_fits(w, 16, 8);
     (void)simd;  // unused where only the scalar kernels exist
     parallel_ranges(groups, kMinGroupsPerThread, 1, [&](size_t g0, size_t g1) {
 #if (defined(__x86_64__) || defined(_M_X64)) && !defined(ZO_FORCE_PORTABLE)
@@ -82,7 +74,7 @@ void quantized_matmul_f32(const QuantMatrix& w, size_t rows, size_t cols, const 
     if (rows == 0 || batch == 0) return;
     check(w, x, y);
     check_product(w, cols);
-    const bool simd = simd_fits(w);
+    const bool simd = simd_fits(w, 16, 8);
     (void)simd;  // unused where only the scalar kernels exist
     parallel_ranges(rows, kMinRowsPerThread, kRowAlign, [&](size_t r0, size_t r1) {
 #if (defined(__x86_64__) || defined(_M_X64)) && !defined(ZO_FORCE_PORTABLE)
@@ -97,7 +89,7 @@ void quantized_matmul_int8_activations(const QuantMatrix& w, size_t rows, size_t
     if (rows == 0 || batch == 0) return;
     check(w, x, y);
     check_product(w, cols);
-    const bool simd = simd_fits_i8(w);
+    const bool simd = simd_fits(w, 64, 32);
     const size_t groups = cols / w.group;
     std::vector<int8_t> codes(batch * cols);
     std::vector<float> scale(batch * groups), sum(batch * groups);

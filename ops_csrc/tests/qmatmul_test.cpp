@@ -61,6 +61,28 @@ void expect(bool ok, const std::string& what) {
     }
 }
 
+using Product = void (*)(const QuantMatrix&, size_t, size_t, const float*, size_t, float*);
+
+// `product` of a batch at `level` with `threads` against the scalar one on one thread, to fp32 rounding.
+void compare_product(Product product, const QuantMatrix& w, size_t rows, size_t cols, const float* x,
+                     size_t batch, const std::string& level, int threads, const std::string& tag) {
+    auto y_ref = std::make_unique<float[]>(batch * rows);
+    auto y = std::make_unique<float[]>(batch * rows);
+    set_num_threads(1);
+    set_simd_level("scalar");
+    product(w, rows, cols, x, batch, y_ref.get());
+    set_simd_level(level);
+    set_num_threads(threads);
+    product(w, rows, cols, x, batch, y.get());
+    for (size_t i = 0; i < batch * rows; ++i) {
+        const float tol = 1e-4f * (1.0f + std::fabs(y_ref[i]));
+        if (!(std::fabs(y[i] - y_ref[i]) <= tol)) {
+            expect(false, tag + " batch " + std::to_string(batch) + " at " + std::to_string(i));
+            return;
+        }
+    }
+}
+
 void run_case(int bits, size_t group, bool symmetric, int round_to, const std::string& level, int threads) {
     const size_t rows = 37, cols = group * 5, n = rows * cols - 3;
     const Weights wts = make(rows * cols, bits, group, 7);
@@ -87,22 +109,8 @@ void run_case(int bits, size_t group, bool symmetric, int round_to, const std::s
     for (size_t batch : {size_t{1}, size_t{5}, size_t{8}, size_t{11}}) {
         auto x = std::make_unique<float[]>(batch * cols);
         for (size_t i = 0; i < batch * cols; ++i) x[i] = normal(rng);
-        auto y_ref = std::make_unique<float[]>(batch * rows);
-        auto y = std::make_unique<float[]>(batch * rows);
-        set_num_threads(1);
-        set_simd_level("scalar");
-        quantized_matmul_f32(w, rows, cols, x.get(), batch, y_ref.get());
-        set_simd_level(level);
-        set_num_threads(threads);
-        quantized_matmul_f32(w, rows, cols, x.get(), batch, y.get());
-        for (size_t i = 0; i < batch * rows; ++i) {
-            const float tol = 1e-4f * (1.0f + std::fabs(y_ref[i]));
-            if (!(std::fabs(y[i] - y_ref[i]) <= tol)) {
-                expect(false,
-                       "product " + tag + " batch " + std::to_string(batch) + " at " + std::to_string(i));
-                break;
-            }
-        }
+        compare_product(quantized_matmul_f32, w, rows, cols, x.get(), batch, level, threads,
+                        "product " + tag);
     }
 }
 
@@ -121,21 +129,8 @@ void run_int8_case(int bits, size_t group, bool symmetric, const std::string& le
         auto x = std::make_unique<float[]>(batch * cols);
         for (size_t i = 0; i < batch * cols; ++i) x[i] = normal(rng);
         for (size_t k = 0; k < group; ++k) x[k] = 0.0f;  // a group of zeros: scale 0
-        auto y_ref = std::make_unique<float[]>(batch * rows);
-        auto y = std::make_unique<float[]>(batch * rows);
-        set_num_threads(1);
-        set_simd_level("scalar");
-        quantized_matmul_int8_activations(w, rows, cols, x.get(), batch, y_ref.get());
-        set_simd_level(level);
-        set_num_threads(threads);
-        quantized_matmul_int8_activations(w, rows, cols, x.get(), batch, y.get());
-        for (size_t i = 0; i < batch * rows; ++i) {
-            const float tol = 1e-4f * (1.0f + std::fabs(y_ref[i]));
-            if (!(std::fabs(y[i] - y_ref[i]) <= tol)) {
-                expect(false, tag + " batch " + std::to_string(batch) + " at " + std::to_string(i));
-                break;
-            }
-        }
+        compare_product(quantized_matmul_int8_activations, w, rows, cols, x.get(), batch, level, threads,
+                        tag);
     }
 }
 
