@@ -9,10 +9,10 @@ the offset). `quantized_linear` never materializes the weight: each group's code
 and used against every input row at once, so a forward with a few rows (decoding tokens) reads
 `bits / 32` of the bytes an fp32 weight would. With many rows (a prefill) it is compute-bound, about 1.3x
 the time of torch's fp32 matmul of the decoded weight (a block-wise decode + torch matmul measured no
-faster in the engine: benchmarks/RESULTS.md). Its sums run in an
-order of its own: results match decode + matmul to fp32 rounding, not bit for bit. With
-`int8_activations` the input rows are rounded to int8 per group and multiplied with the codes in integer
-arithmetic (vpmaddubsw), one fp32 scaling per group: 1.3-3x faster, with the activations' rounding error.
+faster in the engine: benchmarks/RESULTS.md). Its sums run in an order of its own: results match decode +
+matmul to fp32 rounding, not bit for bit. With `int8_activations` the input rows are rounded to int8 per
+group and multiplied with the codes in integer arithmetic (vpmaddubsw), one fp32 scaling per group:
+1.8-2.6x faster in benchmarks/bench_qmatmul.py, with the activations' rounding error.
 The kernels run on the C++ thread pool (offload.ops' `set_num_threads`), AVX2 where the CPU has it and
 the group size is a multiple of 16 (int4) or 8 (int8), and 64 / 32 for int8 activations.
 """
