@@ -67,3 +67,11 @@ def test_our_config_builds_the_deepspeed_sections(tmp_path):
     args.weight_bits = args.aio_config = None
     cfg = bench_inference.our_config(args, "/swap", 4)
     assert "weight_quantization" not in cfg and "aio" not in cfg
+
+
+def test_int8_activations_without_quantized_weights_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        bench_inference.main(["--smoke", "--int8-activations"])
+    assert (
+        "--int8-activations applies to quantized weights: give --weight-bits too" in capsys.readouterr().err
+    )

@@ -324,5 +324,11 @@ def test_the_kernels_own_checks_refuse_bad_arguments():
         _cpu_optim.quantized_matmul_f32(*a, 4, 64, 16, 100, x.data_ptr(), 2, y.data_ptr())
     with pytest.raises(ValueError, match="unknown dtype code 7"):
         _cpu_optim.quantized_matmul_f32(*a, 4, 64, 16, 128, x.data_ptr(), 2, y.data_ptr(), 7)
+    with pytest.raises(ValueError, match="100 columns are not a whole number of groups of 64"):
+        _cpu_optim.quantized_matmul_int8_activations(*a, 4, 64, 16, 100, x.data_ptr(), 2, y.data_ptr())
+    with pytest.raises(ValueError, match="null data pointer"):
+        _cpu_optim.quantized_matmul_int8_activations(
+            0, a[1], a[2], 4, 64, 16, 128, x.data_ptr(), 2, y.data_ptr()
+        )
     with pytest.raises(ValueError, match="x: expected a floating-point CPU tensor"):
         quantized_linear(torch.ones(2, 128, dtype=torch.int64), codes, scale, offset, 4, 64, 16)
