@@ -1,14 +1,17 @@
-"""Products of quantized weights on the CPU: x @ W^T from the codes, with fp32 or int8 activations, against
-torch's fp32 matmul of the decoded weight.
+"""Linear products on the CPU: x @ W^T from quantized codes, with fp32 or int8 activations, and torch's fp32
+matmul of the decoded weight in both of its forms.
 
     .venv/bin/python -m benchmarks.bench_qmatmul [--bits 4] [--rows 1 4 8 64] [--repeats 7]
 
 For each weight shape of a 7B Llama's MLP (11008 x 4096 and 4096 x 11008; `--shapes` to change) and each
 number of input rows: `torch` is `F.linear` on the fp32 weight decoded once beforehand (a decoded model's
-matmul, the decode not timed), `codes` is `offload.ops.qmatmul.quantized_linear` (fp32 activations, the
-engine's default), `codes-int8` the same with `int8_activations=True` (zero_offload.int8_activations).
-Contenders alternate (A B C A B C), medians of `--repeats` rounds; ratios are torch's median over the
-contender's. Writes benchmarks/out/bench_qmatmul.{json,md}.
+matmul, the decode not timed), `torch-transposed` the same product as `(W x^T)^T`
+(`zero.stage3.linear_layout.transposed_linear`, what a stage-3 engine on the CPU uses for a multi-row fp32
+Linear where its bits equal torch's; "same bits" says whether they do for that shape here), `codes` is
+`offload.ops.qmatmul.quantized_linear` (fp32 activations, the engine's default), `codes-int8` the same with
+`int8_activations=True` (zero_offload.int8_activations). Contenders alternate (A B C D A B C D), medians of
+`--repeats` rounds; ratios are torch's median over the contender's. Writes
+benchmarks/out/bench_qmatmul.{json,md}.
 """
 
 from __future__ import annotations
@@ -22,13 +25,14 @@ import torch.nn.functional as F
 from benchmarks.harness import interleave, markdown_table, write_outputs
 from offload.config.quantization import WeightQuantSpec
 from offload.ops.qmatmul import quantized_linear
+from zero.stage3.linear_layout import transposed_linear
 from zero.stage3.quant import dequantize, quantize
 
 
 def contenders(
     rows: int, cols: int, batch: int, spec: WeightQuantSpec
 ) -> Dict[str, Callable[[], Optional[Dict[str, float]]]]:
-    """The three products of one [rows, cols] weight with `batch` input rows."""
+    """The four products of one [rows, cols] weight with `batch` input rows."""
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(rows * cols, generator=gen) * 0.02
     codes, scale, offset = quantize(w, spec)
@@ -39,13 +43,28 @@ def contenders(
     def run_torch() -> None:
         F.linear(x, decoded)
 
+    def run_transposed() -> None:
+        transposed_linear(x, decoded, None)
+
     def run_codes() -> None:
         quantized_linear(x, codes, scale, offset, bits, group, rows)
 
     def run_codes_int8() -> None:
         quantized_linear(x, codes, scale, offset, bits, group, rows, int8_activations=True)
 
-    return {"torch": run_torch, "codes": run_codes, "codes-int8": run_codes_int8}
+    return {
+        "torch": run_torch,
+        "torch-transposed": run_transposed,
+        "codes": run_codes,
+        "codes-int8": run_codes_int8,
+    }
+
+
+def same_bits(rows: int, cols: int, batch: int) -> bool:
+    """Whether `transposed_linear` gives F.linear's bits for this shape on this machine (random values)."""
+    gen = torch.Generator().manual_seed(1)
+    w, x = torch.randn(rows, cols, generator=gen), torch.randn(batch, cols, generator=gen)
+    return torch.equal(F.linear(x, w), transposed_linear(x, w, None))
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -65,7 +84,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         for batch in args.rows:
             timed = interleave(contenders(rows, cols, batch, spec), args.repeats)
             base = timed["torch"].median
+            equal = same_bits(rows, cols, batch)
             for name, r in timed.items():
+                bits = ("yes" if equal else "no") if name == "torch-transposed" else ""
                 ops = 2.0 * batch * rows * cols / r.median / 1e9
                 results.append(
                     {
@@ -77,11 +98,12 @@ def main(argv: Optional[List[str]] = None) -> None:
                         "max_ms": r.maximum * 1e3,
                         "gops": ops,
                         "speedup_vs_torch": base / r.median,
+                        **({"same_bits_as_torch": equal} if name == "torch-transposed" else {}),
                     }
                 )
-                table.append([shape, batch, name, r.median * 1e3, ops, base / r.median])
-            print(results[-3:], flush=True)
-    md = markdown_table(["weight", "rows", "contender", "median ms", "GOP/s", "vs torch"], table)
+                table.append([shape, batch, name, r.median * 1e3, ops, base / r.median, bits])
+            print(results[-len(timed) :], flush=True)
+    md = markdown_table(["weight", "rows", "contender", "median ms", "GOP/s", "vs torch", "same bits"], table)
     write_outputs(
         "bench_qmatmul",
         {"bits": args.bits, "group_size": args.group_size, "repeats": args.repeats, "results": results},

@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from zero.stage3.fused import QuantizedForwards
+from zero.stage3.linear_layout import LinearLayouts
 from zero.stage3.unit import PartitionStatus, Unit, is_partitioned
 
 __all__ = ["Stage3Hooks", "register_external_parameter", "unregister_external_parameter"]
@@ -85,6 +86,10 @@ class Stage3Hooks:
                 self._patched.append((m, m._parameters))
                 m._parameters = params
         self.fused = QuantizedForwards(partitioner, model)
+        # after the quantized forwards: a Linear that reads its codes keeps that forward
+        self.layouts: Optional[LinearLayouts] = (
+            LinearLayouts(model) if partitioner.device.type == "cpu" else None
+        )
 
     # -------------------------------------------------------------------------------------------- forward
     def units_for(self, module: nn.Module) -> List[Unit]:
@@ -167,6 +172,8 @@ class Stage3Hooks:
             m._parameters = OrderedDict(m._parameters)  # current contents, without the fetching behaviour
         self._patched = []
         self.fused.remove()
+        if self.layouts is not None:
+            self.layouts.remove()
 
 
 def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:

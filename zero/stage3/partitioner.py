@@ -62,6 +62,7 @@ class ParamIOReport:
     param_direct_bytes: int = 0  # NVMe bytes read straight into a gathered buffer in host memory
     param_read_wait_s: float = 0.0  # seconds gathers blocked on NVMe reads (not hidden by a prefetch)
     quantized_matmuls: int = 0  # Linear/Embedding forwards computed straight from quantized codes (fused.py)
+    transposed_linears: int = 0  # fp32 Linear forwards computed as (W x^T)^T, same bits (linear_layout.py)
 
     def as_dict(self) -> Dict[str, Any]:
         """The counts by field name."""
@@ -479,6 +480,7 @@ class Stage3Partitioner:
     def take_io_report(self) -> ParamIOReport:
         """The counts since the last call (or since construction), and start counting afresh."""
         st = self.store.stats
+        layouts = self.hooks.layouts if self.hooks is not None else None
         report = ParamIOReport(
             param_nvme_read_bytes=st.bytes_read,
             param_nvme_write_bytes=st.bytes_written,
@@ -496,6 +498,7 @@ class Stage3Partitioner:
             param_direct_bytes=st.direct_bytes,
             param_read_wait_s=st.read_wait_s,
             quantized_matmuls=self.hooks.fused.forwards if self.hooks is not None else 0,
+            transposed_linears=layouts.transposed if layouts is not None else 0,
         )
         st.bytes_read = st.bytes_written = st.reads = st.prefetches = st.prefetch_hits = st.cpu_bytes_read = 0
         st.staged_bytes = st.in_place_bytes = st.direct_bytes = 0
@@ -504,6 +507,8 @@ class Stage3Partitioner:
         self.gathers = self.grads.device_to_host_bytes = self.host_to_device_bytes = 0
         if self.hooks is not None:
             self.hooks.fused.forwards = 0
+        if layouts is not None:
+            layouts.transposed = 0
         self.peak_full_bytes = self.live_full_bytes
         return report
 
