@@ -8,12 +8,14 @@ is never refilled."""
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
 from torch import nn
 
 import zero
+from offload.aio import AioError
 
 transformers = pytest.importorskip("transformers")
 
@@ -112,13 +114,35 @@ def test_grad_mode_copies_out_of_the_slot(tmp_path):
     engine.close()
 
 
-def test_partition_larger_than_a_slot_is_read_straight_into_its_buffer(tmp_path):
-    """buffer_size below the embedding's partition: that unit is read straight into its gathered buffer
-    (no staging copy), the others in place; tokens unchanged."""
+def test_partition_larger_than_a_slot_is_prefetched_in_pieces(tmp_path):
+    """buffer_size below the embedding's and the head's partitions (two slots each): once the order is
+    known, both are prefetched in pieces into two slots and copied out of them, every read a prefetch
+    hit; the other units are used in place; tokens unchanged."""
     model = llama()
     ref = copy.deepcopy(model)
     big = {id(m.weight): m.weight.numel() * 4 for m in (model.model.embed_tokens, model.lm_head)}
     engine, *_ = zero.initialize(model=model, config=config(tmp_path, 3, buffer_size=64 * 32))
+    part = engine.partitioner
+    ids = prompt()
+    with torch.no_grad():
+        want = generate(ref, ids)
+        engine.module(ids)  # records the order of uses
+    part.take_io_report()
+    assert torch.equal(generate(engine.module, ids), want)
+    io = part.take_io_report()
+    assert io.param_staged_bytes == NEW_TOKENS * sum(big.values()) and io.param_direct_bytes == 0
+    assert io.param_in_place_bytes == io.param_nvme_read_bytes - io.param_staged_bytes > 0
+    assert io.param_prefetch_hits == io.param_reads
+    engine.close()
+
+
+def test_partition_larger_than_every_slot_together_is_read_straight_into_its_buffer(tmp_path):
+    """One slot, smaller than the embedding's and the head's partitions: those are read on demand straight
+    into their gathered buffers (no staging copy), the others in place; tokens unchanged."""
+    model = llama()
+    ref = copy.deepcopy(model)
+    big = {id(m.weight): m.weight.numel() * 4 for m in (model.model.embed_tokens, model.lm_head)}
+    engine, *_ = zero.initialize(model=model, config=config(tmp_path, 1, buffer_size=64 * 32))
     part = engine.partitioner
     part.take_io_report()
     ids = prompt()
@@ -129,6 +153,32 @@ def test_partition_larger_than_a_slot_is_read_straight_into_its_buffer(tmp_path)
     assert io.param_direct_bytes == NEW_TOKENS * sum(big.values())
     assert io.param_in_place_bytes == io.param_nvme_read_bytes - io.param_direct_bytes > 0
     assert io.param_staged_bytes == 0
+    engine.close()
+
+
+@pytest.mark.parametrize("which,keep", [("lm_head", 8192), ("lm_head", 0), ("q_proj", 0)])
+def test_a_refused_read_raises_and_no_slot_keeps_stale_bytes(tmp_path, which, keep):
+    """A swap file cut short after the order is known (the head: in pieces, its second piece or both past
+    the end; a projection: one slot): the forward raises AioError naming the file; with the file whole
+    again, the next forward's logits are exact - no slot passed for holding the unit."""
+    model = llama()
+    ref = copy.deepcopy(model)
+    engine, *_ = zero.initialize(model=model, config=config(tmp_path, 3, buffer_size=64 * 32))
+    module = model.lm_head if which == "lm_head" else model.model.layers[1].self_attn.q_proj
+    path = engine.partitioner.store.swap_file(module.weight.ds_unit)
+    ids = prompt()
+    with torch.no_grad():
+        want = ref(ids).logits
+        assert torch.equal(engine.module(ids).logits, want)  # records the order of uses
+        with open(path, "rb") as f:
+            data = f.read()
+        os.truncate(path, keep)
+        with pytest.raises(AioError, match=os.path.basename(path)):
+            engine.module(ids)
+        with open(path, "r+b") as f:
+            f.write(data)
+        for _ in range(2):
+            assert torch.equal(engine.module(ids).logits, want)
     engine.close()
 
 

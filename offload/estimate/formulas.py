@@ -679,7 +679,8 @@ def _estimate_stage3(
     if offload_param == "nvme" and bufs.param_buffer_size < layer_part:
         notes.append(
             f"offload_param.buffer_size {bufs.param_buffer_size} is smaller than the largest layer's "
-            f"partition ({layer_part} elements): such partitions are streamed in pieces and not prefetched"
+            f"partition ({layer_part} elements): such partitions are prefetched in pieces over several "
+            "buffers and copied out of them"
         )
     act_read, act_write = _add_activations(ledger, setup, setup.compute_bytes)
     return _estimate_from(

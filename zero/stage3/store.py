@@ -4,9 +4,10 @@ Memory tiers ("none": the compute device, "cpu": host memory, pinned from the Pi
 `pin_memory`) pack partitions back to back into a few large segments, so the optimizer sees flat buffers and
 no partition costs an allocation of its own. The NVMe tier keeps one swap file per unit, named after the
 module that owns it, and moves it through `buffer_count` pinned staging slots of at most `buffer_size`
-elements: a partition that fits a slot is read with one request (and can be prefetched); a larger one is
-streamed through a slot chunk by chunk (on a CPU destination: read straight into it). Each slot has its own
-aio handle, so waiting for one prefetch never waits for the others. With `max_in_cpu`, the first partitions
+elements: a partition that fits a slot is read with one request; a larger one is prefetched in pieces into
+as many free slots as it needs and copied out of them, or, read on demand, streamed through a slot chunk by
+chunk (on a CPU destination: read straight into it). Each slot has its own aio handle, so waiting for one
+prefetch never waits for the others. With `max_in_cpu`, the first partitions
 (up to that many elements) stay in host memory.
 
 Lending (`lend` / `give_back`): when the compute device is the CPU, a partition that lands in a slot can be
@@ -19,7 +20,7 @@ With weight quantization (`set_quantization`, zero.stage3.quant), the units it s
 memory slot, swap file and reads are `stored_nbytes` long, and `read` decodes after the transfer, on the
 destination's device. `memory_partition` is None for them: their bytes are not values.
 
-The module is longer than most (about 640 lines): reads, prefetches, loans and writes share one piece of
+The module is longer than most (about 720 lines): reads, prefetches, loans and writes share one piece of
 bookkeeping - which slot holds what, under one lock taken by the main thread and the optimizer's writer
 thread - and splitting it would spread that invariant over modules.
 """
@@ -166,7 +167,7 @@ class PartitionStore:
         self._largest: Optional[Unit] = None  # largest unit on NVMe: sizes the staging slots
         self._slots: List[_Slot] = []
         self._slot_bytes = 0
-        self._inflight: Dict[int, _Slot] = {}
+        self._inflight: Dict[int, List[_Slot]] = {}  # unit index -> the slots its prefetch reads into
         self._lent: Dict[int, _Slot] = {}  # unit index -> the slot its gathered tensor views
         self._slot_uses = -1  # storage uses of a slot's buffer that nothing outside the store holds
         self._direct_handle: Any = None
@@ -363,16 +364,24 @@ class PartitionStore:
             return None  # (every slot lent: the caller reads around the slots)
         # Every slot holds a prefetch: the one queued last, the furthest ahead, is given up (its unit is
         # read again on demand, or prefetched again when a slot frees).
-        victim_unit, s = next(reversed(self._inflight.items()))
+        victim_unit, held = next(reversed(self._inflight.items()))
         self._drop_inflight(victim_unit)
-        return s
+        return held[0]
+
+    def _piece_bytes(self) -> int:
+        """Bytes per slot of a partition prefetched in pieces: the slot's size in whole 4 KiB blocks, so that
+        each piece's file offset stays aligned for O_DIRECT (0: slots smaller than a block take no pieces)."""
+        return self._slot_bytes // 4096 * 4096
 
     def _drop_inflight(self, index: int) -> None:
         with self._slots_lock:
-            s = self._inflight.pop(index, None)
-        if s is not None:
-            s.handle.wait()
-            s.unit = None
+            held = self._inflight.pop(index, None)
+        if held is not None:
+            for s in held:
+                # its data is dropped unused, so is a failed read's error: a read on demand meets it again
+                with contextlib.suppress(Exception):
+                    s.handle.wait()
+                s.unit = None
             self._prefetch_over(self._units[index])
 
     @staticmethod
@@ -410,23 +419,33 @@ class PartitionStore:
 
     # ------------------------------------------------------------------------------------------------- I/O
     def prefetch(self, unit: Unit) -> bool:
-        """Queue an async read of an NVMe partition into a free slot; False if not applicable or no slot."""
+        """Queue an async read of an NVMe partition into a free slot (a partition larger than a slot: into as
+        many free slots as its pieces need); False if not applicable or not enough slots are free."""
         path = self.swap_file(unit)
         if path is None or unit.index in self._inflight:
             return False
         self.ensure_slots()
         nbytes = self.stored_nbytes(unit)
-        if nbytes > self._slot_bytes:
+        piece = max(1, nbytes) if nbytes <= self._slot_bytes else self._piece_bytes()
+        if piece == 0:
             return False
         with self._slots_lock:
-            s = self._free_slot(evict=False)
-            if s is None:
+            pieces = max(1, -(-nbytes // piece))
+            free = [s for s in self._slots if s.unit is None and s.lent is None][:pieces]
+            if not free or len(free) * piece < nbytes:
                 return False
-            s.unit = unit.index  # taken: no other thread's _free_slot returns it now
-            self._inflight[unit.index] = s
+            for s in free:
+                s.unit = unit.index  # taken: no other thread's _free_slot returns it now
+            self._inflight[unit.index] = free
             self.stats.peak_inflight = max(self.stats.peak_inflight, len(self._inflight))
-        self._wait_copy(s)
-        s.handle.async_pread(s.buf[:nbytes], path, 0)
+        try:
+            for i, s in enumerate(free):
+                self._wait_copy(s)
+                off = i * piece
+                s.handle.async_pread(s.buf[: min(piece, nbytes - off)], path, off)
+        except BaseException:
+            self._drop_inflight(unit.index)  # a refused request: no slot may pass for holding the unit
+            raise
         self.stats.prefetches += 1
         if unit.full is None:
             set_status(unit, PartitionStatus.INFLIGHT)  # DeepSpeed's meaning: being fetched
@@ -474,8 +493,9 @@ class PartitionStore:
         if nbytes > self._slot_bytes or lend and self._slot_uses < 0:
             return None
         with self._slots_lock:
-            s = self._inflight.pop(unit.index, None)
-            hit = s is not None
+            held = self._inflight.pop(unit.index, None)
+            hit = held is not None
+            s = held[0] if held is not None else None  # (one slot: the partition fits one)
             if s is None:
                 s = self._free_slot(evict=True)
                 if s is None:
@@ -574,15 +594,24 @@ class PartitionStore:
         self.stats.reads += 1
         self.stats.bytes_read += nbytes
         with self._slots_lock:
-            s = self._inflight.pop(unit.index, None)
-        if s is not None:
+            held = self._inflight.pop(unit.index, None)
+        if held is not None:
             self._prefetch_over(unit)
-            with self._waiting():
-                s.handle.wait()  # raises AioError naming the file if the read failed
+            piece = nbytes if len(held) == 1 else self._piece_bytes()
+            try:
+                with self._waiting():
+                    for s in held:
+                        s.handle.wait()  # raises AioError naming the file if the read failed
+                for i, s in enumerate(held):
+                    off = i * piece
+                    self._copy_out(s, dst_bytes[off : off + piece], min(piece, nbytes - off))
+            finally:
+                for s in held:
+                    with contextlib.suppress(Exception):  # (the first failure is what propagates)
+                        s.handle.wait()  # after a failed piece, the other pieces' reads end first
+                    s.unit = None
             self.stats.prefetch_hits += 1
-            self._copy_out(s, dst_bytes, nbytes)
             self.stats.staged_bytes += nbytes
-            s.unit = None
             return
         self.ensure_slots()
         big = dst.device.type == "cpu" and nbytes > self._slot_bytes
