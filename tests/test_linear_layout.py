@@ -1,7 +1,8 @@
 """Multi-row fp32 Linear forwards computed as (W x^T)^T (zero/stage3/linear_layout.py): the first forward
 of a shape checks that form against torch's bit for bit and returns torch's result; later forwards of a
 matching shape use it (counted by `transposed_linears` in the partitioner's I/O report), a shape that does
-not match never does, and everything else (few rows, grad mode, bf16) runs the module's own forward.
+not match never does, and everything else (few rows, a strided input, grad mode, bf16) runs the module's
+own forward.
 Values: always torch's, for plain modules, a stage-3 engine on NVMe, and a transformers Llama prefill."""
 
 from __future__ import annotations
@@ -67,11 +68,14 @@ def test_a_shape_whose_forms_differ_keeps_torchs_product(monkeypatch):
     assert layouts.verdict(MIN_ROWS, 64, 48, True) is False
 
 
-def test_few_rows_grad_mode_and_bf16_run_the_modules_own_forward():
+def test_few_rows_strided_input_grad_mode_and_bf16_run_the_modules_own_forward():
     model = integer_mlp()
+    ref = copy.deepcopy(model)
     layouts = LinearLayouts(model)
     with torch.no_grad():
         model(exact_values(MIN_ROWS - 1, 48))  # a decoding step's few rows
+        x = exact_values(48, MIN_ROWS).t()  # strides torch's BLAS call sees differently
+        assert torch.equal(model[0](x), ref[0](x))
         model.to(torch.bfloat16)(exact_values(MIN_ROWS, 48).bfloat16())
     model.float()
     out = model(exact_values(MIN_ROWS, 48))  # grad mode: autograd's graph through torch's own product

@@ -2,19 +2,19 @@
 
 torch computes an `nn.Linear` forward `x W^T + b` with `x` as BLAS's left operand. For a forward with many
 rows - a prefill, batch x prompt positions - MKL computes the same product written as `(W x^T)^T` faster on
-some CPUs: on a 2-core AMD EPYC (AVX2), 64 rows of 4096 by an 11008 x 4096 weight take 61 ms instead of 96.
-For such shapes the two forms also give the same bits (the same kernel sums each dot product in the same
-order; only the operands' packing differs), but that is a property of the BLAS build and the CPU, not
-something torch promises. So it is checked, never assumed: the first forward of each shape (rows, weight
-rows and columns, bias or not, torch's thread count) computes both forms and keeps the transposed one for
-that shape only if every output bit agrees. That forward returns torch's own result, so no value ever
-depends on the check; a shape whose two results differ keeps torch's form for good. With few rows (a
-decoding step) the two forms differ in rounding on that machine, and the transposed one is not tried.
+some CPUs: on a 2-core AMD EPYC (AVX2) 1.5-1.8x faster from 16 to 64 rows at a 7B model's MLP shapes
+(benchmarks/bench_qmatmul.py, `torch-transposed`). For those shapes the two forms also gave the same bits
+there, but that is a property of the BLAS build and the CPU, not something torch promises. So it is
+checked, never assumed: the first forward of each shape (rows, weight rows and columns, bias or not,
+torch's thread count) computes both forms and keeps the transposed one for that shape only if every
+output bit agrees. That forward returns torch's own result, so no value ever depends on the check; a
+shape whose two results differ keeps torch's form for good. With few rows (a decoding step) the two forms
+differ in rounding on that machine, and the transposed one is not tried.
 
 `LinearLayouts` wraps the `forward` of each module of a stage-3 model that is exactly `nn.Linear` and has no
 instance `forward` of its own (so a quantized Linear keeps the forward that reads its codes, fused.py). The
-wrapped forward takes this path only on the CPU with grad mode off, fp32 input and weight, and at least
-`MIN_ROWS` rows; anything else runs the module's own forward. `remove()` puts the original forwards back.
+wrapped forward takes this path only on the CPU with grad mode off, contiguous fp32 input and weight, and
+at least `MIN_ROWS` rows; anything else runs the module's own forward. `remove()` puts the original forwards back.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ class _Forward:
             or x.dtype != torch.float32
             or w.dtype != torch.float32
             or x.dim() < 2
+            or not (x.is_contiguous() and w.is_contiguous())  # (a verdict holds for its strides only)
             or x.shape[-1] != w.shape[1]
             or x.numel() < MIN_ROWS * x.shape[-1]
         ):
