@@ -24,8 +24,9 @@ later forwards read from the page cache whatever RAM outside its budget can hold
 from the disk per forward).
 Reported: tokens/s, s per forward, GB read from the disk per forward
 (``/proc/self/io`` read_bytes; ours also the engine's own count), the achieved read GB/s and its fraction of
-the disk's read ceiling (``--read-ceiling-gbs``, else measured with ``ds-nvme-bench --quick --read-only``),
-peak RSS, load time, and whether both generated identical tokens.
+the disk's read ceiling (``--read-ceiling-gbs``, else measured with ``ds-nvme-bench --quick --read-only``;
+given, ds-nvme-bench does not run, so our ``aio`` section stays at DeepSpeed's defaults unless
+``--aio-config`` names one), peak RSS, load time, and whether both generated identical tokens.
 
     python -m benchmarks.bench_inference --size small --repeats 2
     python -m benchmarks.bench_inference --size 7b --nvme-path /local_nvme --read-ceiling-gbs 6.5
@@ -444,7 +445,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         action="store_true",
         help="with --weight-bits: our zero_offload.int8_activations (integer products on the CPU)",
     )
-    ap.add_argument("--read-ceiling-gbs", type=float, help="the disk's read bandwidth (skips ds-nvme-bench)")
+    ap.add_argument(
+        "--read-ceiling-gbs",
+        type=float,
+        help="the disk's read bandwidth (skips ds-nvme-bench: our aio section is then DeepSpeed's defaults "
+        "unless --aio-config)",
+    )
     ap.add_argument(
         "--keep-cache-after-load",
         dest="drop_after_load",

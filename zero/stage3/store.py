@@ -7,8 +7,8 @@ module that owns it, and moves it through `buffer_count` pinned staging slots of
 elements: a partition that fits a slot is read with one request; a larger one is prefetched in pieces into
 as many free slots as it needs and copied out of them, or, read on demand, streamed through a slot chunk by
 chunk (on a CPU destination: read straight into it). Each slot has its own aio handle, so waiting for one
-prefetch never waits for the others. With `max_in_cpu`, the first partitions
-(up to that many elements) stay in host memory.
+prefetch never waits for the others. With `max_in_cpu`, the first partitions (up to that many elements)
+stay in host memory.
 
 Lending (`lend` / `give_back`): when the compute device is the CPU, a partition that lands in a slot can be
 used where it lies instead of being copied out: `lend` returns a view of the slot and keeps the slot out of
