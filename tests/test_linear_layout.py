@@ -49,6 +49,8 @@ def test_first_forward_checks_later_forwards_use_the_transposed_form(bias):
     assert layouts.transposed == 2 and layouts.probes == 2
     assert torch.equal(first, want) and torch.equal(second, want)
     assert second.is_contiguous() and second.shape == want.shape
+    with torch.no_grad():
+        assert torch.equal(model[0](input=x), ref[0](input=x))  # torch's argument name works too
     layouts.remove()
     assert "forward" not in model[0].__dict__
 

@@ -65,7 +65,8 @@ class _Forward:
         self.owner, self.module, self.unit, self.kernel = owner, module, unit, kernel
         self.original = module.forward
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, input: torch.Tensor) -> torch.Tensor:  # torch's name: `module(input=x)` works
+        x = input
         enc: Optional[EncodedWeight] = self.unit.encoded
         if enc is None or x.device.type != "cpu" or torch.is_grad_enabled():
             return self.original(x)

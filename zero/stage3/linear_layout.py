@@ -14,7 +14,8 @@ differ in rounding on that machine, and the transposed one is not tried.
 `LinearLayouts` wraps the `forward` of each module of a stage-3 model that is exactly `nn.Linear` and has no
 instance `forward` of its own (so a quantized Linear keeps the forward that reads its codes, fused.py). The
 wrapped forward takes this path only on the CPU with grad mode off, contiguous fp32 input and weight, and
-at least `MIN_ROWS` rows; anything else runs the module's own forward. `remove()` puts the original forwards back.
+at least `MIN_ROWS` rows; anything else runs the module's own forward. `remove()` puts the original
+forwards back.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ class _Forward:
         self.owner, self.module = owner, module
         self.original: Callable[[torch.Tensor], torch.Tensor] = module.forward
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, input: torch.Tensor) -> torch.Tensor:  # torch's name: `module(input=x)` works
+        x = input
         w = self.module.weight
         if (
             torch.is_grad_enabled()
