@@ -51,8 +51,9 @@ inline int signed_code(const QuantMatrix& w, size_t i) {
     return w.bits == 8 ? c - 128 : c;
 }
 
-inline float code_offset(const QuantMatrix& w, size_t g, float s) {
-    const float o = w.offset != nullptr ? f16_to_f32(w.offset[g]) : 0.0f;
+// `o`: the group's stored offset (ignored when the weights are symmetric), `s`: its scale. The scalar and
+// AVX2 kernels load o and s their own way and share this rule.
+inline float signed_code_offset(const QuantMatrix& w, float o, float s) {
     if (w.bits == 8) return w.offset != nullptr ? o + 128.0f * s : 0.0f;
     return w.offset != nullptr ? o : -8.0f * s;
 }
@@ -123,8 +124,9 @@ void qmatmul_i8_rows_scalar(const QuantMatrix& w, size_t rows, const QuantActs& 
                 const float s = f16_to_f32(w.scale[g]);
                 int64_t isum = 0;  // a group may hold 2^24 products of up to 128 * 127
                 for (size_t k = k0; k < k0 + w.group; ++k) isum += signed_code(w, r * cols + k) * xq[k];
+                const float o = w.offset != nullptr ? f16_to_f32(w.offset[g]) : 0.0f;
                 acc += s * x.scale[m * groups + gi] * static_cast<float>(isum) +
-                       code_offset(w, g, s) * x.sum[m * groups + gi];
+                       signed_code_offset(w, o, s) * x.sum[m * groups + gi];
             }
             y[m * rows + r] = acc;
         }
@@ -259,8 +261,6 @@ void row_tile_i8(const QuantMatrix& w, const QuantActs& x, const TileScales& ts,
     const __m256i ones = _mm256_set1_epi16(1);
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-    // the offset that goes with the kernel's codes: o (+ 128 s for int8) asymmetric, -8 s (int4) or 0
-    const float shift = w.bits == 8 ? 128.0f : 0.0f, sym_shift = w.bits == 8 ? 0.0f : -8.0f;
     __m256 acc[B];
     for (int j = 0; j < B; ++j) acc[j] = _mm256_setzero_ps();
     __m256 off = _mm256_setzero_ps();
@@ -268,7 +268,7 @@ void row_tile_i8(const QuantMatrix& w, const QuantActs& x, const TileScales& ts,
     for (size_t gi = 0; gi < groups; ++gi) {
         const size_t g = r * groups + gi, k0 = gi * w.group;
         const float s = f16_at(w.scale + g);
-        const float o = w.offset != nullptr ? f16_at(w.offset + g) + shift * s : sym_shift * s;
+        const float o = signed_code_offset(w, w.offset != nullptr ? f16_at(w.offset + g) : 0.0f, s);
         _mm256_store_ps(sc, _mm256_mul_ps(_mm256_set1_ps(s), _mm256_loadu_ps(&ts.scale[gi * 8])));
         off = _mm256_add_ps(off, _mm256_mul_ps(_mm256_set1_ps(o), _mm256_loadu_ps(&ts.sum[gi * 8])));
         if (w.bits == 4) {
