@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, Optional, Tuple
 
 import torch
 from torch import nn
 
 from offload.ops.qmatmul import dequantize_into, quantized_linear
+from zero.stage3.forward_patch import ForwardPatches
 from zero.stage3.unit import Unit
 
 if TYPE_CHECKING:
@@ -111,7 +112,7 @@ def _embedding(
 def _eligible(m: nn.Module) -> Optional[Tuple[Callable, int]]:
     """(kernel, row length) of a module whose forward may read codes: exactly nn.Linear, or nn.Embedding
     without max_norm (it renormalizes the weight in place); a subclass may compute differently."""
-    if "forward" in m.__dict__:
+    if not ForwardPatches.free(m):
         return None
     if type(m) is nn.Linear:
         return _linear, m.in_features
@@ -136,7 +137,7 @@ class QuantizedForwards:
                 f"{partitioner.world_size} rank(s)); their weights are decoded instead",
                 stacklevel=2,
             )
-        self._wrapped: List[Tuple[nn.Module, _Forward]] = []
+        self._patches = ForwardPatches()
         # unit index -> {module whose forward reads its codes: its weight's index in the unit}; kept so that
         # nothing here reads `module.weight`, which would count as a use of it (hooks._FetchOnAccess)
         self._owners: Dict[int, Dict[nn.Module, int]] = {}
@@ -153,9 +154,7 @@ class QuantizedForwards:
             lo, _ = unit.param_range(i)
             if not codec.covers(i, lo, unit.numels[i], kind[1]):
                 continue
-            fwd = _Forward(self, m, unit, kind[0])
-            m.forward = fwd
-            self._wrapped.append((m, fwd))
+            self._patches.set(m, _Forward(self, m, unit, kind[0]))
             self._owners.setdefault(unit.index, {})[m] = i
 
     def owns(self, module: nn.Module, unit: Unit) -> bool:
@@ -176,8 +175,5 @@ class QuantizedForwards:
 
     def remove(self) -> None:
         """Give every wrapped module its own forward back."""
-        for m, fwd in self._wrapped:
-            if m.__dict__.get("forward") is fwd:
-                del m.forward
-        self._wrapped.clear()
+        self._patches.remove()
         self._owners.clear()

@@ -21,11 +21,13 @@ forwards back.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from zero.stage3.forward_patch import ForwardPatches
 
 __all__ = ["MIN_ROWS", "LinearLayouts", "transposed_linear"]
 
@@ -76,12 +78,10 @@ class LinearLayouts:
         self.transposed = 0  # forwards computed as (W x^T)^T (read by the I/O report)
         self.probes = 0  # forwards that computed both forms to check a new shape
         self._verdicts: OrderedDict[_Shape, bool] = OrderedDict()
-        self._wrapped: List[Tuple[nn.Module, _Forward]] = []
+        self._patches = ForwardPatches()
         for m in model.modules():
-            if type(m) is nn.Linear and "forward" not in m.__dict__:
-                fwd = _Forward(self, m)
-                m.forward = fwd
-                self._wrapped.append((m, fwd))
+            if type(m) is nn.Linear and ForwardPatches.free(m):
+                self._patches.set(m, _Forward(self, m))
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         """`F.linear(x, weight, bias)`'s exact values, in the transposed form where checked to match."""
@@ -110,7 +110,4 @@ class LinearLayouts:
 
     def remove(self) -> None:
         """Give every wrapped module its own forward back."""
-        for m, fwd in self._wrapped:
-            if m.__dict__.get("forward") is fwd:
-                del m.forward
-        self._wrapped.clear()
+        self._patches.remove()
