@@ -355,11 +355,15 @@ class PartitionStore:
             self._slots.append(_Slot(buf, self._aio.handle()))
         self._slot_uses = _storage_uses(self._slots[0].buf)
 
-    def _free_slot(self, evict: bool) -> Optional[_Slot]:
+    def _idle_slots(self) -> List[_Slot]:
+        """The slots holding nothing: no prefetch in flight, not lent (call under `_slots_lock`)."""
         self.ensure_slots()
-        for s in self._slots:
-            if s.unit is None and s.lent is None:
-                return s
+        return [s for s in self._slots if s.unit is None and s.lent is None]
+
+    def _free_slot(self, evict: bool) -> Optional[_Slot]:
+        idle = self._idle_slots()
+        if idle:
+            return idle[0]
         if not evict or not self._inflight:
             return None  # (every slot lent: the caller reads around the slots)
         # Every slot holds a prefetch: the one queued last, the furthest ahead, is given up (its unit is
@@ -431,7 +435,7 @@ class PartitionStore:
             return False
         with self._slots_lock:
             pieces = max(1, -(-nbytes // piece))
-            free = [s for s in self._slots if s.unit is None and s.lent is None][:pieces]
+            free = self._idle_slots()[:pieces]
             if not free or len(free) * piece < nbytes:
                 return False
             for s in free:
