@@ -12,8 +12,8 @@ from torch import nn
 
 import zero
 from offload.config.quantization import WeightQuantSpec
-from offload.ops import available_simd_levels, force_simd_level
-from offload.ops.qmatmul import dequantize_into, quantized_linear
+from offload.ops import available_simd_levels, force_simd_level, qmatmul
+from offload.ops.qmatmul import BLOCK_DECODE_MIN_ROWS, decodes_in_blocks, dequantize_into, quantized_linear
 from zero.stage3.quant import dequantize, quantize
 
 
@@ -47,13 +47,23 @@ def test_dequantize_is_bit_identical_to_the_torch_decoder(simd, bits, group, sym
 @pytest.mark.parametrize("symmetric", [False, True])
 @pytest.mark.parametrize("bits,group", [(4, 64), (4, 6), (8, 64), (8, 8)])
 def test_product_from_the_codes_against_float64(simd, bits, group, symmetric, weight_dtype):
-    """x @ W^T + b for batches around the kernel's tile of 8 rows; W is the decoded weight rounded to the
+    """x @ W^T + b for batches around the kernel's tile of 8 rows, and from BLOCK_DECODE_MIN_ROWS on,
+    where the weight is decoded block by block for torch's GEMM; W is the decoded weight rounded to the
     model dtype. Error within fp32 rounding of sums of |x| |W| terms."""
     rows, cols = 40, 12 * group
     spec, codes, scale, offset = encoded(rows * cols, bits, group, symmetric, seed=1)
     w = dequantize(codes, scale, offset, spec, rows * cols, weight_dtype).double().view(rows, cols)
     bias = torch.randn(rows)
-    for batch in (1, 3, 8, 9, 17):
+    for batch in (
+        1,
+        3,
+        8,
+        9,
+        17,
+        BLOCK_DECODE_MIN_ROWS - 1,
+        BLOCK_DECODE_MIN_ROWS,
+        BLOCK_DECODE_MIN_ROWS + 7,
+    ):
         x = torch.randn(batch, cols, generator=torch.Generator().manual_seed(batch))
         y = quantized_linear(x, codes, scale, offset, bits, group, rows, bias, weight_dtype)
         want = x.double() @ w.T + bias.double()
@@ -105,6 +115,33 @@ def test_product_with_int8_activations_against_float64(simd, bits, group, symmet
         assert float((y.double() - want).abs().max()) <= bound
         exact = x.double() @ w.T
         assert float((y.double() - exact).norm() / exact.norm()) < 2e-2
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits,group,symmetric", [(4, 64, False), (4, 6, True), (8, 8, False)])
+def test_many_rows_are_decode_and_torch_matmul_block_by_block(
+    monkeypatch, bits, group, symmetric, weight_dtype
+):
+    """From BLOCK_DECODE_MIN_ROWS input rows on (fp32 activations) the product is decode + torch's GEMM:
+    with one block it equals `(W @ x^T)^T + b` over the weight decoded to the model dtype, bit for bit;
+    blocks of 7 rows (the last one short) and of one row (a block budget smaller than a row) give the same
+    values to fp32 rounding. Fewer rows, or int8 activations, never take this path."""
+    rows, cols = 40, 16 * group
+    spec, codes, scale, offset = encoded(rows * cols, bits, group, symmetric, seed=3)
+    w = dequantize(codes, scale, offset, spec, rows * cols, weight_dtype).float().view(rows, cols)
+    x = torch.randn(BLOCK_DECODE_MIN_ROWS + 3, cols, generator=torch.Generator().manual_seed(4))
+    bias = torch.randn(rows)
+    exact = torch.mm(w, x.t()).t() + bias
+    assert decodes_in_blocks(x.shape[0]) and not decodes_in_blocks(x.shape[0], int8_activations=True)
+    assert not decodes_in_blocks(BLOCK_DECODE_MIN_ROWS - 1)
+    whole = quantized_linear(x, codes, scale, offset, bits, group, rows, bias, weight_dtype)
+    assert torch.equal(whole, exact)
+    bound = 1e-6 * cols * float((x.abs() @ w.abs().T).max())
+    for block_rows, block_bytes in ((7, 7 * cols * 4), (1, 4)):
+        monkeypatch.setattr(qmatmul, "BLOCK_BYTES", block_bytes)
+        got = quantized_linear(x, codes, scale, offset, bits, group, rows, bias, weight_dtype)
+        assert got.is_contiguous() and got.shape == exact.shape
+        assert float((got - exact).abs().max()) <= bound, block_rows
 
 
 def test_product_keeps_leading_dimensions_and_dtype():
@@ -174,6 +211,30 @@ def test_a_weight_read_outside_its_forward_is_decoded(tmp_path, tier):
         assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
         io = engine.partitioner.take_io_report()
         assert io.quantized_matmuls >= 1  # `out` at least; `lin` once its weight is known to be read
+    engine.close()
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_many_row_forwards_decode_in_blocks_in_the_engine(tmp_path, tier):
+    """An inference forward of BLOCK_DECODE_MIN_ROWS rows or more (counted over x's leading dimensions)
+    computes each quantized Linear by decoding its weight block by block for torch's GEMM, counted by
+    `quantized_block_matmuls`; one row fewer takes the register kernel. Both agree with the decoding
+    (grad-enabled) forward to fp32 rounding."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(128, 192), nn.ReLU(), nn.Linear(192, 64))
+    engine, *_ = zero.initialize(model=model, config=config(tier, tmp_path))
+    n = BLOCK_DECODE_MIN_ROWS
+    for shape, blocks in (((2, n // 2, 128), 2), ((n,), 2), ((n - 1, 128), 0)):
+        x = torch.randn(*shape, 128) if len(shape) == 1 else torch.randn(*shape)
+        with torch.enable_grad():
+            want = engine(x).detach()
+        engine.partitioner.take_io_report()
+        with torch.no_grad():
+            got = engine(x)
+        io = engine.partitioner.take_io_report()
+        assert (io.quantized_matmuls, io.quantized_block_matmuls) == (2, blocks), shape
+        assert got.shape == want.shape
+        assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
     engine.close()
 
 

@@ -5,14 +5,21 @@ byte, the first element in the high nibble), one float16 scale and, asymmetric, 
 `group` consecutive elements; value = offset + code * scale, or (code - 2^(bits-1)) * scale symmetric.
 
 `dequantize_into` is bit-identical to zero.stage3.quant.dequantize (both round the product before adding
-the offset). `quantized_linear` never materializes the weight: each group's codes are decoded in registers
-and used against every input row at once, so a forward with a few rows (decoding tokens) reads
-`bits / 32` of the bytes an fp32 weight would. With many rows (a prefill) it is compute-bound, about 1.3x
-the time of torch's fp32 matmul of the decoded weight (a block-wise decode + torch matmul measured no
-faster in the engine: benchmarks/RESULTS.md). Its sums run in an order of its own: results match decode +
-matmul to fp32 rounding, not bit for bit. With `int8_activations` the input rows are rounded to int8 per
-group and multiplied with the codes in integer arithmetic (vpmaddubsw), one fp32 scaling per group:
-1.8-2.6x faster in benchmarks/bench_qmatmul.py, with the activations' rounding error.
+the offset). `quantized_linear` computes a product one of two ways, both from the codes:
+
+* Few input rows (fewer than `BLOCK_DECODE_MIN_ROWS`: decoding tokens): the weight is never materialized.
+  Each group's codes are decoded in registers and used against every input row at once, so the forward
+  reads `bits / 32` of the bytes an fp32 weight would. Its sums run in an order of its own: results match
+  decode + matmul to fp32 rounding, not bit for bit.
+* Many rows (a prefill), where that kernel is compute-bound and slower than an fp32 GEMM: the weight is
+  decoded a block of rows at a time into a buffer of about `BLOCK_BYTES` (a few MiB, so it stays in the
+  CPU's cache) and multiplied as `W_block @ x^T` by torch's GEMM, the orientation MKL runs fastest with
+  few columns (zero/stage3/linear_layout.py). Measured 1.4-1.6x faster than the register kernel at 64
+  rows of the 7B shapes (benchmarks/RESULTS.md); the values are decode + matmul's.
+
+With `int8_activations` the input rows are rounded to int8 per group and multiplied with the codes in
+integer arithmetic (vpmaddubsw), one fp32 scaling per group, at every row count: 1.8-2.6x faster than the
+register kernel in benchmarks/bench_qmatmul.py, with the activations' rounding error.
 The kernels run on the C++ thread pool (offload.ops' `set_num_threads`), AVX2 where the CPU has it and
 the group size is a multiple of 16 (int4) or 8 (int8), and 64 / 32 for int8 activations.
 """
@@ -25,7 +32,13 @@ import torch
 
 from offload import _cpu_optim
 
-__all__ = ["dequantize_into", "quantized_linear"]
+__all__ = ["BLOCK_BYTES", "BLOCK_DECODE_MIN_ROWS", "decodes_in_blocks", "dequantize_into", "quantized_linear"]
+
+# Input rows from which an fp32-activation product decodes the weight block by block for torch's GEMM
+# (the crossover measured with benchmarks/bench_qmatmul.py on AVX2: the register kernel wins at 16 rows)
+BLOCK_DECODE_MIN_ROWS = 32
+# fp32 bytes of weight decoded per block: small enough to stay in cache between the decode and the GEMM
+BLOCK_BYTES = 8 << 20
 
 # model dtype -> the kernel's dtype code for rounding each decoded weight
 _ROUND_TO = {torch.float32: _cpu_optim.F32, torch.bfloat16: _cpu_optim.BF16, torch.float16: _cpu_optim.F16}
@@ -77,6 +90,48 @@ def dequantize_into(
     return out
 
 
+def decodes_in_blocks(input_rows: int, int8_activations: bool = False) -> bool:
+    """Whether `quantized_linear` with `input_rows` rows (the product of x's leading dimensions) decodes
+    the weight block by block for torch's GEMM rather than computing in registers from the codes."""
+    return not int8_activations and input_rows >= BLOCK_DECODE_MIN_ROWS
+
+
+def _decoded_blocks_product(
+    flat: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    offset: Optional[torch.Tensor],
+    bits: int,
+    group: int,
+    out_features: int,
+    weight_dtype: torch.dtype,
+) -> torch.Tensor:
+    """`flat @ W^T` [rows, out_features] (contiguous fp32): blocks of W's rows decoded into one buffer of
+    about BLOCK_BYTES, each rounded to `weight_dtype` and multiplied as `W_block @ flat^T`."""
+    cols = flat.shape[1]
+    step = max(1, min(out_features, BLOCK_BYTES // (cols * 4)))
+    per_row = cols // group  # groups (scales, offsets) per weight row; cols is a whole number of groups
+    row_bytes = cols * bits // 8
+    buf = torch.empty(step * cols, dtype=torch.float32)
+    out_t = torch.empty(out_features, flat.shape[0], dtype=torch.float32)
+    flat_t = flat.t()
+    for r0 in range(0, out_features, step):
+        r1 = min(out_features, r0 + step)
+        block = buf[: (r1 - r0) * cols]
+        dequantize_into(
+            block,
+            codes[r0 * row_bytes : r1 * row_bytes],
+            scale[r0 * per_row : r1 * per_row],
+            offset[r0 * per_row : r1 * per_row] if offset is not None else None,
+            bits,
+            group,
+        )
+        if weight_dtype != torch.float32:
+            block.copy_(block.to(weight_dtype))  # the value a decode into a model-dtype buffer holds
+        torch.mm(block.view(r1 - r0, cols), flat_t, out=out_t[r0:r1])
+    return out_t.t().contiguous()
+
+
 def quantized_linear(
     x: torch.Tensor,
     codes: torch.Tensor,
@@ -93,7 +148,8 @@ def quantized_linear(
     scale, offset); in_features is x's last dimension and must be a multiple of `group`. Each weight is
     decoded as `dequantize_into` decodes it and rounded to `weight_dtype` (float32, bfloat16 or float16:
     the values a decode into a buffer of the model dtype holds); products and sums run in fp32, and the
-    result has x's dtype.
+    result has x's dtype. From `BLOCK_DECODE_MIN_ROWS` input rows on, the weight is decoded a block of
+    rows at a time and multiplied by torch's GEMM (`decodes_in_blocks`; module docstring).
 
     `int8_activations`: each group of `group` values of a row of x is rounded to int8 (scale max|x| / 127,
     half to even) and multiplied with the weight codes in integer arithmetic, one fp32 scaling per group:
@@ -109,6 +165,11 @@ def quantized_linear(
         raise ValueError(f"in_features {cols} is not a whole number of groups of {group}")
     _check_consts(codes, scale, offset, bits, group, out_features * cols)
     flat = x.reshape(-1, cols).to(torch.float32).contiguous()
+    if decodes_in_blocks(flat.shape[0], int8_activations):
+        y = _decoded_blocks_product(flat, codes, scale, offset, bits, group, out_features, weight_dtype)
+        if bias is not None:
+            y.add_(bias)
+        return y.to(x.dtype).reshape(*x.shape[:-1], out_features)
     y = torch.empty(flat.shape[0], out_features, dtype=torch.float32)
     args = (_addr(codes), _addr(scale), _addr(offset), bits, group, out_features, cols)
     if int8_activations:

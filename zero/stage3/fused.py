@@ -9,8 +9,10 @@ forward reads the codes:
 
 * nn.Linear: `offload.ops.qmatmul.quantized_linear`, `x @ W^T + b` from the codes. A forward with a few
   rows (a decoding step) reads 1/8 (int4) or 1/4 (int8) of the bytes of an fp32 weight and writes none,
-  where decode-then-matmul wrote and read the whole fp32 weight. With `zero_offload.int8_activations` the
-  input rows are rounded to int8 per group as well and multiplied in integer arithmetic.
+  where decode-then-matmul wrote and read the whole fp32 weight. A forward with many rows (a prefill)
+  decodes the weight a cache-sized block of rows at a time for torch's GEMM. With
+  `zero_offload.int8_activations` the input rows are rounded to int8 per group as well and multiplied in
+  integer arithmetic.
 * nn.Embedding: only the looked-up rows are decoded (the same values a whole decode gives), not the
   vocabulary.
 
@@ -34,7 +36,7 @@ from typing import TYPE_CHECKING, Callable, Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from offload.ops.qmatmul import dequantize_into, quantized_linear
+from offload.ops.qmatmul import decodes_in_blocks, dequantize_into, quantized_linear
 from zero.stage3.forward_patch import ForwardPatches
 from zero.stage3.unit import Unit
 
@@ -72,6 +74,9 @@ class _Forward:
         if enc is None or x.device.type != "cpu" or torch.is_grad_enabled():
             return self.original(x)
         self.owner.forwards += 1
+        rows = x.numel() // max(1, x.shape[-1])
+        if self.kernel is _linear and decodes_in_blocks(rows, self.owner.int8_activations):
+            self.owner.block_forwards += 1
         return self.kernel(self.module, enc, self.unit.dtype, x, self.owner.int8_activations)
 
 
@@ -128,6 +133,7 @@ class QuantizedForwards:
         """Wraps every eligible module (`_eligible`) whose weight's unit is quantized with the weight whole
         and rows of whole groups, one rank."""
         self.forwards = 0  # forwards computed from the codes (read by the I/O report)
+        self.block_forwards = 0  # of those, Linear forwards that decoded the weight block by block
         # zero_offload.int8_activations: Linears round their input rows to int8 too (quantized_linear)
         self.int8_activations = bool(partitioner.config.zero_offload.int8_activations)
         if self.int8_activations and (partitioner.world_size != 1 or partitioner.device.type != "cpu"):

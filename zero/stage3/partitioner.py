@@ -62,6 +62,7 @@ class ParamIOReport:
     param_direct_bytes: int = 0  # NVMe bytes read straight into a gathered buffer in host memory
     param_read_wait_s: float = 0.0  # seconds gathers blocked on NVMe reads (not hidden by a prefetch)
     quantized_matmuls: int = 0  # Linear/Embedding forwards computed straight from quantized codes (fused.py)
+    quantized_block_matmuls: int = 0  # of those, many-row Linears decoded block by block for a GEMM
     transposed_linears: int = 0  # fp32 Linear forwards computed as (W x^T)^T, same bits (linear_layout.py)
 
     def as_dict(self) -> Dict[str, Any]:
@@ -498,6 +499,7 @@ class Stage3Partitioner:
             param_direct_bytes=st.direct_bytes,
             param_read_wait_s=st.read_wait_s,
             quantized_matmuls=self.hooks.fused.forwards if self.hooks is not None else 0,
+            quantized_block_matmuls=self.hooks.fused.block_forwards if self.hooks is not None else 0,
             transposed_linears=layouts.transposed if layouts is not None else 0,
         )
         st.bytes_read = st.bytes_written = st.reads = st.prefetches = st.prefetch_hits = st.cpu_bytes_read = 0
@@ -506,7 +508,7 @@ class Stage3Partitioner:
         st.peak_inflight = len([u for u in self.units if self.store.prefetching(u)])
         self.gathers = self.grads.device_to_host_bytes = self.host_to_device_bytes = 0
         if self.hooks is not None:
-            self.hooks.fused.forwards = 0
+            self.hooks.fused.forwards = self.hooks.fused.block_forwards = 0
         if layouts is not None:
             layouts.transposed = 0
         self.peak_full_bytes = self.live_full_bytes
