@@ -17,7 +17,7 @@ import torch
 import zero
 from offload.config import ConfigError, load_config
 from offload.config.quantization import WeightQuantSpec
-from zero.stage3.quant import PartitionCodec, dequantize, quantize, quantized_nbytes
+from zero.stage3.quant import PartitionCodec, dequantize, is_conv1d, quantize, quantized_nbytes
 
 transformers = pytest.importorskip("transformers")
 
@@ -85,9 +85,13 @@ def assert_fp32_close(got, want):
 
 
 def fused_linears(model):
-    """Forwards computed from the codes in one forward of `model`: every nn.Linear and nn.Embedding (each
-    quantized here; GPT-2's head reads the codes of the embedding's weight it shares)."""
-    return sum(1 for m in model.modules() if type(m) in (torch.nn.Linear, torch.nn.Embedding))
+    """Forwards computed from the codes in one forward of `model`: every nn.Linear, nn.Embedding and
+    Conv1D (each quantized here; GPT-2's head reads the codes of the embedding's weight it shares)."""
+    return sum(1 for m in model.modules() if type(m) in (torch.nn.Linear, torch.nn.Embedding) or is_conv1d(m))
+
+
+def conv1ds(model):
+    return sum(1 for m in model.modules() if is_conv1d(m))
 
 
 def fake_quantized(model, spec):
@@ -265,7 +269,9 @@ def test_engine_computes_with_the_dequantized_weights(tmp_path, arch, bits, tier
         got = engine(ids).logits
         assert_fp32_close(got, ref(ids).logits)
         want = exact(ids).logits
-    assert engine.partitioner.take_io_report().quantized_matmuls == fused_linears(model)
+    io = engine.partitioner.take_io_report()
+    assert io.quantized_matmuls == fused_linears(model)
+    assert io.quantized_block_matmuls == conv1ds(model)  # 12 rows: the Linears take the register kernel
     assert torch.equal(generate(engine.module, ids), generate(ref, ids))
     rel = float((got - want).abs().max() / want.abs().max())
     assert 0 < rel <= REL_LOGIT_BOUND[bits]

@@ -13,7 +13,13 @@ from torch import nn
 import zero
 from offload.config.quantization import WeightQuantSpec
 from offload.ops import available_simd_levels, force_simd_level, qmatmul
-from offload.ops.qmatmul import BLOCK_DECODE_MIN_ROWS, decodes_in_blocks, dequantize_into, quantized_linear
+from offload.ops.qmatmul import (
+    BLOCK_DECODE_MIN_ROWS,
+    decodes_in_blocks,
+    dequantize_into,
+    quantized_conv1d,
+    quantized_linear,
+)
 from zero.stage3.quant import dequantize, quantize
 
 
@@ -144,6 +150,32 @@ def test_many_rows_are_decode_and_torch_matmul_block_by_block(
         assert float((got - exact).abs().max()) <= bound, block_rows
 
 
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits,group,symmetric", [(4, 64, False), (4, 6, True), (8, 64, True), (8, 8, False)])
+def test_conv1d_product_against_float64(monkeypatch, bits, group, symmetric, weight_dtype):
+    """transformers' Conv1D layout: `x @ W + b` for W [in_features, out_features] with groups along the
+    outputs, decoded block by block (one block; blocks of 5 weight rows, the last one short; one row) for
+    1 to 40 input rows, against float64 with W decoded to the model dtype; leading dimensions and x's
+    dtype kept."""
+    in_features, out_features = 43, 6 * group
+    spec, codes, scale, offset = encoded(in_features * out_features, bits, group, symmetric, seed=5)
+    w = dequantize(codes, scale, offset, spec, in_features * out_features, weight_dtype)
+    w = w.double().view(in_features, out_features)
+    bias = torch.randn(out_features)
+    for block_bytes in (qmatmul.BLOCK_BYTES, 5 * out_features * 4, 4):
+        monkeypatch.setattr(qmatmul, "BLOCK_BYTES", block_bytes)
+        for batch in (1, 4, 40):
+            x = torch.randn(batch, in_features, generator=torch.Generator().manual_seed(batch))
+            y = quantized_conv1d(x, codes, scale, offset, bits, group, out_features, bias, weight_dtype)
+            want = x.double() @ w + bias.double()
+            bound = 1e-6 * in_features * float((x.double().abs() @ w.abs()).max())
+            assert y.shape == (batch, out_features) and y.dtype == torch.float32
+            assert float((y.double() - want).abs().max()) <= bound, (block_bytes, batch)
+    x = torch.randn(2, 3, in_features, dtype=torch.bfloat16)
+    y = quantized_conv1d(x, codes, scale, offset, bits, group, out_features)
+    assert y.shape == (2, 3, out_features) and y.dtype == torch.bfloat16
+
+
 def test_product_keeps_leading_dimensions_and_dtype():
     spec, codes, scale, offset = encoded(16 * 128, 4, 64, False)
     x = torch.randn(2, 3, 128, dtype=torch.bfloat16)
@@ -168,6 +200,10 @@ def test_bad_arguments_name_what_is_wrong():
         dequantize_into(torch.empty(16, dtype=torch.float64), codes, scale, offset, 4, 64)
     with pytest.raises(ValueError, match="weight_dtype must be one of"):
         quantized_linear(x, codes, scale, offset, 4, 64, 16, weight_dtype=torch.float64)
+    with pytest.raises(ValueError, match="out_features 96 is not a whole number of groups of 64"):
+        quantized_conv1d(torch.randn(2, 16), codes, scale, offset, 4, 64, 96)
+    with pytest.raises(ValueError, match="codes: .* need 1024 values, got 512"):
+        quantized_conv1d(torch.randn(2, 16), codes[:512], scale, offset, 4, 64, 128)
 
 
 # ------------------------------------------------------------------------------------------ the engine

@@ -1,4 +1,4 @@
-"""Group-wise quantized weights on the CPU: decode to fp32, and x @ W^T straight from the codes.
+"""Group-wise quantized weights on the CPU: decode to fp32, and x @ W^T (x @ W) straight from the codes.
 
 The layout is the stage-3 one (zero/stage3/quant.py): codes of `bits` 8 (one per byte) or 4 (two per
 byte, the first element in the high nibble), one float16 scale and, asymmetric, one float16 offset per
@@ -14,25 +14,37 @@ the offset). `quantized_linear` computes a product one of two ways, both from th
 * Many rows (a prefill), where that kernel is compute-bound and slower than an fp32 GEMM: the weight is
   decoded a block of rows at a time into a buffer of about `BLOCK_BYTES` (a few MiB, so it stays in the
   CPU's cache) and multiplied as `W_block @ x^T` by torch's GEMM, the orientation MKL runs fastest with
-  few columns (zero/stage3/linear_layout.py). Measured 1.4-1.6x faster than the register kernel at 64
-  rows of the 7B shapes (benchmarks/RESULTS.md); the values are decode + matmul's.
+  few columns (zero/stage3/linear_layout.py). Measured 1.1-1.7x faster than the register kernel at 64
+  rows of the 7B shapes (docs/inference.md); the values are decode + matmul's.
+
+`quantized_conv1d` is the product of transformers' Conv1D (`x @ W` with W stored [in, out]): its groups
+run along the outputs rather than along the sums, so it always takes the block-wise form, each block of
+W's rows adding `x[:, block] @ W_block` into the result.
 
 With `int8_activations` the input rows are rounded to int8 per group and multiplied with the codes in
-integer arithmetic (vpmaddubsw), one fp32 scaling per group, at every row count: 1.8-2.6x faster than the
-register kernel in benchmarks/bench_qmatmul.py, with the activations' rounding error.
+integer arithmetic (vpmaddubsw), one fp32 scaling per group, at every row count (benchmarks/bench_qmatmul.py:
+1.9-2.5x faster than the register kernel below 32 rows, 1.0-1.3x faster than the block-wise form from 32
+rows on), with the activations' rounding error.
 The kernels run on the C++ thread pool (offload.ops' `set_num_threads`), AVX2 where the CPU has it and
 the group size is a multiple of 16 (int4) or 8 (int8), and 64 / 32 for int8 activations.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Iterator, Optional, Tuple
 
 import torch
 
 from offload import _cpu_optim
 
-__all__ = ["BLOCK_BYTES", "BLOCK_DECODE_MIN_ROWS", "decodes_in_blocks", "dequantize_into", "quantized_linear"]
+__all__ = [
+    "BLOCK_BYTES",
+    "BLOCK_DECODE_MIN_ROWS",
+    "decodes_in_blocks",
+    "dequantize_into",
+    "quantized_conv1d",
+    "quantized_linear",
+]
 
 # Input rows from which an fp32-activation product decodes the weight block by block for torch's GEMM
 # (the crossover measured with benchmarks/bench_qmatmul.py on AVX2: the register kernel wins at 16 rows)
@@ -96,27 +108,25 @@ def decodes_in_blocks(input_rows: int, int8_activations: bool = False) -> bool:
     return not int8_activations and input_rows >= BLOCK_DECODE_MIN_ROWS
 
 
-def _decoded_blocks_product(
-    flat: torch.Tensor,
+def _decoded_blocks(
     codes: torch.Tensor,
     scale: torch.Tensor,
     offset: Optional[torch.Tensor],
     bits: int,
     group: int,
-    out_features: int,
+    rows: int,
+    cols: int,
     weight_dtype: torch.dtype,
-) -> torch.Tensor:
-    """`flat @ W^T` [rows, out_features] (contiguous fp32): blocks of W's rows decoded into one buffer of
-    about BLOCK_BYTES, each rounded to `weight_dtype` and multiplied as `W_block @ flat^T`."""
-    cols = flat.shape[1]
-    step = max(1, min(out_features, BLOCK_BYTES // (cols * 4)))
-    per_row = cols // group  # groups (scales, offsets) per weight row; cols is a whole number of groups
+) -> Iterator[Tuple[int, int, torch.Tensor]]:
+    """(r0, r1, W[r0:r1]) over the row-major [rows, cols] weight, each block of about BLOCK_BYTES decoded
+    as `dequantize_into` decodes it and rounded to `weight_dtype`, into one buffer that every block
+    reuses (use a block before taking the next). `cols` is a whole number of groups."""
+    step = max(1, min(rows, BLOCK_BYTES // (cols * 4)))
+    per_row = cols // group  # groups (scales, offsets) per weight row
     row_bytes = cols * bits // 8
     buf = torch.empty(step * cols, dtype=torch.float32)
-    out_t = torch.empty(out_features, flat.shape[0], dtype=torch.float32)
-    flat_t = flat.t()
-    for r0 in range(0, out_features, step):
-        r1 = min(out_features, r0 + step)
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
         block = buf[: (r1 - r0) * cols]
         dequantize_into(
             block,
@@ -128,7 +138,26 @@ def _decoded_blocks_product(
         )
         if weight_dtype != torch.float32:
             block.copy_(block.to(weight_dtype))  # the value a decode into a model-dtype buffer holds
-        torch.mm(block.view(r1 - r0, cols), flat_t, out=out_t[r0:r1])
+        yield r0, r1, block.view(r1 - r0, cols)
+
+
+def _decoded_blocks_product(
+    flat: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    offset: Optional[torch.Tensor],
+    bits: int,
+    group: int,
+    out_features: int,
+    weight_dtype: torch.dtype,
+) -> torch.Tensor:
+    """`flat @ W^T` [rows, out_features] (contiguous fp32) for W [out_features, in_features]: each decoded
+    block of W's rows multiplied as `W_block @ flat^T`."""
+    out_t = torch.empty(out_features, flat.shape[0], dtype=torch.float32)
+    flat_t = flat.t()
+    blocks = _decoded_blocks(codes, scale, offset, bits, group, out_features, flat.shape[1], weight_dtype)
+    for r0, r1, block in blocks:
+        torch.mm(block, flat_t, out=out_t[r0:r1])
     return out_t.t().contiguous()
 
 
@@ -176,6 +205,42 @@ def quantized_linear(
         _cpu_optim.quantized_matmul_int8_activations(*args, _addr(flat), flat.shape[0], _addr(y))
     else:
         _cpu_optim.quantized_matmul_f32(*args, _addr(flat), flat.shape[0], _addr(y), _ROUND_TO[weight_dtype])
+    if bias is not None:
+        y.add_(bias)
+    return y.to(x.dtype).reshape(*x.shape[:-1], out_features)
+
+
+def quantized_conv1d(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    offset: Optional[torch.Tensor],
+    bits: int,
+    group: int,
+    out_features: int,
+    bias: Optional[torch.Tensor] = None,
+    weight_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """`x @ W + bias` for the row-major [in_features, out_features] weight W of transformers' Conv1D
+    (GPT-2) stored as (codes, scale, offset); in_features is x's last dimension, and out_features must be
+    a multiple of `group` (each weight row whole groups). The groups run along the output features, not
+    along the sums, so the register kernels do not apply: at any row count, blocks of W's rows are decoded
+    (as `dequantize_into`, rounded to `weight_dtype`) and torch's GEMM adds up `x[:, block] @ W_block`.
+    Sums in fp32, in block order: the result matches decode + matmul to fp32 rounding. It has x's dtype."""
+    if weight_dtype not in _ROUND_TO:
+        raise ValueError(f"weight_dtype must be one of {sorted(map(str, _ROUND_TO))}, got {weight_dtype}")
+    if x.device.type != "cpu" or not x.is_floating_point():
+        raise ValueError(f"x: expected a floating-point CPU tensor, got {x.dtype} on {x.device}")
+    if out_features % group:
+        raise ValueError(f"out_features {out_features} is not a whole number of groups of {group}")
+    in_features = x.shape[-1]
+    _check_consts(codes, scale, offset, bits, group, in_features * out_features)
+    flat = x.reshape(-1, in_features).to(torch.float32)
+    y = torch.zeros(flat.shape[0], out_features, dtype=torch.float32)
+    for r0, r1, block in _decoded_blocks(
+        codes, scale, offset, bits, group, in_features, out_features, weight_dtype
+    ):
+        y.addmm_(flat[:, r0:r1], block)
     if bias is not None:
         y.add_(bias)
     return y.to(x.dtype).reshape(*x.shape[:-1], out_features)

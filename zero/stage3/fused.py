@@ -13,6 +13,9 @@ forward reads the codes:
   decodes the weight a cache-sized block of rows at a time for torch's GEMM. With
   `zero_offload.int8_activations` the input rows are rounded to int8 per group as well and multiplied in
   integer arithmetic.
+* transformers' Conv1D (GPT-2; weight [in, out], groups along the outputs):
+  `offload.ops.qmatmul.quantized_conv1d`, cache-sized blocks of weight rows decoded for torch's GEMM at
+  any row count, fp32 activations.
 * nn.Embedding: only the looked-up rows are decoded (the same values a whole decode gives), not the
   vocabulary.
 
@@ -36,8 +39,9 @@ from typing import TYPE_CHECKING, Callable, Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from offload.ops.qmatmul import decodes_in_blocks, dequantize_into, quantized_linear
+from offload.ops.qmatmul import decodes_in_blocks, dequantize_into, quantized_conv1d, quantized_linear
 from zero.stage3.forward_patch import ForwardPatches
+from zero.stage3.quant import is_conv1d
 from zero.stage3.unit import Unit
 
 if TYPE_CHECKING:
@@ -75,7 +79,11 @@ class _Forward:
             return self.original(x)
         self.owner.forwards += 1
         rows = x.numel() // max(1, x.shape[-1])
-        if self.kernel is _linear and decodes_in_blocks(rows, self.owner.int8_activations):
+        if (
+            self.kernel is _conv1d
+            or self.kernel is _linear
+            and decodes_in_blocks(rows, self.owner.int8_activations)
+        ):
             self.owner.block_forwards += 1
         return self.kernel(self.module, enc, self.unit.dtype, x, self.owner.int8_activations)
 
@@ -97,6 +105,15 @@ def _linear(
     )
 
 
+def _conv1d(
+    module: nn.Module, enc: EncodedWeight, dtype: torch.dtype, x: torch.Tensor, int8_activations: bool
+) -> torch.Tensor:
+    """Conv1D's `x @ W + b` (W [in, out]: its groups run along the outputs, so fp32 activations always)."""
+    return quantized_conv1d(
+        x, enc.codes, enc.scale, enc.offset, enc.bits, enc.group, enc.cols, module.bias, dtype
+    )
+
+
 def _embedding(
     module: nn.Module, enc: EncodedWeight, dtype: torch.dtype, ids: torch.Tensor, int8_activations: bool
 ) -> torch.Tensor:
@@ -115,12 +132,15 @@ def _embedding(
 
 
 def _eligible(m: nn.Module) -> Optional[Tuple[Callable, int]]:
-    """(kernel, row length) of a module whose forward may read codes: exactly nn.Linear, or nn.Embedding
-    without max_norm (it renormalizes the weight in place); a subclass may compute differently."""
+    """(kernel, row length) of a module whose forward may read codes: exactly nn.Linear, transformers'
+    Conv1D, or nn.Embedding without max_norm (it renormalizes the weight in place); a subclass may compute
+    differently."""
     if not ForwardPatches.free(m):
         return None
     if type(m) is nn.Linear:
         return _linear, m.in_features
+    if is_conv1d(m):
+        return _conv1d, m.nf
     if type(m) is nn.Embedding and m.max_norm is None:
         return _embedding, m.embedding_dim
     return None
@@ -133,7 +153,7 @@ class QuantizedForwards:
         """Wraps every eligible module (`_eligible`) whose weight's unit is quantized with the weight whole
         and rows of whole groups, one rank."""
         self.forwards = 0  # forwards computed from the codes (read by the I/O report)
-        self.block_forwards = 0  # of those, Linear forwards that decoded the weight block by block
+        self.block_forwards = 0  # of those, Linear/Conv1D forwards that decoded the weight block by block
         # zero_offload.int8_activations: Linears round their input rows to int8 too (quantized_linear)
         self.int8_activations = bool(partitioner.config.zero_offload.int8_activations)
         if self.int8_activations and (partitioner.world_size != 1 or partitioner.device.type != "cpu"):

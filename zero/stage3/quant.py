@@ -62,11 +62,15 @@ class QuantTarget:
     index: int
 
 
-def _is_quantizable(module: nn.Module) -> bool:
-    if isinstance(module, (nn.Linear, nn.Embedding)):
-        return True
-    cls = type(module)  # transformers' Conv1D (GPT-2): a Linear with its weight transposed
+def is_conv1d(module: nn.Module) -> bool:
+    """Whether `module` is transformers' Conv1D (GPT-2): a Linear whose weight is stored transposed,
+    [in_features, out_features], computing `x @ W + b` (checked by name: transformers is not imported)."""
+    cls = type(module)
     return cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers")
+
+
+def _is_quantizable(module: nn.Module) -> bool:
+    return isinstance(module, (nn.Linear, nn.Embedding)) or is_conv1d(module)
 
 
 def quantization_plan(model: nn.Module, wq: WeightQuantizationConfig) -> Dict[str, QuantTarget]:
