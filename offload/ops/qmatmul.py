@@ -108,6 +108,22 @@ def decodes_in_blocks(input_rows: int, int8_activations: bool = False) -> bool:
     return not int8_activations and input_rows >= BLOCK_DECODE_MIN_ROWS
 
 
+def _check_product_args(x: torch.Tensor, weight_dtype: torch.dtype) -> None:
+    if weight_dtype not in _ROUND_TO:
+        raise ValueError(f"weight_dtype must be one of {sorted(map(str, _ROUND_TO))}, got {weight_dtype}")
+    if x.device.type != "cpu" or not x.is_floating_point():
+        raise ValueError(f"x: expected a floating-point CPU tensor, got {x.dtype} on {x.device}")
+
+
+def _finish(
+    y: torch.Tensor, bias: Optional[torch.Tensor], x: torch.Tensor, out_features: int
+) -> torch.Tensor:
+    """The fp32 product [rows, out_features] plus `bias`, in x's dtype and leading dimensions."""
+    if bias is not None:
+        y.add_(bias)
+    return y.to(x.dtype).reshape(*x.shape[:-1], out_features)
+
+
 def _decoded_blocks(
     codes: torch.Tensor,
     scale: torch.Tensor,
@@ -185,10 +201,7 @@ def quantized_linear(
     the product of the decoded weights with the rounded activations. Faster (AVX2: groups of a multiple
     of 64 with int4, 32 with int8), at the cost of the activations' rounding error; `weight_dtype` is not
     used."""
-    if weight_dtype not in _ROUND_TO:
-        raise ValueError(f"weight_dtype must be one of {sorted(map(str, _ROUND_TO))}, got {weight_dtype}")
-    if x.device.type != "cpu" or not x.is_floating_point():
-        raise ValueError(f"x: expected a floating-point CPU tensor, got {x.dtype} on {x.device}")
+    _check_product_args(x, weight_dtype)
     cols = x.shape[-1]
     if cols % group:
         raise ValueError(f"in_features {cols} is not a whole number of groups of {group}")
@@ -196,18 +209,14 @@ def quantized_linear(
     flat = x.reshape(-1, cols).to(torch.float32).contiguous()
     if decodes_in_blocks(flat.shape[0], int8_activations):
         y = _decoded_blocks_product(flat, codes, scale, offset, bits, group, out_features, weight_dtype)
-        if bias is not None:
-            y.add_(bias)
-        return y.to(x.dtype).reshape(*x.shape[:-1], out_features)
+        return _finish(y, bias, x, out_features)
     y = torch.empty(flat.shape[0], out_features, dtype=torch.float32)
     args = (_addr(codes), _addr(scale), _addr(offset), bits, group, out_features, cols)
     if int8_activations:
         _cpu_optim.quantized_matmul_int8_activations(*args, _addr(flat), flat.shape[0], _addr(y))
     else:
         _cpu_optim.quantized_matmul_f32(*args, _addr(flat), flat.shape[0], _addr(y), _ROUND_TO[weight_dtype])
-    if bias is not None:
-        y.add_(bias)
-    return y.to(x.dtype).reshape(*x.shape[:-1], out_features)
+    return _finish(y, bias, x, out_features)
 
 
 def quantized_conv1d(
@@ -227,10 +236,7 @@ def quantized_conv1d(
     along the sums, so the register kernels do not apply: at any row count, blocks of W's rows are decoded
     (as `dequantize_into`, rounded to `weight_dtype`) and torch's GEMM adds up `x[:, block] @ W_block`.
     Sums in fp32, in block order: the result matches decode + matmul to fp32 rounding. It has x's dtype."""
-    if weight_dtype not in _ROUND_TO:
-        raise ValueError(f"weight_dtype must be one of {sorted(map(str, _ROUND_TO))}, got {weight_dtype}")
-    if x.device.type != "cpu" or not x.is_floating_point():
-        raise ValueError(f"x: expected a floating-point CPU tensor, got {x.dtype} on {x.device}")
+    _check_product_args(x, weight_dtype)
     if out_features % group:
         raise ValueError(f"out_features {out_features} is not a whole number of groups of {group}")
     in_features = x.shape[-1]
@@ -241,6 +247,4 @@ def quantized_conv1d(
         codes, scale, offset, bits, group, in_features, out_features, weight_dtype
     ):
         y.addmm_(flat[:, r0:r1], block)
-    if bias is not None:
-        y.add_(bias)
-    return y.to(x.dtype).reshape(*x.shape[:-1], out_features)
+    return _finish(y, bias, x, out_features)
