@@ -1,11 +1,12 @@
-"""Quantized Linear and Embedding forwards that read the codes: no decoded weight in a CPU inference forward.
+"""Quantized Linear, Conv1D and Embedding forwards that read the codes: no decoded weight in a CPU inference
+forward.
 
 With `weight_quantization`, a gather normally decodes a unit's codes into a model-dtype buffer and the
-module runs on it. For an `nn.Linear` or `nn.Embedding` whose weight is quantized whole with rows of whole
-groups (one rank), an inference forward on the CPU (grad mode off) skips that: the unit is gathered
-*encoded* - its stored bytes stay where they landed (the memory partition, or the NVMe staging slot, lent
-to the unit until it is released), only its raw parameters (the bias) are decoded - and the module's
-forward reads the codes:
+module runs on it. For an `nn.Linear`, transformers `Conv1D` or `nn.Embedding` whose weight is quantized
+whole with rows of whole groups (one rank), an inference forward on the CPU (grad mode off) skips that:
+the unit is gathered *encoded* - its stored bytes stay where they landed (the memory partition, or the
+NVMe staging slot, lent to the unit until it is released), only its raw parameters (the bias) are
+decoded - and the module's forward reads the codes:
 
 * nn.Linear: `offload.ops.qmatmul.quantized_linear`, `x @ W^T + b` from the codes. A forward with a few
   rows (a decoding step) reads 1/8 (int4) or 1/4 (int8) of the bytes of an fp32 weight and writes none,
@@ -79,10 +80,8 @@ class _Forward:
             return self.original(x)
         self.owner.forwards += 1
         rows = x.numel() // max(1, x.shape[-1])
-        if (
-            self.kernel is _conv1d
-            or self.kernel is _linear
-            and decodes_in_blocks(rows, self.owner.int8_activations)
+        if self.kernel is _conv1d or (
+            self.kernel is _linear and decodes_in_blocks(rows, self.owner.int8_activations)
         ):
             self.owner.block_forwards += 1
         return self.kernel(self.module, enc, self.unit.dtype, x, self.owner.int8_activations)

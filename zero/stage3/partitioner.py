@@ -61,10 +61,8 @@ class ParamIOReport:
     param_in_place_bytes: int = 0  # NVMe bytes used where they landed: viewed (or decoded) in a staging slot
     param_direct_bytes: int = 0  # NVMe bytes read straight into a gathered buffer in host memory
     param_read_wait_s: float = 0.0  # seconds gathers blocked on NVMe reads (not hidden by a prefetch)
-    quantized_matmuls: int = 0  # Linear/Embedding forwards computed straight from quantized codes (fused.py)
-    quantized_block_matmuls: int = (
-        0  # of those, many-row Linears and Conv1Ds decoded block by block for a GEMM
-    )
+    quantized_matmuls: int = 0  # Linear/Conv1D/Embedding forwards computed from quantized codes (fused.py)
+    quantized_block_matmuls: int = 0  # of those, Linear/Conv1D forwards decoded block by block for a GEMM
     transposed_linears: int = 0  # fp32 Linear forwards computed as (W x^T)^T, same bits (linear_layout.py)
 
     def as_dict(self) -> Dict[str, Any]:
