@@ -260,8 +260,8 @@ def test_many_row_forwards_decode_in_blocks_in_the_engine(tmp_path, tier):
     model = nn.Sequential(nn.Linear(128, 192), nn.ReLU(), nn.Linear(192, 64))
     engine, *_ = zero.initialize(model=model, config=config(tier, tmp_path))
     n = BLOCK_DECODE_MIN_ROWS
-    for shape, blocks in (((2, n // 2, 128), 2), ((n,), 2), ((n - 1, 128), 0)):
-        x = torch.randn(*shape, 128) if len(shape) == 1 else torch.randn(*shape)
+    for shape, blocks in (((2, n // 2, 128), 2), ((n, 128), 2), ((n - 1, 128), 0)):
+        x = torch.randn(*shape)
         with torch.enable_grad():
             want = engine(x).detach()
         engine.partitioner.take_io_report()
