@@ -243,6 +243,10 @@ class Stage3Partitioner:
         full = self.partition_as_full(unit)
         if full is None and self._lends(unit):
             full = self.store.lend(unit)
+        if full is None and unit.padded_numel == unit.part_numel:
+            full = self.store.take_ahead(unit)  # copied to the device ahead of this use (`begin_pass`)
+            if full is not None:
+                self.host_to_device_bytes += unit.part_nbytes
         if full is None:
             if self.device.type != "cpu":
                 mem = self.store.memory_partition(unit)
@@ -358,6 +362,10 @@ class Stage3Partitioner:
         if self.in_backward:  # the last backward raised before its end callback ran: forget its state
             self._abort_backward()
         self._drop_kept()
+        # An inference forward on an accelerator copies host-memory partitions ahead of their use on a side
+        # stream (store.prefetch), as NVMe partitions are read ahead; training copies them when gathered.
+        ahead = self.world_size == 1 and self.device.type != "cpu" and not torch.is_grad_enabled()
+        self.store.read_ahead_device = self.device if ahead else None
         self.use_trace.begin_pass(self.live_numel)
 
     def hold_for_backward(self, unit: Unit) -> None:

@@ -20,7 +20,12 @@ With weight quantization (`set_quantization`, zero.stage3.quant), the units it s
 memory slot, swap file and reads are `stored_nbytes` long, and `read` decodes after the transfer, on the
 destination's device. `memory_partition` is None for them: their bytes are not values.
 
-The module is longer than most (about 720 lines): reads, prefetches, loans and writes share one piece of
+Read ahead to an accelerator (`read_ahead_device`, set by the partitioner for an inference forward on
+one): `prefetch` of a partition in host memory copies it to the device on a side stream
+(zero.stage3.device_copy) while the layers before it compute; `take_ahead` hands the copy over as the
+gathered buffer (`read` decodes a quantized unit's codes from it). A write drops the copy.
+
+The module is longer than most (about 790 lines): reads, prefetches, loans and writes share one piece of
 bookkeeping - which slot holds what, under one lock taken by the main thread and the optimizer's writer
 thread - and splitting it would spread that invariant over modules.
 """
@@ -40,6 +45,7 @@ from offload.config.aio import AioConfig
 from offload.config.zero import OffloadParamConfig
 from offload.pinned import PinnedMemoryBudgetError, PinnedPool
 from offload.swap.space import SwapFile, SwapSpace, SwapSpaceError, check_nvme_path
+from zero.stage3.device_copy import SideStream
 from zero.stage3.quant import PartitionCodec, QuantTarget, planned_nbytes, unit_codec
 from zero.stage3.unit import PartitionStatus, Unit, safe_file_name, set_status
 
@@ -176,7 +182,11 @@ class PartitionStore:
         self._slots_lock = threading.RLock()
         self._plan: Dict[str, QuantTarget] = {}  # unit (module) name -> what to quantize
         self._codecs: Dict[int, PartitionCodec] = {}
-        self._stream: Any = None
+        self._copies = SideStream()
+        # Read ahead from host memory to the compute device (`read_ahead_device`, set by the partitioner):
+        # unit index -> (its stored bytes or values on the device, the copy's event)
+        self.read_ahead_device: Optional[torch.device] = None
+        self._ahead: Dict[int, Tuple[torch.Tensor, Any]] = {}
         self._write_handle: Any = None
         on_device = tier == "none"
         self.arena = _Arena(self._memory_allocator(on_device), exact=self.pin_memory)
@@ -409,22 +419,25 @@ class PartitionStore:
             s.event = None
 
     def _copy_out(self, s: _Slot, dst_bytes: torch.Tensor, nbytes: int) -> None:
-        src = s.buf[:nbytes]
-        if dst_bytes.device.type == "cuda":
-            if self._stream is None:
-                self._stream = torch.cuda.Stream(device=dst_bytes.device)
-            with torch.cuda.stream(self._stream):
-                dst_bytes.copy_(src, non_blocking=True)
-                s.event = torch.cuda.Event()
-                s.event.record(self._stream)
-            torch.cuda.current_stream(dst_bytes.device).wait_event(s.event)
-        else:
-            dst_bytes.copy_(src)
+        s.event = self._copies.copy(dst_bytes, s.buf[:nbytes])  # on a GPU: a side stream (device_copy)
 
     # ------------------------------------------------------------------------------------------------- I/O
+    def prefetchable(self, unit: Unit) -> bool:
+        """Whether `prefetch` applies to the unit: its partition is on NVMe, or in host memory while reads
+        ahead to another device are on (`read_ahead_device`)."""
+        return unit.index in self._files or self._reads_ahead(unit)
+
+    def _reads_ahead(self, unit: Unit) -> bool:
+        """A host-memory partition (`cpu` tier, or kept by max_in_cpu) while reads ahead are on."""
+        return self.read_ahead_device is not None and self.tier != "none" and unit.index in self._mem
+
     def prefetch(self, unit: Unit) -> bool:
         """Queue an async read of an NVMe partition into a free slot (a partition larger than a slot: into as
-        many free slots as its pieces need); False if not applicable or not enough slots are free."""
+        many free slots as its pieces need), or, for a partition in host memory with `read_ahead_device`
+        set, an async copy of it to that device (`take_ahead`, or `read`, uses it); False if not applicable,
+        not enough slots are free, or the device has no memory for the copy."""
+        if self._reads_ahead(unit):
+            return self._read_ahead(unit)
         path = self.swap_file(unit)
         if path is None or unit.index in self._inflight:
             return False
@@ -457,7 +470,51 @@ class PartitionStore:
 
     def prefetching(self, unit: Unit) -> bool:
         """Whether a prefetch of the unit's partition is queued or done, and not consumed yet."""
-        return unit.index in self._inflight
+        return unit.index in self._inflight or unit.index in self._ahead
+
+    def _read_ahead(self, unit: Unit) -> bool:
+        dev = self.read_ahead_device
+        if unit.index in self._ahead or dev is None:
+            return False
+        src = self._mem[unit.index][2]  # the values, or the codes of a quantized unit
+        try:
+            copied = self._copies.copy_ahead(src, dev)
+        except torch.OutOfMemoryError:
+            return False  # no room ahead on the device: the unit is copied when it is gathered
+        with self._slots_lock:
+            self._ahead[unit.index] = copied
+            self.stats.peak_inflight = max(self.stats.peak_inflight, len(self._inflight) + len(self._ahead))
+        self.stats.prefetches += 1
+        if unit.full is None:
+            set_status(unit, PartitionStatus.INFLIGHT)
+        return True
+
+    def _ahead_copy(self, unit: Unit) -> Optional[torch.Tensor]:
+        """The unit's copy read ahead, ready for the compute stream and counted as a read; None if none."""
+        with self._slots_lock:
+            held = self._ahead.pop(unit.index, None)
+        if held is None:
+            return None
+        self._prefetch_over(unit)
+        t = self._copies.take(*held)
+        self.stats.cpu_bytes_read += t.numel() * t.element_size()
+        self.stats.prefetch_hits += 1
+        return t
+
+    def take_ahead(self, unit: Unit) -> Optional[torch.Tensor]:
+        """The unit's partition read ahead to `read_ahead_device` (part_numel elements of its dtype, a
+        tensor of its own), or None when there is none (or the unit is stored quantized: `read` decodes
+        its codes read ahead)."""
+        if unit.index in self._codecs:
+            return None
+        return self._ahead_copy(unit)
+
+    def _drop_ahead(self, index: int) -> None:
+        with self._slots_lock:
+            held = self._ahead.pop(index, None)
+        if held is not None:
+            self._copies.wait(held[1])  # the copy reads the host partition: let it end first
+            self._prefetch_over(self._units[index])
 
     def lend(self, unit: Unit) -> Optional[torch.Tensor]:
         """The unit's partition as a view of the staging slot its read landed in (part_numel elements of its
@@ -559,6 +616,10 @@ class PartitionStore:
         if codec is None:
             self._read_stored(unit, dst, unit.part_nbytes)
             return
+        ahead = self._ahead_copy(unit)
+        if ahead is not None:  # the codes, copied ahead to the device: decoded there
+            codec.decode(ahead, dst)
+            return
         entry = self._mem.get(unit.index)
         if entry is not None and entry[2].device == dst.device:
             self._count_memory_read(entry[2], codec.nbytes)
@@ -583,6 +644,10 @@ class PartitionStore:
         """Copy the `nbytes` the unit's partition occupies on its tier into `dst` (of its stored dtype)."""
         entry = self._mem.get(unit.index)
         if entry is not None:
+            ahead = self._ahead_copy(unit)
+            if ahead is not None:
+                dst.view(torch.uint8)[:nbytes].copy_(ahead.view(torch.uint8))
+                return
             mem = entry[2]
             self._count_memory_read(mem, nbytes)
             if dst.device.type == "cuda" and mem.device.type == "cpu":
@@ -653,6 +718,7 @@ class PartitionStore:
         codec = self._codecs.get(unit.index)
         entry = self._mem.get(unit.index)
         if entry is not None:
+            self._drop_ahead(unit.index)  # a copy of the old values must not be used
             if codec is None:
                 entry[2].copy_(src)
             else:
@@ -706,6 +772,8 @@ class PartitionStore:
         """Drop prefetches, give slots and pinned segments back to the pool, remove the swap files."""
         for index in list(self._inflight):
             self._drop_inflight(index)
+        for index in list(self._ahead):
+            self._drop_ahead(index)
         self._lent.clear()  # the partitioner freed its units: no view of a slot is in use
         for s in self._slots:
             self._wait_copy(s)

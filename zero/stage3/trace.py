@@ -2,10 +2,11 @@
 
 Prefetch: the uses of units (fetched in forward, held in backward, whether that gathers them or finds them
 gathered) are recorded over one pass (root forward to the next root forward, backward included). On later
-passes, each use queues async NVMe reads for the units that follow in that order (up to
+passes, each use queues async reads of the units that follow in that order (up to
 stage3_prefetch_bucket_size elements, never more than stage3_max_live_parameters elements gathered or in
-flight), so reads overlap compute. A use that leaves the recorded order stops the predictions for the rest
-of the pass, and that pass's order replaces the recorded one.
+flight), so reads overlap compute: NVMe reads, and in an inference forward on an accelerator, copies of
+host-memory partitions to it (store.prefetch). A use that leaves the recorded order stops the predictions
+for the rest of the pass, and that pass's order replaces the recorded one.
 
 Reuse (stage3_max_reuse_distance): a unit whose next use in the recorded order comes after at most that
 many elements of other uses (persistent units count 0) is kept whole when its module is done with it,
@@ -115,8 +116,8 @@ class UseTrace:
         self._prefetch(self._guesses(), live_numel)
 
     def _streamed(self, unit: Unit) -> bool:
-        """Whether a use of `unit` reads it from NVMe (so it is worth a guess)."""
-        return not unit.present and self.store.on_nvme(unit)
+        """Whether a use of `unit` reads it (from NVMe, or copies it ahead to a GPU): worth a guess."""
+        return not unit.present and self.store.prefetchable(unit)
 
     def _guesses(self) -> List[int]:
         end = min(len(self.units), self._guess_pos + PREFETCH_LOOKAHEAD)
@@ -183,7 +184,7 @@ class UseTrace:
         self._uses_before[len(order)] = total
 
     def _prefetch_from(self, pos: int, live_numel: int) -> None:
-        """Queue NVMe reads of the units used from `pos` on, within the prefetch and live budgets."""
+        """Queue reads of the units used from `pos` on, within the prefetch and live budgets."""
         self._prefetch(self.order[pos : pos + PREFETCH_LOOKAHEAD], live_numel)
 
     def _prefetch(self, indices: Sequence[int], live_numel: int) -> None:
@@ -191,7 +192,7 @@ class UseTrace:
         live = live_numel
         for index in indices[:PREFETCH_LOOKAHEAD]:
             u = self.units[index]
-            if u.present or not self.store.on_nvme(u):
+            if u.present or not self.store.prefetchable(u):
                 continue
             if u.numel > budget or live + u.numel > self.max_live_numel:
                 break

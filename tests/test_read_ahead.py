@@ -1,0 +1,181 @@
+"""Reads ahead from host memory to the compute device (zero/stage3/store.py, zero/stage3/device_copy.py).
+
+In an inference forward on an accelerator the stage-3 store copies the partitions it holds in host memory
+(the `cpu` tier, or those kept by `max_in_cpu`) to the device on a side stream before their use, as it
+reads NVMe partitions ahead. The partitioner turns that on only when the compute device is not the CPU;
+here the store is driven through the same calls with the CPU as the destination (copies then run
+synchronously through the same code), and tests/test_cuda_inference.py runs the engine on a GPU.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import zero
+from zero.stage3.device_copy import SideStream
+
+CPU = torch.device("cpu")
+
+
+def llama(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def engine_for(tmp_path, tier: str, **extra):
+    off = {"device": tier}
+    if tier == "nvme":
+        off.update(nvme_path=str(tmp_path), max_in_cpu=3000, buffer_count=2)
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "offload_param": off},
+        **extra,
+    }
+    engine, *_ = zero.initialize(model=llama(), config=cfg)
+    return engine
+
+
+def host_units(store, units):
+    return [u for u in units if not store.on_nvme(u)]
+
+
+def test_side_stream_on_the_cpu_copies_synchronously():
+    side = SideStream()
+    src = torch.arange(10, dtype=torch.float32)
+    dst = torch.empty(10)
+    assert side.copy(dst, src) is None and torch.equal(dst, src)
+    ahead, event = side.copy_ahead(src, CPU)
+    assert event is None and torch.equal(ahead, src) and ahead.data_ptr() != src.data_ptr()
+    assert side.take(ahead, event) is ahead
+    side.wait(None)
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_host_partitions_are_copied_ahead_and_handed_over(tmp_path, tier):
+    """Each host-memory partition prefetched with reads ahead on is a copy of its own, equal to the
+    partition; taking it ends the prefetch and counts a hit and its bytes. NVMe partitions keep their
+    staging slots; with reads ahead off a host partition is not prefetched at all."""
+    engine = engine_for(tmp_path, tier)
+    part = engine.partitioner
+    store = part.store
+    units = host_units(store, part.units)
+    assert units and (tier == "cpu") == (len(units) == len(part.units))
+    part.take_io_report()
+    assert not any(store.prefetchable(u) for u in units)
+    assert not store.prefetch(units[0])
+    store.read_ahead_device = CPU
+    for u in units:
+        assert store.prefetchable(u) and store.prefetch(u) and store.prefetching(u)
+        assert not store.prefetch(u)  # already ahead
+    for u in units:
+        mem = store.memory_partition(u)
+        got = store.take_ahead(u)
+        assert got is not None and torch.equal(got, mem) and got.data_ptr() != mem.data_ptr()
+        assert not store.prefetching(u) and store.take_ahead(u) is None
+    io = part.take_io_report()
+    assert io.param_prefetches == io.param_prefetch_hits == len(units)
+    assert io.param_cpu_read_bytes == sum(u.part_nbytes for u in units)
+    assert io.peak_prefetch_depth == len(units)
+    assert io.param_nvme_read_bytes == 0
+    nvme = [u for u in part.units if store.on_nvme(u)]
+    for u in nvme:  # NVMe partitions still go through the slots
+        assert store.prefetchable(u)
+    engine.close()
+
+
+def test_a_write_drops_the_copy_ahead(tmp_path):
+    """A partition written after its copy ahead was queued is never served from the stale copy."""
+    engine = engine_for(tmp_path, "cpu")
+    part = engine.partitioner
+    store = part.store
+    u = part.units[0]
+    store.read_ahead_device = CPU
+    assert store.prefetch(u)
+    new = torch.randn(u.part_numel)
+    store.write(u, new)
+    assert not store.prefetching(u) and store.take_ahead(u) is None
+    out = torch.empty(u.part_numel)
+    store.read(u, out)
+    assert torch.equal(out, new)
+    engine.close()
+
+
+def test_read_consumes_the_copy_ahead(tmp_path):
+    """`read` into another buffer is served from the copy ahead (a hit), with the partition's values."""
+    engine = engine_for(tmp_path, "cpu")
+    part = engine.partitioner
+    store = part.store
+    u = part.units[1]
+    part.take_io_report()
+    store.read_ahead_device = CPU
+    assert store.prefetch(u)
+    out = torch.empty(u.part_numel)
+    store.read(u, out)
+    assert torch.equal(out, store.memory_partition(u)) and not store.prefetching(u)
+    io = part.take_io_report()
+    assert io.param_prefetch_hits == 1 and io.param_cpu_read_bytes == u.part_nbytes
+    engine.close()
+
+
+def test_quantized_partitions_are_decoded_from_their_codes_read_ahead(tmp_path):
+    """A unit stored quantized is copied ahead as its codes (its stored bytes) and decoded by `read`:
+    the same values as a read without the copy ahead."""
+    engine = engine_for(tmp_path, "cpu", weight_quantization={"quantized_initialization": {"num_bits": 4}})
+    part = engine.partitioner
+    store = part.store
+    quantized = [u for u in part.units if store.codec(u) is not None]
+    assert quantized
+    part.take_io_report()
+    store.read_ahead_device = CPU
+    for u in quantized:
+        want = torch.empty(u.part_numel)
+        store.read(u, want)  # no copy ahead queued: decoded from the host partition
+        assert store.prefetch(u)
+        assert store.take_ahead(u) is None  # the codes are not the values
+        got = torch.empty(u.part_numel)
+        store.read(u, got)
+        assert torch.equal(got, want) and not store.prefetching(u)
+    io = part.take_io_report()
+    assert io.param_prefetch_hits == len(quantized)
+    assert io.param_cpu_read_bytes == 2 * sum(store.stored_nbytes(u) for u in quantized)
+    engine.close()
+
+
+def test_close_drops_copies_ahead(tmp_path):
+    engine = engine_for(tmp_path, "cpu")
+    part = engine.partitioner
+    store = part.store
+    store.read_ahead_device = CPU
+    units = list(part.units)
+    assert all(store.prefetch(u) for u in units)
+    engine.close()
+    assert not any(store.prefetching(u) for u in units)
+
+
+def test_cpu_inference_forward_does_not_read_ahead(tmp_path):
+    """On the CPU the host partitions are used where they lie: an inference forward turns reads ahead off
+    and copies nothing (the cpu tier's weights are the partitions themselves)."""
+    engine = engine_for(tmp_path, "cpu")
+    ref = copy.deepcopy(llama())
+    ids = torch.randint(0, 96, (2, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(engine.module(ids).logits, ref(ids).logits)
+    io = engine.partitioner.take_io_report()
+    assert engine.partitioner.store.read_ahead_device is None
+    assert io.param_prefetches == 0 and io.host_to_device_bytes == 0
+    engine.close()
