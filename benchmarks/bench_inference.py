@@ -14,6 +14,10 @@ tokens greedily from the same prompts:
 * ``accelerate``: ``AutoModelForCausalLM.from_pretrained(device_map="auto", max_memory={"cpu": budget},
   offload_folder=...)``: what does not fit the budget is offloaded to disk and loaded by hooks per module.
 
+``--param-tier cpu`` keeps every weight in host memory instead: ours with ``offload_param`` cpu (pinned;
+on a GPU each layer is copied to it ahead of its use), accelerate with a CPU budget that holds the whole
+model (on a GPU: ``--gpu-budget`` on the device, the rest in RAM); no disk ceiling is measured then.
+
 Each run is its own process (peak RSS is its own) and the page cache is dropped before each one and again
 between its load and its generation, so that generation starts cold for both (root:
 ``/proc/sys/vm/drop_caches``; otherwise skipped, with a note in the output; ``--keep-cache-after-load`` skips
@@ -31,6 +35,7 @@ given, ds-nvme-bench does not run, so our ``aio`` section stays at DeepSpeed's d
     python -m benchmarks.bench_inference --size small --repeats 2
     python -m benchmarks.bench_inference --size 7b --nvme-path /local_nvme --read-ceiling-gbs 6.5
     python -m benchmarks.bench_inference --size 1b --device cuda
+    python -m benchmarks.bench_inference --size 7b --device cuda --param-tier cpu
     python -m benchmarks.bench_inference --smoke            # seconds: what tests/test_bench_inference.py runs
 
 Over 500 lines in one file because the parent (rounds, page cache, ceiling, table) re-runs this module as
@@ -136,18 +141,22 @@ def write_checkpoint(path: str, size: str, dtype: str) -> int:
 
 def our_config(args: argparse.Namespace, swap: str, element_bytes: float) -> Dict[str, Any]:
     """Stage 3, parameters on NVMe, at most the budget's elements kept in host memory (`element_bytes`:
-    stored bytes per element); `--weight-bits` adds DeepSpeed's weight_quantization section."""
+    stored bytes per element), or with `--param-tier cpu` all in (pinned) host memory; `--weight-bits`
+    adds DeepSpeed's weight_quantization section."""
+    offload: Dict[str, Any] = {"device": "cpu", "pin_memory": True}
+    if args.param_tier == "nvme":
+        offload = {
+            "device": "nvme",
+            "nvme_path": swap,
+            "max_in_cpu": int(args.cpu_budget // element_bytes),
+            "buffer_count": args.buffer_count,
+            "buffer_size": args.buffer_size,
+        }
     cfg: Dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 1,
         "zero_optimization": {
             "stage": 3,
-            "offload_param": {
-                "device": "nvme",
-                "nvme_path": swap,
-                "max_in_cpu": int(args.cpu_budget // element_bytes),
-                "buffer_count": args.buffer_count,
-                "buffer_size": args.buffer_size,
-            },
+            "offload_param": offload,
             # prefetch depth is also bounded by this many elements ahead: room for every staging buffer
             "stage3_prefetch_bucket_size": args.prefetch_bucket,
         },
@@ -274,6 +283,8 @@ def run_child(args: argparse.Namespace) -> Dict[str, Any]:
         engine.close()
     else:
         result["device_map_tiers"] = sorted({str(v) for v in getattr(model, "hf_device_map", {}).values()})
+        # where the weights sit between forwards ("meta": offloaded, loaded by accelerate's hooks)
+        result["param_devices"] = sorted({p.device.type for p in model.parameters()})
     if device.type == "cuda":
         result["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
     return result
@@ -318,6 +329,7 @@ def _run(args: argparse.Namespace, contender: str, ckpt: str, scratch: str) -> D
     run_dir = tempfile.mkdtemp(prefix=f"{contender}-", dir=scratch)
     cmd = [sys.executable, "-m", "benchmarks.bench_inference", "--child", contender, "--ckpt", ckpt]
     cmd += ["--scratch", run_dir, "--size", args.size, "--dtype", args.dtype, "--device", args.device]
+    cmd += ["--param-tier", args.param_tier]
     cmd += [
         "--batch",
         str(args.batch),
@@ -403,6 +415,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny model, 1 round, a few tokens: for the test")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument(
+        "--param-tier",
+        choices=("nvme", "cpu"),
+        default="nvme",
+        help="where our weights live: nvme (streamed, --cpu-budget of them kept in RAM) or cpu (all in "
+        "pinned host memory; accelerate then keeps them all in RAM too, nothing on disk)",
+    )
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=8)
@@ -482,6 +501,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.child:
         print("RESULT " + json.dumps(run_child(args)), flush=True)
         return 0
+    if args.param_tier == "cpu" and (args.cpu_budget is not None or args.swap_cache):
+        ap.error("--cpu-budget and --swap-cache apply to --param-tier nvme (cpu keeps every weight in RAM)")
     contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
     unknown = sorted(set(contenders) - set(CONTENDERS))
     if unknown:
@@ -501,9 +522,14 @@ def main(argv: Optional[List[str]] = None) -> int:
                 f"wrote {weight_bytes / 1e9:.2f} GB of weights in {time.perf_counter() - t0:.0f} s",
                 flush=True,
             )
-        if args.cpu_budget is None:
-            args.cpu_budget = float(weight_bytes // 4)
-        ceiling, ceiling_source = read_ceiling(args, scratch)
+        if args.param_tier == "cpu":
+            # every weight in RAM for both; accelerate's planner wants room beyond the weights themselves
+            args.cpu_budget = float(weight_bytes * 1.25 + 2**30)
+            ceiling, ceiling_source = None, "--param-tier cpu: no weights read from the disk"
+        else:
+            if args.cpu_budget is None:
+                args.cpu_budget = float(weight_bytes // 4)
+            ceiling, ceiling_source = read_ceiling(args, scratch)
         runs: Dict[str, List[Dict[str, Any]]] = {c: [] for c in contenders}
         for rnd in range(args.repeats):
             for c in contenders:
@@ -569,7 +595,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             ]
         )
     title = (
-        f"Llama {args.size} ({weight_bytes / 1e9:.2f} GB {args.dtype}), {args.device}, batch {args.batch} x "
+        f"Llama {args.size} ({weight_bytes / 1e9:.2f} GB {args.dtype}), {args.device}, weights on "
+        f"{args.param_tier}, batch {args.batch} x "
         f"{args.new_tokens} new tokens (prompt {args.prompt_len}), "
         f"CPU budget {args.cpu_budget / 1e9:.2f} GB, "
         f"{args.repeats} round(s); read ceiling "
@@ -579,7 +606,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     table = title + "\n\n" + markdown_table(headers, rows)
     if notes:
         table += "\n\n" + "\n".join(f"Note: {n}" for n in notes)
-    name = f"bench_inference_{'smoke' if args.smoke else args.size}_{args.device}"
+    tier = "" if args.param_tier == "nvme" else f"_{args.param_tier}"
+    name = f"bench_inference_{'smoke' if args.smoke else args.size}_{args.device}{tier}"
     write_outputs(
         name,
         {

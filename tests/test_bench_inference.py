@@ -1,7 +1,8 @@
 """benchmarks/bench_inference.py --smoke: both contenders (ours: zero.from_pretrained with the weights on
 NVMe; accelerate: device_map="auto" with disk offload) load the same tiny Llama checkpoint, generate the same
 tokens, and the JSON holds the throughput columns; our run streamed weights and wrote none back.
-`--weight-bits` builds DeepSpeed's weight_quantization section."""
+`--weight-bits` builds DeepSpeed's weight_quantization section; `--param-tier cpu` keeps every weight in
+RAM for both."""
 
 from __future__ import annotations
 
@@ -36,9 +37,32 @@ def test_smoke_run_compares_both_contenders(tmp_path):
     # a quarter of the weights may stay in RAM: the rest is read from the swap files, every forward
     assert 0 < rep["nvme_read_bytes"] <= 4 * data["weight_bytes"]
     assert "disk" in acc["device_map_tiers"]
+    assert "meta" in data["runs"]["accelerate"][0]["param_devices"]  # offloaded weights
     table = (out / "bench_inference_smoke_cpu.md").read_text()
     assert "| ours |" in table and "| accelerate |" in table and "tokens identical" in table
     assert not [p for p in os.listdir(tmp_path) if p.startswith("zo-bench-inf-")]  # scratch removed
+
+
+@pytest.mark.slow  # three processes importing transformers
+def test_smoke_run_with_every_weight_in_ram(tmp_path):
+    """--param-tier cpu: ours on the cpu tier reads nothing from NVMe, accelerate keeps every weight in
+    RAM (nothing on disk), the tokens are identical and no disk ceiling is measured."""
+    out = tmp_path / "out"
+    argv = ["--smoke", "--param-tier", "cpu", "--no-drop-caches", "--out", str(out)]
+    argv += ["--nvme-path", str(tmp_path)]
+    assert bench_inference.main(argv) == 0
+    data = json.loads((out / "bench_inference_smoke_cpu_cpu.json").read_text())
+    assert data["tokens_identical"] is True and data["read_ceiling_gbs"] is None
+    rep = data["runs"]["ours"][0]["report"]
+    assert rep["forwards"] == 4 and rep["nvme_read_bytes"] == 0
+    assert data["runs"]["accelerate"][0]["param_devices"] == ["cpu"]
+    assert "weights on cpu" in (out / "bench_inference_smoke_cpu_cpu.md").read_text()
+
+
+def test_param_tier_cpu_refuses_a_cpu_budget(capsys):
+    with pytest.raises(SystemExit):
+        bench_inference.main(["--smoke", "--param-tier", "cpu", "--cpu-budget", "1e9"])
+    assert "--cpu-budget and --swap-cache apply to --param-tier nvme" in capsys.readouterr().err
 
 
 def test_our_config_builds_the_deepspeed_sections(tmp_path):
@@ -46,7 +70,7 @@ def test_our_config_builds_the_deepspeed_sections(tmp_path):
     aio.write_text(json.dumps({"aio": {"block_size": 4194304, "queue_depth": 32}}))
     args = argparse.Namespace(
         cpu_budget=4e6, buffer_count=3, buffer_size=10**7, weight_bits=4, group_size=64,
-        prefetch_bucket=10**8, aio_config=str(aio), int8_activations=False,
+        prefetch_bucket=10**8, aio_config=str(aio), int8_activations=False, param_tier="nvme",
     )  # fmt: skip
     cfg = bench_inference.our_config(args, "/swap", 4)
     assert cfg["weight_quantization"] == {"quantized_initialization": {"num_bits": 4, "group_size": 64}}
@@ -67,6 +91,9 @@ def test_our_config_builds_the_deepspeed_sections(tmp_path):
     args.weight_bits = args.aio_config = None
     cfg = bench_inference.our_config(args, "/swap", 4)
     assert "weight_quantization" not in cfg and "aio" not in cfg
+    args.param_tier = "cpu"  # every weight in pinned host memory
+    off = bench_inference.our_config(args, "/swap", 4)["zero_optimization"]["offload_param"]
+    assert off == {"device": "cpu", "pin_memory": True}
 
 
 def test_int8_activations_without_quantized_weights_is_refused(capsys):
