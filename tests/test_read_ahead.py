@@ -2,9 +2,10 @@
 
 In an inference forward on an accelerator the stage-3 store copies the partitions it holds in host memory
 (the `cpu` tier, or those kept by `max_in_cpu`) to the device on a side stream before their use, as it
-reads NVMe partitions ahead. The partitioner turns that on only when the compute device is not the CPU;
-here the store is driven through the same calls with the CPU as the destination (copies then run
-synchronously through the same code), and tests/test_cuda_inference.py runs the engine on a GPU.
+reads NVMe partitions ahead. The partitioner does that by itself when the compute device is not the CPU;
+here `partitioner.read_ahead = True` runs the same path on the CPU (each copy then replaces using the
+partition in place, and runs synchronously through the same calls), and tests/test_cuda_inference.py runs
+the engine on a GPU. The estimator's row for the copies is checked against the engine's peak.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import zero
+from offload.estimate.inference import InferenceSetup, estimate_inference, unit_numels
 from zero.stage3.device_copy import SideStream
 
 CPU = torch.device("cpu")
@@ -36,16 +38,18 @@ def llama(seed: int = 0) -> nn.Module:
     return LlamaForCausalLM(cfg).eval()
 
 
-def engine_for(tmp_path, tier: str, **extra):
+def engine_for(tmp_path, tier: str, model: nn.Module = None, bucket: int = 10**8, **extra):
     off = {"device": tier}
     if tier == "nvme":
         off.update(nvme_path=str(tmp_path), max_in_cpu=3000, buffer_count=2)
-    cfg = {
-        "train_micro_batch_size_per_gpu": 1,
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "offload_param": off},
-        **extra,
+    zero_section = {
+        "stage": 3,
+        "stage3_param_persistence_threshold": 0,
+        "stage3_prefetch_bucket_size": bucket,
+        "offload_param": off,
     }
-    engine, *_ = zero.initialize(model=llama(), config=cfg)
+    cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero_section, **extra}
+    engine, *_ = zero.initialize(model=llama() if model is None else model, config=cfg)
     return engine
 
 
@@ -178,4 +182,88 @@ def test_cpu_inference_forward_does_not_read_ahead(tmp_path):
     io = engine.partitioner.take_io_report()
     assert engine.partitioner.store.read_ahead_device is None
     assert io.param_prefetches == 0 and io.host_to_device_bytes == 0
+    engine.close()
+
+
+def generate(model, ids):
+    return model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False, pad_token_id=0
+    )
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_generation_with_copies_ahead_gives_transformers_tokens(tmp_path, tier):
+    """`read_ahead = True` on the CPU: every host partition is copied ahead of its use in each forward
+    after the first (the guessed order covers most of the first), used as the gathered weights, and the
+    tokens are transformers'."""
+    ref = llama()
+    engine = engine_for(tmp_path, tier)
+    part = engine.partitioner
+    part.read_ahead = True
+    host = host_units(part.store, part.units)
+    ids = torch.randint(0, 96, (2, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = generate(ref, ids)
+        engine.module(ids)  # records the order of uses
+        engine.inference_report()
+        got = generate(engine.module, ids)
+        report = engine.inference_report()
+    assert torch.equal(got, want)
+    io = report.as_dict()
+    assert report.forwards == 5
+    assert report.param_prefetch_hits >= 5 * len(host)
+    assert report.host_to_device_bytes == 0  # the CPU computes: nothing crosses to a device
+    assert report.peak_read_ahead_bytes > 0
+    assert io["nvme_read_bytes"] == 5 * sum(u.part_nbytes for u in part.units if part.store.on_nvme(u))
+    engine.close()
+
+
+def test_grad_mode_copies_nothing_ahead(tmp_path):
+    """A forward with grad mode on (training) never copies ahead, whatever `read_ahead` says."""
+    engine = engine_for(tmp_path, "cpu")
+    engine.partitioner.read_ahead = True
+    ids = torch.randint(0, 96, (2, 5), generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        engine.module(ids)
+    io = engine.partitioner.take_io_report()
+    assert io.param_prefetches == 0 and io.peak_read_ahead_bytes == 0
+    engine.close()
+
+
+class _Stack(nn.Module):
+    """Linears used in build order: the window of units ahead is the same in use and placement order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(16, 40)
+        self.hidden = nn.ModuleList(nn.Linear(40, 40) for _ in range(3))
+        self.out = nn.Linear(40, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for h in self.hidden:
+            x = torch.tanh(h(x))
+        return self.out(x)
+
+
+@pytest.mark.parametrize("bucket", [2000, 3300, 10**6])
+def test_estimator_row_is_the_engine_peak(tmp_path, bucket):
+    """`ds-estimate-memory --inference`'s "copies ahead (GPU)" row equals the most bytes the engine held
+    copied ahead at once, for buckets that end the window inside the model and one that holds it all."""
+    model = _Stack()
+    setup = InferenceSetup(
+        units=tuple(unit_numels(model)),
+        precision="fp32",
+        offload_param="cpu",
+        persistence_threshold=0,
+        prefetch_bucket=bucket,
+    )
+    want = estimate_inference(setup).rows["copies ahead (GPU)"]["device"]
+    engine = engine_for(tmp_path, "cpu", model=model, bucket=bucket)
+    engine.partitioner.read_ahead = True
+    with torch.no_grad():
+        for _ in range(3):
+            engine.module(torch.randn(2, 16))
+    assert engine.partitioner.take_io_report().peak_read_ahead_bytes == want > 0
     engine.close()

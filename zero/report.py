@@ -159,6 +159,7 @@ class InferenceReport:
     param_prefetches: int = 0
     param_prefetch_hits: int = 0
     peak_prefetch_depth: int = 0
+    peak_read_ahead_bytes: int = 0  # most bytes of host partitions copied ahead to a GPU at once
     gathers: int = 0
     read_wait_s: float = 0.0  # of forward_s, time spent waiting for NVMe reads no prefetch had finished
     read_ceiling_gbs: Optional[float] = None  # the disk's sequential read bandwidth, decimal GB/s
@@ -325,6 +326,7 @@ def inference_report(
         param_prefetches=io.get("param_prefetches", 0),
         param_prefetch_hits=io.get("param_prefetch_hits", 0),
         peak_prefetch_depth=io.get("peak_prefetch_depth", 0),
+        peak_read_ahead_bytes=io.get("peak_read_ahead_bytes", 0),
         gathers=io.get("gathers", 0),
         read_wait_s=io.get("param_read_wait_s", 0.0),
         read_ceiling_gbs=ceiling,

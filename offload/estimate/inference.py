@@ -14,7 +14,11 @@ The rows follow what the stage-3 engine allocates for one rank (zero/stage3/stor
 * on the device: units under `stage3_param_persistence_threshold` elements stay whole once used (up to
   `stage3_model_persistence_threshold` elements in all), plus the one unit being computed (the largest);
 * the KV cache: keys and values for every layer, `2 x layers x batch x kv_heads x seq x head_dim` elements
-  of the compute dtype, on the device (transformers' DynamicCache).
+  of the compute dtype, on the device (transformers' DynamicCache);
+* on a GPU, one rank: the partitions held in host memory are copied to the device ahead of their use, as
+  far as `stage3_prefetch_bucket_size` elements of the units that follow the one in use (NVMe units count
+  against the bucket too, persistent ones do not, a unit larger than what is left ends the window): the
+  row is the largest such window's host-memory bytes (0 when the CPU computes).
 
 Quantized weights (`weight_quantization.quantized_initialization.num_bits`, `group_size`) are counted as
 `num_bits` bits per element plus `QUANT_GROUP_BYTES` per group of `group_size` elements (a 16-bit scale and
@@ -27,6 +31,8 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from offload.config.zero import ZeroConfig
 
 from .errors import EstimateInputError
 from .formulas import SwapBufferSettings
@@ -47,8 +53,9 @@ __all__ = [
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 SWAP_ALIGNMENT = 4096  # swap files are allocated in whole 4 KiB blocks (offload.swap.space)
 QUANT_GROUP_BYTES = 4  # per quantization group: a 16-bit scale and a 16-bit offset
-DEFAULT_PERSISTENCE_THRESHOLD = 100_000  # zero_optimization.stage3_param_persistence_threshold
-DEFAULT_MODEL_PERSISTENCE = 2**63 - 1  # zero_optimization.stage3_model_persistence_threshold
+DEFAULT_PERSISTENCE_THRESHOLD = ZeroConfig.stage3_param_persistence_threshold
+DEFAULT_MODEL_PERSISTENCE = ZeroConfig.stage3_model_persistence_threshold
+DEFAULT_PREFETCH_BUCKET = ZeroConfig.stage3_prefetch_bucket_size
 
 
 @dataclass(frozen=True)
@@ -117,6 +124,7 @@ class InferenceSetup:
     world_size: int = 1
     persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD
     model_persistence_threshold: int = DEFAULT_MODEL_PERSISTENCE
+    prefetch_bucket: int = DEFAULT_PREFETCH_BUCKET  # stage3_prefetch_bucket_size: elements read ahead
     weight_bits: Optional[int] = None  # quantized weights: bits per element
     group_size: int = 64
     batch_size: Optional[int] = None
@@ -184,11 +192,14 @@ def estimate_inference(setup: InferenceSetup) -> InferenceEstimate:
     parts = [math.ceil(n / setup.world_size) for n in setup.units]
     in_cpu, on_nvme = 0, []
     placed_cpu: List[int] = []
+    in_host: List[bool] = []  # per unit: its partition lives in host memory
     for p in parts:
         if tier == "nvme" and in_cpu + p > b.param_max_in_cpu:
             on_nvme.append(p)
+            in_host.append(False)
         else:
             placed_cpu.append(p)
+            in_host.append(tier != "none")
             in_cpu += p if tier == "nvme" else 0
     stored = sum(setup.stored_bytes(p) for p in placed_cpu)
     pinned = b.param_pin_memory and tier != "none"
@@ -201,8 +212,10 @@ def estimate_inference(setup: InferenceSetup) -> InferenceEstimate:
     # whole on the device: persistent units (kept after their first use) and the unit being computed
     persistent, budget = 0, setup.model_persistence_threshold
     streamed = []
+    kept: List[bool] = []  # per unit: persistent (gathered for good after its first use)
     for n in setup.units:
-        if n < setup.persistence_threshold and n <= budget:
+        kept.append(n < setup.persistence_threshold and n <= budget)
+        if kept[-1]:
             persistent += n
             budget -= n
         else:
@@ -217,6 +230,13 @@ def estimate_inference(setup: InferenceSetup) -> InferenceEstimate:
             f"prefetch depth: up to {b.param_buffer_count} units read ahead (offload_param.buffer_count), "
             "within stage3_prefetch_bucket_size elements"
         )
+    if setup.world_size == 1 and any(in_host):
+        ahead = _read_ahead_bytes(setup, parts, in_host, kept)
+        rows["copies ahead (GPU)"] = _row(device=ahead)
+        notes.append(
+            "copies ahead (GPU): host-memory partitions copied to a GPU before their use, within "
+            "stage3_prefetch_bucket_size elements; 0 when the CPU computes"
+        )
     if setup.kv is not None and setup.batch_size is not None and setup.seq_len is not None:
         kv = setup.kv.numel(setup.batch_size, setup.seq_len) * setup.dtype_bytes
         rows["KV cache"] = _row(device=kv)
@@ -229,9 +249,27 @@ def estimate_inference(setup: InferenceSetup) -> InferenceEstimate:
     return InferenceEstimate(options=options, rows=rows, notes=notes)
 
 
+def _read_ahead_bytes(setup: InferenceSetup, parts: List[int], in_host: List[bool], kept: List[bool]) -> int:
+    """The most host-memory bytes the copies ahead hold at once: over every unit in use, the units after
+    it within the prefetch bucket (zero/stage3/trace.py's window), counting the host ones' stored bytes."""
+    best = 0
+    for start in range(len(parts)):  # start 0: a pass begins, no unit in use yet
+        left, total = setup.prefetch_bucket, 0
+        for i in range(start, len(parts)):
+            if kept[i]:
+                continue
+            if parts[i] > left:
+                break
+            left -= parts[i]
+            total += setup.stored_bytes(parts[i]) if in_host[i] else 0
+        best = max(best, total)
+    return best
+
+
 def inference_choices(config_path: Optional[str]) -> Dict[str, Any]:
-    """What `--inference` reads from a DeepSpeed-style config beyond ds_config: the persistence thresholds
-    and `weight_quantization.quantized_initialization` (num_bits, group_size)."""
+    """What `--inference` reads from a DeepSpeed-style config beyond ds_config: the persistence thresholds,
+    `stage3_prefetch_bucket_size` and `weight_quantization.quantized_initialization` (num_bits,
+    group_size)."""
     if config_path is None:
         return {}
     try:
@@ -244,6 +282,7 @@ def inference_choices(config_path: Optional[str]) -> Dict[str, Any]:
     for key, name in (
         ("stage3_param_persistence_threshold", "persistence_threshold"),
         ("stage3_model_persistence_threshold", "model_persistence_threshold"),
+        ("stage3_prefetch_bucket_size", "prefetch_bucket"),
     ):
         v = zero.get(key)
         if v is not None:

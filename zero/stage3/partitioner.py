@@ -56,7 +56,8 @@ class ParamIOReport:
     peak_full_bytes: int = 0  # most bytes of whole (gathered) units alive at once, over the interval
     device_to_host_bytes: int = 0  # gradients copied to the host partition parameter by parameter
     host_to_device_bytes: int = 0  # partitions copied from host memory (tier or staging slot) to a GPU
-    peak_prefetch_depth: int = 0  # most NVMe prefetches in flight at once over the interval
+    peak_prefetch_depth: int = 0  # most prefetches in flight at once over the interval
+    peak_read_ahead_bytes: int = 0  # most bytes of host partitions copied ahead to the device at once
     param_staged_bytes: int = 0  # NVMe bytes copied out of a staging slot into a gathered buffer
     param_in_place_bytes: int = 0  # NVMe bytes used where they landed: viewed (or decoded) in a staging slot
     param_direct_bytes: int = 0  # NVMe bytes read straight into a gathered buffer in host memory
@@ -141,6 +142,10 @@ class Stage3Partitioner:
         self.peak_live_numel = 0
         self.gathers = 0
         self.host_to_device_bytes = 0
+        # Copies of host-memory partitions ahead of their use in inference forwards (one rank): None reads
+        # ahead when the compute device is an accelerator; True also on the CPU, where each copy replaces
+        # using the partition in place (a way to run that path without a GPU); False never.
+        self.read_ahead: Optional[bool] = None
         self._closed = False
         self.hooks: Optional[Stage3Hooks] = None
 
@@ -240,13 +245,15 @@ class Stage3Partitioner:
         if encoded and self._host_inference():
             self._gather_encoded(unit)
             return
-        full = self.partition_as_full(unit)
+        full = None
+        if unit.padded_numel == unit.part_numel:
+            full = self.store.take_ahead(unit)  # copied to the device ahead of this use (`begin_pass`)
+            if full is not None and self.device.type != "cpu":
+                self.host_to_device_bytes += unit.part_nbytes
+        if full is None:
+            full = self.partition_as_full(unit)
         if full is None and self._lends(unit):
             full = self.store.lend(unit)
-        if full is None and unit.padded_numel == unit.part_numel:
-            full = self.store.take_ahead(unit)  # copied to the device ahead of this use (`begin_pass`)
-            if full is not None:
-                self.host_to_device_bytes += unit.part_nbytes
         if full is None:
             if self.device.type != "cpu":
                 mem = self.store.memory_partition(unit)
@@ -364,7 +371,8 @@ class Stage3Partitioner:
         self._drop_kept()
         # An inference forward on an accelerator copies host-memory partitions ahead of their use on a side
         # stream (store.prefetch), as NVMe partitions are read ahead; training copies them when gathered.
-        ahead = self.world_size == 1 and self.device.type != "cpu" and not torch.is_grad_enabled()
+        wanted = self.device.type != "cpu" if self.read_ahead is None else self.read_ahead
+        ahead = wanted and self.world_size == 1 and not torch.is_grad_enabled()
         self.store.read_ahead_device = self.device if ahead else None
         self.use_trace.begin_pass(self.live_numel)
 
@@ -502,6 +510,7 @@ class Stage3Partitioner:
             device_to_host_bytes=self.grads.device_to_host_bytes,
             host_to_device_bytes=self.host_to_device_bytes,
             peak_prefetch_depth=st.peak_inflight,
+            peak_read_ahead_bytes=st.peak_ahead_bytes,
             param_staged_bytes=st.staged_bytes,
             param_in_place_bytes=st.in_place_bytes,
             param_direct_bytes=st.direct_bytes,
@@ -514,6 +523,7 @@ class Stage3Partitioner:
         st.staged_bytes = st.in_place_bytes = st.direct_bytes = 0
         st.read_wait_s = 0.0
         st.peak_inflight = len([u for u in self.units if self.store.prefetching(u)])
+        st.peak_ahead_bytes = st.ahead_bytes
         self.gathers = self.grads.device_to_host_bytes = self.host_to_device_bytes = 0
         if self.hooks is not None:
             self.hooks.fused.forwards = self.hooks.fused.block_forwards = 0

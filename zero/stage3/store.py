@@ -76,10 +76,11 @@ class StoreStats:
     """The store's I/O counters (NVMe bytes read and written, reads, prefetches and prefetch hits; bytes
     read from partitions in host memory). Of the NVMe bytes read, `staged_bytes` were copied out of a staging
     slot, `in_place_bytes` were used where they landed (viewed by the parameters, `lend`, or decoded from the
-    slot) and `direct_bytes` were read straight into their
-    destination. `peak_inflight`: most prefetches in flight at once; `slots_replaced`: lent slots still
-    referenced from outside when given back (see the module doc); `read_wait_s`: time the reading thread
-    waited for the disk (the rest of a gather's time is copies, decoding and bookkeeping)."""
+    slot) and `direct_bytes` were read straight into their destination. `peak_inflight`: most prefetches
+    in flight at once; `ahead_bytes` / `peak_ahead_bytes`: bytes of host partitions copied ahead to the
+    read-ahead device, now and at most; `slots_replaced`: lent slots still referenced from outside when
+    given back (see the module doc); `read_wait_s`: time the reading thread waited for the disk (the rest
+    of a gather's time is copies, decoding and bookkeeping)."""
 
     bytes_read: int = 0
     cpu_bytes_read: int = 0
@@ -91,6 +92,8 @@ class StoreStats:
     in_place_bytes: int = 0
     direct_bytes: int = 0
     peak_inflight: int = 0
+    ahead_bytes: int = 0  # bytes of copies ahead on the read-ahead device, not taken yet
+    peak_ahead_bytes: int = 0
     slots_replaced: int = 0
     read_wait_s: float = 0.0  # seconds a gather blocked on NVMe reads (a prefetch not done, a read on demand)
     extra: Dict[str, Any] = field(default_factory=dict)
@@ -483,7 +486,10 @@ class PartitionStore:
             return False  # no room ahead on the device: the unit is copied when it is gathered
         with self._slots_lock:
             self._ahead[unit.index] = copied
-            self.stats.peak_inflight = max(self.stats.peak_inflight, len(self._inflight) + len(self._ahead))
+            st = self.stats
+            st.peak_inflight = max(st.peak_inflight, len(self._inflight) + len(self._ahead))
+            st.ahead_bytes += src.numel() * src.element_size()
+            st.peak_ahead_bytes = max(st.peak_ahead_bytes, st.ahead_bytes)
         self.stats.prefetches += 1
         if unit.full is None:
             set_status(unit, PartitionStatus.INFLIGHT)
@@ -493,6 +499,8 @@ class PartitionStore:
         """The unit's copy read ahead, ready for the compute stream and counted as a read; None if none."""
         with self._slots_lock:
             held = self._ahead.pop(unit.index, None)
+            if held is not None:
+                self.stats.ahead_bytes -= held[0].numel() * held[0].element_size()
         if held is None:
             return None
         self._prefetch_over(unit)
@@ -512,6 +520,8 @@ class PartitionStore:
     def _drop_ahead(self, index: int) -> None:
         with self._slots_lock:
             held = self._ahead.pop(index, None)
+            if held is not None:
+                self.stats.ahead_bytes -= held[0].numel() * held[0].element_size()
         if held is not None:
             self._copies.wait(held[1])  # the copy reads the host partition: let it end first
             self._prefetch_over(self._units[index])
