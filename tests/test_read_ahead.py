@@ -267,3 +267,24 @@ def test_estimator_row_is_the_engine_peak(tmp_path, bucket):
             engine.module(torch.randn(2, 16))
     assert engine.partitioner.take_io_report().peak_read_ahead_bytes == want > 0
     engine.close()
+
+
+def test_a_training_pass_drops_copies_left_ahead(tmp_path):
+    """A copy ahead left over from an inference pass is not used by a training pass: the optimizer
+    updates the partitions in place (not through `write`), so the training pass gathers from the
+    partitions themselves."""
+    ref = llama()
+    engine = engine_for(tmp_path, "cpu")
+    part = engine.partitioner
+    store = part.store
+    u = next(x for x in part.units if x.name.endswith("q_proj"))
+    store.read_ahead_device = CPU
+    assert store.prefetch(u)
+    with torch.no_grad():
+        store.memory_partition(u).add_(0.5)  # as an optimizer step does, in place
+        dict(ref.named_modules())[u.name].weight.add_(0.5)
+    ids = torch.randint(0, 96, (2, 5), generator=torch.Generator().manual_seed(1))
+    got = engine.module(ids).logits  # grad mode on
+    assert not store.prefetching(u)
+    torch.testing.assert_close(got, ref(ids).logits, rtol=0, atol=0)
+    engine.close()

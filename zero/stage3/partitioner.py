@@ -374,6 +374,10 @@ class Stage3Partitioner:
         wanted = self.device.type != "cpu" if self.read_ahead is None else self.read_ahead
         ahead = wanted and self.world_size == 1 and not torch.is_grad_enabled()
         self.store.read_ahead_device = self.device if ahead else None
+        if not ahead:
+            # copies left by an earlier pass (made beyond where it stopped) would be stale once the
+            # optimizer updates the partitions in place: this pass gathers from the partitions themselves
+            self.store.drop_read_ahead()
         self.use_trace.begin_pass(self.live_numel)
 
     def hold_for_backward(self, unit: Unit) -> None:

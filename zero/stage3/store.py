@@ -23,7 +23,8 @@ destination's device. `memory_partition` is None for them: their bytes are not v
 Read ahead to an accelerator (`read_ahead_device`, set by the partitioner for an inference forward on
 one): `prefetch` of a partition in host memory copies it to the device on a side stream
 (zero.stage3.device_copy) while the layers before it compute; `take_ahead` hands the copy over as the
-gathered buffer (`read` decodes a quantized unit's codes from it). A write drops the copy.
+gathered buffer (`read` decodes a quantized unit's codes from it). A write drops the copy, and so does
+a pass that does not read ahead (`drop_read_ahead`): the optimizer updates memory partitions in place.
 
 The module is longer than most (about 790 lines): reads, prefetches, loans and writes share one piece of
 bookkeeping - which slot holds what, under one lock taken by the main thread and the optimizer's writer
@@ -517,6 +518,12 @@ class PartitionStore:
             return None
         return self._ahead_copy(unit)
 
+    def drop_read_ahead(self) -> None:
+        """Drop every copy ahead not taken yet (a pass that does not read ahead: its partitions may be
+        updated in place, through `arena.segments`, before a later use)."""
+        for index in list(self._ahead):
+            self._drop_ahead(index)
+
     def _drop_ahead(self, index: int) -> None:
         with self._slots_lock:
             held = self._ahead.pop(index, None)
@@ -782,8 +789,7 @@ class PartitionStore:
         """Drop prefetches, give slots and pinned segments back to the pool, remove the swap files."""
         for index in list(self._inflight):
             self._drop_inflight(index)
-        for index in list(self._ahead):
-            self._drop_ahead(index)
+        self.drop_read_ahead()
         self._lent.clear()  # the partitioner freed its units: no view of a slot is in use
         for s in self._slots:
             self._wait_copy(s)
