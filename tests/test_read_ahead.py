@@ -288,3 +288,25 @@ def test_a_training_pass_drops_copies_left_ahead(tmp_path):
     assert not store.prefetching(u)
     torch.testing.assert_close(got, ref(ids).logits, rtol=0, atol=0)
     engine.close()
+
+
+def test_quantized_generation_with_copies_ahead(tmp_path):
+    """int4 weights on the cpu tier with `read_ahead = True`: the products read the codes copied ahead
+    (every unit a prefetch hit after the first forward) and give the tokens of the same engine without
+    copies ahead."""
+    wq = {"weight_quantization": {"quantized_initialization": {"num_bits": 4}}}
+    ids = torch.randint(0, 96, (2, 5), generator=torch.Generator().manual_seed(1))
+    tokens = []
+    for ahead in (False, True):
+        engine = engine_for(tmp_path, "cpu", **wq)
+        engine.partitioner.read_ahead = ahead
+        part = engine.partitioner
+        with torch.no_grad():
+            engine.module(ids)
+            part.take_io_report()
+            tokens.append(generate(engine.module, ids))
+        io = part.take_io_report()
+        assert io.param_prefetch_hits == (5 * len(part.units) if ahead else 0)
+        assert io.quantized_matmuls > 0  # the products read the codes (the copies, with `read_ahead`)
+        engine.close()
+    assert torch.equal(tokens[0], tokens[1])

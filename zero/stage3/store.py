@@ -428,7 +428,7 @@ class PartitionStore:
     # ------------------------------------------------------------------------------------------------- I/O
     def prefetchable(self, unit: Unit) -> bool:
         """Whether `prefetch` applies to the unit: its partition is on NVMe, or in host memory while reads
-        ahead to another device are on (`read_ahead_device`)."""
+        ahead are on (`read_ahead_device` set)."""
         return unit.index in self._files or self._reads_ahead(unit)
 
     def _reads_ahead(self, unit: Unit) -> bool:
@@ -545,10 +545,16 @@ class PartitionStore:
 
     def encoded(self, unit: Unit, lend: bool = True) -> torch.Tensor:
         """The stored (quantized) bytes of the unit's partition in host memory, for a product that reads
-        the codes: a view of its memory partition, else (`lend`) of the staging slot its read landed in
-        (lent to the unit until `give_back(unit)`, as `lend`), else a copy read around the slots (a unit
-        held for good must not keep a slot). Read-only."""
+        the codes: its copy made ahead in host memory (reads ahead to the CPU), else a view of its memory
+        partition, else (`lend`) of the staging slot its read landed in (lent to the unit until
+        `give_back(unit)`, as `lend`), else a copy read around the slots (a unit held for good must not
+        keep a slot). Read-only."""
         codec = self._codecs[unit.index]
+        held = self._ahead.get(unit.index)
+        if held is not None and held[0].device.type == "cpu":
+            ahead = self._ahead_copy(unit)
+            assert ahead is not None
+            return ahead
         entry = self._mem.get(unit.index)
         if entry is not None and entry[2].device.type == "cpu":
             self._count_memory_read(entry[2], codec.nbytes)
