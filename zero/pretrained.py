@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Mapping, 
 import torch
 from torch import nn
 
+from zero.hub import HUB_KWARGS, checkpoint_dir
+
 if TYPE_CHECKING:
     from zero.engine import ZeroEngine
     from zero.stage3.partitioner import Stage3Partitioner
@@ -499,9 +501,7 @@ def _load(
     from zero.stage3.swap_cache import SwapCacheMismatch, open_swap_cache
 
     start = time.monotonic()
-    root = os.fspath(path)
-    if not os.path.isdir(root):
-        raise FileNotFoundError(errno.ENOENT, "zero.from_pretrained needs a local checkpoint directory", root)
+    root = checkpoint_dir(path, {k: hf_kwargs.pop(k) for k in HUB_KWARGS if k in hf_kwargs})
     config_json = os.path.join(root, "config.json")
     if not os.path.isfile(config_json):
         raise FileNotFoundError(
@@ -626,7 +626,10 @@ def from_pretrained(
     on the config's `offload_param` tier, one safetensors file at a time, and return the inference engine.
 
     `path`: a local directory with config.json and either model.safetensors or model.safetensors.index.json
-    with its shards (transformers' save_pretrained layout). The model class is the one
+    with its shards (transformers' save_pretrained layout), or a Hugging Face Hub repository id, resolved
+    to its snapshot in the Hub cache and downloaded when missing (zero.hub: only config.json,
+    generation_config.json and the safetensors files; `revision=`, `token=`, `cache_dir=`,
+    `local_files_only=`, `force_download=`, `proxies=` go there). The model class is the one
     `AutoModelForCausalLM` picks for config.json; `hf_kwargs` go to `AutoModelForCausalLM.from_config`
     (e.g. `attn_implementation=`, `trust_remote_code=`), except `key_mapping=` (a {regex: replacement}
     dict of checkpoint-key renames, as transformers' from_pretrained takes it). `config`: the DeepSpeed
