@@ -214,6 +214,7 @@ def test_generation_with_copies_ahead_gives_transformers_tokens(tmp_path, tier):
     assert report.param_prefetch_hits >= 5 * len(host)
     assert report.host_to_device_bytes == 0  # the CPU computes: nothing crosses to a device
     assert report.peak_read_ahead_bytes > 0
+    assert "copied ahead: at most" in report.format()
     assert io["nvme_read_bytes"] == 5 * sum(u.part_nbytes for u in part.units if part.store.on_nvme(u))
     engine.close()
 

@@ -218,6 +218,8 @@ class InferenceReport:
         if frac is not None:
             text += f", {frac:.0%} of {self.read_ceiling_gbs:g} GB/s"
         text += f"), h2d {format_bytes(self.host_to_device_bytes_per_forward)}/forward"
+        if self.peak_read_ahead_bytes:
+            text += f" (copied ahead: at most {format_bytes(self.peak_read_ahead_bytes)})"
         if self.forwards:
             text += f", read wait {self.read_wait_s / self.forwards * 1e3:.1f} ms/forward"
         return text
