@@ -311,3 +311,22 @@ def test_quantized_generation_with_copies_ahead(tmp_path):
         assert io.quantized_matmuls > 0  # the products read the codes (the copies, with `read_ahead`)
         engine.close()
     assert torch.equal(tokens[0], tokens[1])
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_reads_into_a_device_buffer(tmp_path, tier):
+    """`read(unit, device_buffer(...), fresh=True)` - how a one-rank gather on a GPU reads, into a buffer
+    of the copies' side stream - gives the values of a plain read, for raw and quantized units in host
+    memory and on NVMe (on the CPU the buffer is a plain one: the same calls)."""
+    wq = {"weight_quantization": {"quantized_initialization": {"num_bits": 8}}}
+    engine = engine_for(tmp_path, tier, **wq)
+    store = engine.partitioner.store
+    units = engine.partitioner.units
+    assert any(store.codec(u) for u in units) and any(not store.codec(u) for u in units)
+    for u in units:
+        want = torch.empty(u.part_numel, dtype=u.dtype)
+        store.read(u, want)
+        got = store.device_buffer(u.part_numel, u.dtype)
+        store.read(u, got, fresh=True)
+        assert torch.equal(got, want), u.name
+    engine.close()

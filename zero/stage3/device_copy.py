@@ -5,8 +5,10 @@ while the compute stream runs the layers before. Two rules of torch's caching al
 
 - A copy into a buffer allocated on the compute stream first waits for the work the compute stream has
   queued so far: the allocator may have handed out memory that a kernel still pending reads.
-- A buffer allocated on the side stream (a read ahead) and then used on the compute stream is marked with
-  `record_stream`, so that once freed its memory is not handed out again before that work has run.
+- A buffer allocated on the side stream (`empty`, a gathered buffer; `copy_ahead`) and used on the
+  compute stream is marked with `record_stream`, so that once freed its memory is not handed out again
+  before that work has run; a copy into it need not wait for the compute stream, so it overlaps the layers
+  queued before it.
 
 In both cases the compute stream waits on the copy's event before it uses the buffer. The copy's event
 also says when the host source may be overwritten (`wait`). On the CPU every call is a plain synchronous
@@ -35,15 +37,28 @@ class SideStream:
             s = self._streams[device] = torch.cuda.Stream(device=device)
         return s
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Optional[Any]:
-        """Copy `src` into `dst` (allocated on the compute stream); work queued on the compute stream from
-        now on runs after the copy. Returns the copy's event (None on the CPU: already done)."""
+    def empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """An uninitialised buffer on `device` allocated on the side stream and marked as used by the
+        compute stream: copies into it (`copy(..., fresh=True)`) start without waiting for the compute
+        stream."""
+        if device.type != "cuda":
+            return torch.empty(numel, dtype=dtype, device=device)
+        with torch.cuda.stream(self._stream(device)):
+            t = torch.empty(numel, dtype=dtype, device=device)
+        t.record_stream(torch.cuda.current_stream(device))
+        return t
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, fresh: bool = False) -> Optional[Any]:
+        """Copy `src` into `dst`; work queued on the compute stream from now on runs after the copy.
+        `fresh`: `dst` comes from `empty` (else it was allocated on the compute stream, and the copy first
+        waits for the work queued there). Returns the copy's event (None on the CPU: already done)."""
         if dst.device.type != "cuda":
             dst.copy_(src)
             return None
         side = self._stream(dst.device)
         compute = torch.cuda.current_stream(dst.device)
-        side.wait_stream(compute)  # dst's memory may be a block that pending kernels still read
+        if not fresh:
+            side.wait_stream(compute)  # dst's memory may be a block that pending kernels still read
         with torch.cuda.stream(side):
             dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()

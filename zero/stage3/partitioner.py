@@ -255,14 +255,21 @@ class Stage3Partitioner:
         if full is None and self._lends(unit):
             full = self.store.lend(unit)
         if full is None:
+            from_host = False
             if self.device.type != "cpu":
                 mem = self.store.memory_partition(unit)
-                if mem is None or mem.device.type == "cpu":  # from a host tier or an NVMe staging slot
+                from_host = mem is None or mem.device.type == "cpu"  # a host tier or an NVMe staging slot
+                if from_host:
                     self.host_to_device_bytes += unit.part_nbytes
-            full = _empty(unit.padded_numel, unit.dtype, self.device)
-            if self.world_size == 1:
+            if self.world_size == 1 and from_host:
+                # on the copies' side stream: the copy overlaps the layers queued before it
+                full = self.store.device_buffer(unit.padded_numel, unit.dtype)
+                self.store.read(unit, full, fresh=True)
+            elif self.world_size == 1:
+                full = _empty(unit.padded_numel, unit.dtype, self.device)
                 self.store.read(unit, full)
             else:
+                full = _empty(unit.padded_numel, unit.dtype, self.device)
                 own = torch.empty(unit.part_numel, dtype=unit.dtype, device=self.device)
                 self.store.read(unit, own)
                 all_gather_flat(full, own, self.group)

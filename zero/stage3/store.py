@@ -422,8 +422,14 @@ class PartitionStore:
             s.event.synchronize()  # the slot's last host->device copy must finish before it is refilled
             s.event = None
 
-    def _copy_out(self, s: _Slot, dst_bytes: torch.Tensor, nbytes: int) -> None:
-        s.event = self._copies.copy(dst_bytes, s.buf[:nbytes])  # on a GPU: a side stream (device_copy)
+    def _copy_out(self, s: _Slot, dst_bytes: torch.Tensor, nbytes: int, fresh: bool = False) -> None:
+        # on a GPU: a side stream (device_copy); `fresh`: dst_bytes is part of a `device_buffer`
+        s.event = self._copies.copy(dst_bytes, s.buf[:nbytes], fresh)
+
+    def device_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised buffer on the compute device for `read(..., fresh=True)`: on a GPU allocated on
+        the copies' side stream, so that a read into it overlaps the compute queued before it."""
+        return self._copies.empty(numel, dtype, self.device)
 
     # ------------------------------------------------------------------------------------------------- I/O
     def prefetchable(self, unit: Unit) -> bool:
@@ -632,12 +638,13 @@ class PartitionStore:
         """Whether the unit's gathered tensor is a view of a staging slot right now (`lend`)."""
         return unit.index in self._lent
 
-    def read(self, unit: Unit, dst: torch.Tensor) -> None:
+    def read(self, unit: Unit, dst: torch.Tensor, fresh: bool = False) -> None:
         """Copy the unit's partition into `dst` (part_numel elements, contiguous, on any device); a
-        quantized one is read encoded and decoded on `dst`'s device."""
+        quantized one is read encoded and decoded on `dst`'s device. `fresh`: `dst` comes from
+        `device_buffer`."""
         codec = self._codecs.get(unit.index)
         if codec is None:
-            self._read_stored(unit, dst, unit.part_nbytes)
+            self._read_stored(unit, dst, unit.part_nbytes, fresh)
             return
         ahead = self._ahead_copy(unit)
         if ahead is not None:  # the codes, copied ahead to the device: decoded there
@@ -655,15 +662,15 @@ class PartitionStore:
             finally:
                 self._done(s)
             return
-        stored = torch.empty(codec.nbytes, dtype=torch.uint8, device=dst.device)
-        self._read_stored(unit, stored, codec.nbytes)
+        stored = self._copies.empty(codec.nbytes, torch.uint8, dst.device)
+        self._read_stored(unit, stored, codec.nbytes, fresh=True)
         codec.decode(stored, dst)
 
     def _count_memory_read(self, mem: torch.Tensor, nbytes: int) -> None:
         if mem.device.type == "cpu":
             self.stats.cpu_bytes_read += nbytes
 
-    def _read_stored(self, unit: Unit, dst: torch.Tensor, nbytes: int) -> None:
+    def _read_stored(self, unit: Unit, dst: torch.Tensor, nbytes: int, fresh: bool = False) -> None:
         """Copy the `nbytes` the unit's partition occupies on its tier into `dst` (of its stored dtype)."""
         entry = self._mem.get(unit.index)
         if entry is not None:
@@ -675,7 +682,7 @@ class PartitionStore:
             self._count_memory_read(mem, nbytes)
             if dst.device.type == "cuda" and mem.device.type == "cpu":
                 s = _Slot(mem.view(torch.uint8), None)
-                self._copy_out(s, dst.view(torch.uint8), nbytes)
+                self._copy_out(s, dst.view(torch.uint8), nbytes, fresh)
             else:
                 dst.copy_(mem)
             return
@@ -696,7 +703,7 @@ class PartitionStore:
                         s.handle.wait()  # raises AioError naming the file if the read failed
                 for i, s in enumerate(held):
                     off = i * piece
-                    self._copy_out(s, dst_bytes[off : off + piece], min(piece, nbytes - off))
+                    self._copy_out(s, dst_bytes[off : off + piece], min(piece, nbytes - off), fresh)
             finally:
                 for s in held:
                     with contextlib.suppress(Exception):  # (the first failure is what propagates)
@@ -726,7 +733,7 @@ class PartitionStore:
             self._wait_copy(s)
             with self._waiting():
                 s.handle.sync_pread(s.buf[:n], path, off)
-            self._copy_out(s, dst_bytes[off : off + n], n)
+            self._copy_out(s, dst_bytes[off : off + n], n, fresh)
 
     def write(self, unit: Unit, src: torch.Tensor, only: Optional[set] = None) -> None:
         """Replace the unit's partition with `src` (part_numel elements, any device). A quantized unit is
