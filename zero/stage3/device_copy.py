@@ -55,38 +55,36 @@ class SideStream:
         if dst.device.type != "cuda":
             dst.copy_(src)
             return None
-        side = self._stream(dst.device)
         compute = torch.cuda.current_stream(dst.device)
         if not fresh:
-            side.wait_stream(compute)  # dst's memory may be a block that pending kernels still read
-        with torch.cuda.stream(side):
-            dst.copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(side)
+            self._stream(dst.device).wait_stream(compute)  # dst may be a block pending kernels still read
+        event = self._side_copy(dst, src)
         compute.wait_event(event)
         return event
 
     def copy_ahead(self, src: torch.Tensor, device: torch.device) -> Tuple[torch.Tensor, Optional[Any]]:
-        """A new tensor on `device` with `src`'s values, copied on the side stream without waiting for the
-        compute stream; `take` it before use. Returns it and the copy's event (None on the CPU)."""
+        """A new tensor on `device` (from `empty`) with `src`'s values, copied on the side stream without
+        waiting for the compute stream; `take` it before use. Returns it and the copy's event (None on the
+        CPU)."""
         if device.type != "cuda":
             return src.to(device, copy=True), None
-        side = self._stream(device)
+        dst = self.empty(src.numel(), src.dtype, device).view(src.shape)
+        return dst, self._side_copy(dst, src)
+
+    def _side_copy(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
+        side = self._stream(dst.device)
         with torch.cuda.stream(side):
-            dst = torch.empty(src.shape, dtype=src.dtype, device=device)  # a block of the side stream
             dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
             event.record(side)
-        return dst, event
+        return event
 
     @staticmethod
     def take(t: torch.Tensor, event: Optional[Any]) -> torch.Tensor:
-        """`t` from `copy_ahead`, ready for the compute stream: work queued from now on runs after its copy,
-        and its memory outlives that work."""
+        """`t` from `copy_ahead`, ready for the compute stream: work queued from now on runs after its copy
+        (its memory already outlives that work: `empty`)."""
         if event is not None:
-            compute = torch.cuda.current_stream(t.device)
-            compute.wait_event(event)
-            t.record_stream(compute)
+            torch.cuda.current_stream(t.device).wait_event(event)
         return t
 
     @staticmethod
