@@ -330,3 +330,27 @@ def test_reads_into_a_device_buffer(tmp_path, tier):
         store.read(u, got, fresh=True)
         assert torch.equal(got, want), u.name
     engine.close()
+
+
+def test_no_room_on_the_device_for_a_copy_ahead_falls_back_to_copying_when_gathered(tmp_path, monkeypatch):
+    """A copy ahead that finds the device full (OutOfMemoryError) is not queued: the unit is copied when
+    it is gathered, and the tokens stay transformers'."""
+
+    def full_device(self, src, device):
+        raise torch.OutOfMemoryError("device full")
+
+    monkeypatch.setattr(SideStream, "copy_ahead", full_device)
+    ref = llama()
+    engine = engine_for(tmp_path, "cpu")
+    part = engine.partitioner
+    part.read_ahead = True
+    ids = torch.randint(0, 96, (2, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = generate(ref, ids)
+        part.take_io_report()
+        got = generate(engine.module, ids)
+    assert torch.equal(got, want)
+    io = part.take_io_report()
+    assert io.param_prefetches == io.param_prefetch_hits == io.peak_read_ahead_bytes == 0
+    assert not any(part.store.prefetching(u) for u in part.units)
+    engine.close()
