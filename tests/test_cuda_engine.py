@@ -84,9 +84,10 @@ def test_stage_0_2_on_cuda_matches_torch(tmp_path, cuda_reference, stage, offloa
     losses = train(engine, STEPS)
     assert_matches(losses, dict(engine.module.named_parameters()), cuda_reference)
     rep = engine.last_report
-    if offload != "none":  # gradients went down to the host and the new weights came back up
-        assert rep.device_to_host_bytes >= engine.part_numel * 4
-        assert rep.host_to_device_bytes >= engine.part_numel * 4
+    if offload != "none":  # every gradient went down to the host and the new weights came back up
+        numel = sum(p.numel() for p in engine.module.parameters())  # the partition's padding need not move
+        assert rep.device_to_host_bytes >= numel * 4
+        assert rep.host_to_device_bytes >= numel * 4
     if offload == "nvme":
         assert rep.nvme_read_bytes > 0 and rep.nvme_write_bytes == rep.nvme_read_bytes
     engine.close()

@@ -42,7 +42,7 @@ def test_generation_reads_host_partitions_ahead(tmp_path, tier, device):
     assert report.forwards == NEW_TOKENS
     assert report.param_prefetch_hits >= (NEW_TOKENS - 1) * len(host)
     assert report.host_to_device_bytes == NEW_TOKENS * sum(u.part_nbytes for u in part.units)
-    assert part.store.read_ahead_device == device
+    assert part.store.read_ahead_device == engine.device
     engine.close()
 
 

@@ -29,6 +29,7 @@ from zero.engine import ZeroEngine
 from zero.optimizer_offload import DeviceState, UpdateRule
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+ON_CUDA = pytest.mark.parametrize("device", ["cuda"], indirect=True)  # engines built on the GPU (conftest)
 
 
 def group(adamw: bool = True, **kw) -> dict:
@@ -211,9 +212,9 @@ def test_checkpoint_round_trip_with_torch_part(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------- CUDA
-@CUDA
+@ON_CUDA
 @pytest.mark.parametrize("stage", [0, 2, 3])
-def test_cuda_ratio_matches_ratio_one(tmp_path, stage):
+def test_cuda_ratio_matches_ratio_one(tmp_path, stage, device):
     ref = run(config("cpu", tmp_path, stage, ratio=1.0, fp16=False, bf16={"enabled": True}))
     got = run(config("cpu", tmp_path, stage, ratio=0.5, fp16=False, bf16={"enabled": True}))
     assert got["info"].device_numel > 0 and got["info"].device_part == "torch"
@@ -223,9 +224,9 @@ def test_cuda_ratio_matches_ratio_one(tmp_path, stage):
     torch.testing.assert_close(got["state"]["master"], ref["state"]["master"], rtol=1e-2, atol=1e-3)
 
 
-@CUDA
+@ON_CUDA
 @pytest.mark.parametrize("ratio", [0.5, 0.0])
-def test_cuda_fp32_ratio_matches_ratio_one(tmp_path, ratio):
+def test_cuda_fp32_ratio_matches_ratio_one(tmp_path, ratio, device):
     ref = run(config("cpu", tmp_path, 2, ratio=1.0, fp16=False))
     got = run(config("cpu", tmp_path, 2, ratio=ratio, fp16=False))
     assert got["info"].device_numel > 0 and got["info"].device_part == "torch"
@@ -248,8 +249,8 @@ def test_cuda_part_is_fused_torch_adamw():
     torch.testing.assert_close(part.master, p.detach(), rtol=2e-5, atol=PARAM_ATOL)
 
 
-@CUDA
-def test_cuda_three_tiers(tmp_path):
+@ON_CUDA
+def test_cuda_three_tiers(tmp_path, device):
     """[GPU | pinned host | NVMe] against everything on NVMe."""
     ref = run(config("nvme", tmp_path, 2, ratio=1.0, max_in_cpu=0, fp16=False))
     got = run(config("nvme", tmp_path, 2, ratio=0.3, max_in_cpu=2 * SUB, fp16=False))
@@ -258,8 +259,8 @@ def test_cuda_three_tiers(tmp_path):
     assert_close_runs(got, ref)
 
 
-@CUDA
-def test_cuda_adagrad_with_a_device_share_is_refused(tmp_path):
+@ON_CUDA
+def test_cuda_adagrad_with_a_device_share_is_refused(tmp_path, device):
     cfg = config("cpu", tmp_path, 2, ratio=0.5, fp16=False)
     cfg["optimizer"] = {"type": "Adagrad", "params": {"lr": 1e-2}}
     with pytest.raises(NotImplementedError, match="optimizer.type 'adagrad'"):

@@ -72,7 +72,7 @@ def train(engine, steps: int, batch: int = 4, start: int = 0):
     losses = []
     for step in range(start, start + steps):
         x, y = get_batch(DATA, batch, TINY.seq_len, step)
-        loss = engine(x, y)
+        loss = engine(x.to(engine.device), y.to(engine.device))
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
