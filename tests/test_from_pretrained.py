@@ -194,7 +194,14 @@ def test_dtype_rule(ckpts, tmp_path):
     engine = zero.from_pretrained(bf16_path, config=config("nvme", tmp_path), dtype="auto")
     assert engine.dtype == torch.bfloat16 and engine.config.bf16.enabled
     assert all(u.dtype == torch.bfloat16 for u in engine.layout.partitioner.units)
-    ref = hf(ckpts["llama"]).to(torch.bfloat16)  # the engine casts buffers to its dtype, as .to() does
+    # transformers' own bf16 load: the rotary frequencies stay float32, and so do the engine's
+    ref = hf(bf16_path, dtype=torch.bfloat16)
+    buffers = dict(engine.module.named_buffers())
+    for name, want in ref.named_buffers():
+        assert buffers[name].dtype == want.dtype and torch.equal(buffers[name], want), name
+    assert any(b.dtype == torch.float32 for b in buffers.values())  # the case this checks is there
+    with torch.no_grad():
+        assert torch.equal(engine.module(prompt()).logits, ref(prompt()).logits)
     assert torch.equal(generate(engine.module, prompt()), generate(ref, prompt()))
     engine.close()
     # 2. dtype= wins over the checkpoint
