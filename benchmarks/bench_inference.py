@@ -198,13 +198,20 @@ def _read_bytes() -> int:
     return -1
 
 
-def _time_each_forward(model: Any) -> List[float]:
+def _time_each_forward(model: Any, device: Any) -> List[float]:
     """A list that the model's root forwards append their wall seconds to (the prefill first, then one per
-    new token)."""
+    new token); on a GPU each forward's time runs until the work it queued has finished."""
+    import torch
+
+    def now() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
     times: List[float] = []
     start: List[float] = []
-    model.register_forward_pre_hook(lambda m, a: start.append(time.perf_counter()))
-    model.register_forward_hook(lambda m, a, o: times.append(time.perf_counter() - start.pop()))
+    model.register_forward_pre_hook(lambda m, a: start.append(now()))
+    model.register_forward_hook(lambda m, a, o: times.append(now() - start.pop()))
     return times
 
 
@@ -224,6 +231,10 @@ def run_child(args: argparse.Namespace) -> Dict[str, Any]:
         (args.batch, args.prompt_len),
         generator=torch.Generator().manual_seed(1),
     )
+    if args.gpu_memory_cap:  # a GPU smaller than this one: the model is larger than what the process may use
+        index = torch.cuda.current_device() if device.index is None else device.index
+        total = torch.cuda.get_device_properties(index).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_memory_cap / total), index)
     engine = None
     t0 = time.perf_counter()
     cfg = our_config(args, args.scratch, stored_element_bytes(args, dtype.itemsize))
@@ -245,8 +256,8 @@ def run_child(args: argparse.Namespace) -> Dict[str, Any]:
     load_s = time.perf_counter() - t0
     if args.drop_after_load:
         drop_page_cache()  # the load read the checkpoint
-    meter = ForwardMeter(model)
-    each_s = _time_each_forward(model)
+    meter = ForwardMeter(model, device)
+    each_s = _time_each_forward(model, device)
     read0 = _read_bytes()
     t0 = time.perf_counter()
     with torch.no_grad():
@@ -339,6 +350,8 @@ def _run(args: argparse.Namespace, contender: str, ckpt: str, scratch: str) -> D
         str(args.new_tokens),
     ]
     cmd += ["--cpu-budget", str(args.cpu_budget), "--gpu-budget", str(args.gpu_budget)]
+    if args.gpu_memory_cap:
+        cmd += ["--gpu-memory-cap", str(args.gpu_memory_cap)]
     cmd += ["--buffer-count", str(args.buffer_count), "--group-size", str(args.group_size)]
     cmd += ["--prefetch-bucket", str(args.prefetch_bucket), "--buffer-size", str(args.buffer_size)]
     if args.aio_config:
@@ -422,6 +435,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         help="where our weights live: nvme (streamed, --cpu-budget of them kept in RAM) or cpu (all in "
         "pinned host memory; accelerate then keeps them all in RAM too, nothing on disk)",
     )
+    ap.add_argument(
+        "--gpu-memory-cap",
+        type=float,
+        help="with --device cuda: bytes of GPU memory each contender's process may allocate (torch's "
+        "per-process memory fraction), to run a model larger than the GPU it may use",
+    )
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=8)
@@ -496,6 +515,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         args.size, args.new_tokens, args.prompt_len, args.batch = "tiny", 4, 8, 2
     if args.no_drop_caches:
         args.drop_after_load = False
+    if args.gpu_memory_cap and args.device != "cuda":
+        ap.error("--gpu-memory-cap applies to --device cuda")
     if args.int8_activations and not args.weight_bits:
         ap.error("--int8-activations applies to quantized weights: give --weight-bits too")
     if args.child:
@@ -571,7 +592,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "of ceiling",
         "peak RSS GiB",
         "load s",
-    ]
+    ] + (["peak GPU GiB"] if args.device == "cuda" else [])
     rows = []
     for c, s in summary.items():
         if "error" in s:
@@ -593,13 +614,16 @@ def main(argv: Optional[List[str]] = None) -> int:
                 f"{s['peak_rss_bytes'] / 2**30:.2f}",
                 f"{s['load_s']:.1f}",
             ]
+            + ([f"{s['peak_gpu_bytes'] / 2**30:.2f}"] if "peak_gpu_bytes" in s else [])
         )
     title = (
         f"Llama {args.size} ({weight_bytes / 1e9:.2f} GB {args.dtype}), {args.device}, weights on "
         f"{args.param_tier}, batch {args.batch} x "
         f"{args.new_tokens} new tokens (prompt {args.prompt_len}), "
         f"CPU budget {args.cpu_budget / 1e9:.2f} GB, "
-        f"{args.repeats} round(s); read ceiling "
+        + (f"accelerate's GPU budget {args.gpu_budget / 1e9:.2f} GB, " if args.device == "cuda" else "")
+        + (f"GPU memory capped at {args.gpu_memory_cap / 2**30:.2f} GiB, " if args.gpu_memory_cap else "")
+        + f"{args.repeats} round(s); read ceiling "
         + (f"{ceiling:.2f} GB/s ({ceiling_source})" if ceiling else f"unknown ({ceiling_source})")
         + f"; tokens {'identical' if same else 'NOT identical' if len(tokens) == 2 else 'not compared'}"
     )
@@ -607,7 +631,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if notes:
         table += "\n\n" + "\n".join(f"Note: {n}" for n in notes)
     tier = "" if args.param_tier == "nvme" else f"_{args.param_tier}"
-    name = f"bench_inference_{'smoke' if args.smoke else args.size}_{args.device}{tier}"
+    dtype = "" if args.dtype == "fp32" else f"_{args.dtype}"
+    name = f"bench_inference_{'smoke' if args.smoke else args.size}{dtype}_{args.device}{tier}"
     write_outputs(
         name,
         {

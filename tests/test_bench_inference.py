@@ -102,3 +102,9 @@ def test_int8_activations_without_quantized_weights_is_refused(capsys):
     assert (
         "--int8-activations applies to quantized weights: give --weight-bits too" in capsys.readouterr().err
     )
+
+
+def test_gpu_memory_cap_needs_cuda(capsys):
+    with pytest.raises(SystemExit):
+        bench_inference.main(["--smoke", "--gpu-memory-cap", "4e9"])
+    assert "--gpu-memory-cap applies to --device cuda" in capsys.readouterr().err

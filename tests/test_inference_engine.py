@@ -345,3 +345,24 @@ def test_two_ranks_at_stage3_generate_like_one(tmp_path):
     results, _ = run_on_ranks(_two_rank_generation, tmp_path)
     assert [same for same, _ in results] == [True, True]
     assert results[0][1] == results[1][1]
+
+
+def test_forward_meter_waits_for_the_device(monkeypatch):
+    """On a GPU a forward's time covers the work it queued: the meter synchronizes the device as the root
+    forward starts and as it returns; on the CPU it has nothing to wait for."""
+    from zero.report import ForwardMeter
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(device))
+    model = torch.nn.Linear(4, 4)
+    gpu = torch.device("cuda", 0)
+    meter = ForwardMeter(model, gpu)
+    with torch.no_grad():
+        model(torch.randn(2, 4))
+    assert calls == [gpu, gpu] and meter.take()[0] == 1
+    meter.close()
+    meter = ForwardMeter(model)
+    with torch.no_grad():
+        model(torch.randn(2, 4))
+    assert calls == [gpu, gpu] and meter.take()[0] == 1
+    meter.close()

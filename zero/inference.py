@@ -381,5 +381,5 @@ def inference_layout(
         )
     else:
         layout = ReplicatedLayout(model, params, place, pool)
-    layout.meter = ForwardMeter(model)
+    layout.meter = ForwardMeter(model, place.device)
     return layout

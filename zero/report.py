@@ -263,9 +263,13 @@ def _tokens_of(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> int:
 
 class ForwardMeter:
     """Counts the root module's forwards, their input tokens and their wall time (forward pre- and post-hooks
-    on the root module; a forward that raises is not counted). Nested calls of the root count once."""
+    on the root module; a forward that raises is not counted). Nested calls of the root count once.
 
-    def __init__(self, module: nn.Module) -> None:
+    With an accelerator `device` (a GPU) the device is synchronized as a forward starts and as it returns,
+    so that its time is the work it queued, not only the time to queue it."""
+
+    def __init__(self, module: nn.Module, device: Optional[torch.device] = None) -> None:
+        self._sync = _synchronizer(device)
         self.forwards = 0
         self.tokens = 0
         self.forward_s = 0.0
@@ -281,11 +285,13 @@ class ForwardMeter:
         self._depth += 1
         if self._depth == 1:
             self._pending_tokens = _tokens_of(args, kwargs)
+            self._sync()
             self._start = time.perf_counter()
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
         self._depth -= 1
         if self._depth == 0 and self._start is not None and output is not None:  # None: it raised
+            self._sync()
             self.forward_s += time.perf_counter() - self._start
             self.forwards += 1
             self.tokens += self._pending_tokens
@@ -304,6 +310,14 @@ class ForwardMeter:
         for h in self._handles:
             h.remove()
         self._handles = []
+
+
+def _synchronizer(device: Optional[torch.device]) -> Callable[[], None]:
+    """A call that waits for the work queued on `device`; a no-op for the CPU (or None)."""
+    if device is None or device.type == "cpu":
+        return lambda: None
+    backend = getattr(torch, device.type)
+    return lambda: backend.synchronize(device)
 
 
 def inference_report(
