@@ -382,6 +382,20 @@ def test_memory_partitions_are_one_flat_segment_for_the_optimizer(pin):
         assert part.store.pool.bytes_in_use == 0
 
 
+@pytest.mark.parametrize("pin", [False, True])
+def test_a_model_built_on_meta_partitions_as_zeros(pin):
+    """Parameters built on the meta device have no values: their partitions read as zeros (fresh pinned
+    memory is zero already and is not written a second time)."""
+    with torch.device("meta"):
+        model = MLP()
+    part = Stage3Partitioner(s3_config("cpu", offload_param={"pin_memory": pin}))
+    part.attach(model)
+    assert part.units and all(p.device.type != "meta" for p in model.parameters())
+    for u in part.units:
+        assert torch.equal(part.read_partition(u), torch.zeros(u.part_numel, dtype=u.dtype))
+    part.close()
+
+
 def test_a_backward_that_raises_does_not_poison_the_next_step():
     class Boom(torch.autograd.Function):
         @staticmethod

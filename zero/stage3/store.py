@@ -118,9 +118,13 @@ def _storage_uses(t: torch.Tensor) -> int:
 class _Arena:
     """Bump allocator over segments; one segment per call to `reserve`, or SEGMENT_NUMEL-sized ones."""
 
-    def __init__(self, alloc: Callable[[int, torch.dtype], torch.Tensor], exact: bool) -> None:
+    def __init__(self, alloc: Callable[[int, torch.dtype], torch.Tensor], exact: bool, zeroed: bool) -> None:
         self._alloc = alloc
         self._exact = exact  # pinned memory is locked: never reserve more than asked
+        # every segment is fresh anonymous memory (pinned): what nothing has written yet reads as zeros, and
+        # memory is never handed out twice, so a unit placed without values needs no zeroing pass (for a
+        # model of gigabytes that pass costs seconds of page faults before the values are copied in)
+        self.zeroed = zeroed
         self.segments: List[torch.Tensor] = []
         self._open: Dict[torch.dtype, Tuple[int, int]] = {}  # dtype -> (segment index, used)
 
@@ -193,7 +197,7 @@ class PartitionStore:
         self._ahead: Dict[int, Tuple[torch.Tensor, Any]] = {}
         self._write_handle: Any = None
         on_device = tier == "none"
-        self.arena = _Arena(self._memory_allocator(on_device), exact=self.pin_memory)
+        self.arena = _Arena(self._memory_allocator(on_device), exact=self.pin_memory, zeroed=self.pin_memory)
 
     # ------------------------------------------------------------------------------------------ placement
     def _memory_allocator(self, on_device: bool) -> Callable[[int, torch.dtype], torch.Tensor]:
@@ -255,7 +259,8 @@ class PartitionStore:
             seg, off, view = self._guard(lambda: self.arena.take(numel, dtype), [unit], numel)
             self._mem[unit.index] = (seg, off, view)
             if fill is None:
-                view.zero_()  # zero bytes decode to zeros
+                if not self.arena.zeroed:
+                    view.zero_()  # zero bytes decode to zeros
             elif codec is None:
                 fill(view)
             else:
