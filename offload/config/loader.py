@@ -96,8 +96,10 @@ OFF_ONLY_TOP_LEVEL: Dict[str, Tuple[Any, str]] = {
         "automatic tensor parallelism (tensor_parallel.autotp_size > 1)",
     ),
     "data_types": (
-        lambda v: v is None or (isinstance(v, Mapping) and v.get("grad_accum_dtype") is None),
-        "a gradient accumulation dtype (data_types.grad_accum_dtype)",
+        lambda v: v is None or (isinstance(v, Mapping) and all(x is None for x in v.values())),
+        "data types other than the precision section's (data_types.grad_accum_dtype, param_dtype, "
+        "buffer_dtype: gradients accumulate in the compute dtype, and zero.initialize casts parameters and "
+        "floating-point buffers to it)",
     ),
     "use_data_before_expert_parallelism": (lambda v: v is False, "mixture-of-experts topology options"),
 }
