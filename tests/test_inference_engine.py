@@ -108,19 +108,32 @@ def test_generation_and_logits_equal_plain_transformers(tmp_path, arch, placemen
     engine.close()
 
 
+@pytest.mark.parametrize("placement", ["stage0", "stage3-nvme"])
 @pytest.mark.parametrize("arch", list(BUILDERS))
-def test_bf16_from_an_fp32_model_equals_the_cast_model(tmp_path, arch):
-    """bf16 at stage 3 on NVMe: the fp32 weights are cast as they are partitioned (the partitions are
-    bf16); generation and logits equal the model cast with .to(torch.bfloat16)."""
+def test_bf16_generates_what_a_transformers_bf16_load_does(tmp_path, arch, placement):
+    """bf16 from an fp32 model: the parameters are cast (at stage 3 as they are partitioned: the partitions
+    are bf16) and the buffers keep their dtype, so generation and logits equal transformers' own bf16 load
+    of the same weights, a Llama's float32 rotary frequencies included; wrapping that bf16 model gives the
+    same again."""
     model = build(arch)
-    ref = copy.deepcopy(model).to(torch.bfloat16)
-    cfg = inference_config("stage3-nvme", tmp_path, bf16={"enabled": True})
-    engine, *_ = zero.initialize(model=model, config=cfg)
-    assert engine.dtype == torch.bfloat16 and all(u.dtype == torch.bfloat16 for u in engine.partitioner.units)
-    with torch.no_grad():
-        assert torch.equal(generate(engine.module, prompt()), generate(ref, prompt()))
-        assert torch.equal(engine(prompt()).logits, ref(prompt()).logits)
-    engine.close()
+    model.save_pretrained(tmp_path / "hf")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.bfloat16).eval()
+    cfg = inference_config(placement, tmp_path, bf16={"enabled": True})
+    for source in (model, copy.deepcopy(ref)):
+        engine, *_ = zero.initialize(model=source, config=cfg)
+        assert engine.dtype == torch.bfloat16
+        if placement != "stage0":
+            assert all(u.dtype == torch.bfloat16 for u in engine.partitioner.units)
+        buffers = dict(engine.module.named_buffers())
+        assert {n: b.dtype for n, b in ref.named_buffers()} == {
+            n: buffers[n].dtype for n, _ in ref.named_buffers()
+        }
+        with torch.no_grad():
+            assert torch.equal(generate(engine.module, prompt()), generate(ref, prompt()))
+            assert torch.equal(engine(prompt()).logits, ref(prompt()).logits)
+        engine.close()
+    if arch == "llama":  # the case that differs from a cast model is there
+        assert any(b.dtype == torch.float32 for b in ref.buffers())
 
 
 def test_model_built_under_zero_init(tmp_path):

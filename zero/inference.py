@@ -32,7 +32,7 @@ from torch import nn
 from offload.config import ConfigError, load_config
 from offload.pinned import PinnedPool
 from zero.errors import NoOptimizerError
-from zero.layout.base import Placement
+from zero.layout.base import Placement, cast_parameters
 from zero.optimizer_state import StateInfo
 from zero.report import ForwardMeter, InferenceReport, inference_report
 from zero.stage3.unit import Unit
@@ -247,8 +247,7 @@ class ReplicatedLayout(_WeightsOnly):
     ) -> None:
         """`params`: the trainable parameters (counted for `trainable_numel`)."""
         model.to(place.device)
-        if place.dtype != torch.float32:
-            model.to(place.dtype)
+        cast_parameters(model, place.dtype)
         self.module, self.pool, self.place = model, pool, place
         self.trainable_numel = sum(p.numel() for p in params)
 

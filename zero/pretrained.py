@@ -469,32 +469,6 @@ def _stream(
     return nbytes
 
 
-_BufferSlot = Tuple[nn.Module, str, torch.Tensor]
-
-
-def _floating_buffers(model: nn.Module) -> List[_BufferSlot]:
-    """(module, name, tensor) of every floating-point buffer, as the model built and loaded them."""
-    return [
-        (m, k, b)
-        for m in model.modules()
-        for k, b in m._buffers.items()
-        if b is not None and b.is_floating_point()
-    ]
-
-
-def _restore_buffer_dtypes(built: List[_BufferSlot]) -> None:
-    """Put back, on the device the engine moved them to, the buffers the engine cast to its compute dtype.
-
-    zero.initialize casts every floating-point buffer to the compute dtype, as `model.to(dtype)` does; a
-    model loaded by transformers' from_pretrained keeps the dtype each buffer was built in instead (a
-    Llama's rotary frequencies stay float32 under bfloat16), and so does this loader: its outputs are
-    those of transformers' model at the same dtype, not of a cast one."""
-    for module, key, original in built:
-        now = module._buffers.get(key)
-        if now is not None and now.dtype != original.dtype:
-            module._buffers[key] = original.to(now.device)
-
-
 # ---------------------------------------------------------------------------------------------- public
 def partitioned_model(
     path: Union[str, os.PathLike],
@@ -692,13 +666,11 @@ def from_pretrained(
     from zero.initialization import initialize
 
     model, raw, part, report = _load(path, config, dtype, hf_kwargs, swap_cache)
-    built = _floating_buffers(model)
     try:
         engine = initialize(model=model, config=raw)[0]  # takes the partitioner over (as after zero.Init)
     except BaseException:
         part.close()
         raise
-    _restore_buffer_dtypes(built)
     engine.eval()
     engine.load_report = report
     return engine

@@ -29,7 +29,16 @@ from zero.grad_fetch import DeviceGradFetch
 from zero.param_writer import ParamWriter
 from zero.partition import GradReadiness
 
-__all__ = ["Fill", "GradMemory", "Layout", "Placement", "allocate_pinned", "index_names", "trainable_params"]
+__all__ = [
+    "Fill",
+    "GradMemory",
+    "Layout",
+    "Placement",
+    "allocate_pinned",
+    "cast_parameters",
+    "index_names",
+    "trainable_params",
+]
 
 Fill = Callable[[int, int, torch.Tensor], None]  # fill(start, n, out): fp32 values of [start, start + n)
 
@@ -91,6 +100,19 @@ def allocate_pinned(
             f"or {PINNED_BUDGET_ENV}",
         )
         raise err from None
+
+
+def cast_parameters(
+    model: nn.Module, dtype: torch.dtype, skip: Optional[Callable[[nn.Parameter], bool]] = None
+) -> None:
+    """Cast the model's floating-point parameters to the compute dtype, in place (the Parameter objects
+    stay), except those `skip(p)` is true for (partitioned already). Buffers keep their dtype: a model
+    keeps some in float32 on purpose (a Llama's rotary frequencies), as transformers' from_pretrained(dtype=)
+    and DeepSpeed (from 0.19.2) leave them; `model.to(dtype)` before initialize casts them too."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point() and p.dtype != dtype and (skip is None or not skip(p)):
+                p.data = p.data.to(dtype)
 
 
 def trainable_params(model: nn.Module, model_parameters: Optional[Any]) -> List[nn.Parameter]:

@@ -27,7 +27,7 @@ from torch import nn
 from offload.pinned import PinnedPool
 from zero.comm import settle
 from zero.grad_fetch import DeviceGradFetch, copy_to_host
-from zero.layout.base import Fill, GradMemory, Placement, allocate_pinned, index_names
+from zero.layout.base import Fill, GradMemory, Placement, allocate_pinned, cast_parameters, index_names
 from zero.layout.grad_buckets import GradBuckets
 from zero.param_writer import FlatParamWriter, ParamWriter
 from zero.partition import FlatParams, GradReadiness, GradReducer, partition_range
@@ -59,8 +59,7 @@ class FlatLayout:
         if dtype != torch.float32:
             fp32_weights = torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in params])
         model.to(device)
-        if dtype != torch.float32:
-            model.to(dtype)
+        cast_parameters(model, dtype)
         self.module = model
         host_is_device = device.type == "cpu"
         # fp32 weights on the host: the master *is* the parameter buffer (nothing to copy back)

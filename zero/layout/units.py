@@ -23,7 +23,7 @@ from torch import nn
 from offload.pinned import PinnedPool
 from zero.comm import settle
 from zero.grad_fetch import DeviceGradFetch
-from zero.layout.base import Fill, Placement, allocate_pinned, index_names
+from zero.layout.base import Fill, Placement, allocate_pinned, cast_parameters, index_names
 from zero.param_writer import ParamWriter, UnitParamWriter
 from zero.partition import GradReadiness
 from zero.stage3.partitioner import Stage3Partitioner
@@ -311,15 +311,11 @@ def _check_dtypes(model: nn.Module, dtype: torch.dtype) -> None:
 
 
 def _cast_unpartitioned(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
-    """What `model.to(device).to(dtype)` does at stages 0-2, for what is not partitioned yet."""
+    """What stages 0-2 do to a model (`cast_parameters` after `model.to(device)`), for what is not
+    partitioned yet: parameters to the compute dtype, buffers to the device in their own dtype."""
+    cast_parameters(model, dtype, skip=is_partitioned)
     with torch.no_grad():
         for m in model.modules():
-            for p in m._parameters.values():
-                if p is None or is_partitioned(p):
-                    continue
-                if p.is_floating_point() and p.dtype != dtype:
-                    p.data = p.data.to(dtype=dtype)
             for key, b in m._buffers.items():
-                if b is None:
-                    continue
-                m._buffers[key] = b.to(device=device, dtype=dtype if b.is_floating_point() else b.dtype)
+                if b is not None:
+                    m._buffers[key] = b.to(device=device)
