@@ -98,8 +98,8 @@ OFF_ONLY_TOP_LEVEL: Dict[str, Tuple[Any, str]] = {
     "data_types": (
         lambda v: v is None or (isinstance(v, Mapping) and all(x is None for x in v.values())),
         "data types other than the precision section's (data_types.grad_accum_dtype, param_dtype, "
-        "buffer_dtype: gradients accumulate in the compute dtype, parameters are cast to it and buffers keep "
-        "their dtype)",
+        "buffer_dtype, keep_in_fp32_modules: gradients accumulate in the compute dtype, parameters are cast "
+        "to it and buffers keep their dtype)",
     ),
     "use_data_before_expert_parallelism": (lambda v: v is False, "mixture-of-experts topology options"),
 }

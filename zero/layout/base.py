@@ -107,8 +107,9 @@ def cast_parameters(
 ) -> None:
     """Cast the model's floating-point parameters to the compute dtype, in place (the Parameter objects
     stay), except those `skip(p)` is true for (partitioned already). Buffers keep their dtype: a model
-    keeps some in float32 on purpose (a Llama's rotary frequencies), as transformers' from_pretrained(dtype=)
-    and DeepSpeed (from 0.19.2) leave them; `model.to(dtype)` before initialize casts them too."""
+    keeps some in float32 on purpose (a Llama's rotary frequencies), and transformers' from_pretrained
+    (dtype=) and DeepSpeed (0.19.8, without data_types.buffer_dtype) leave them so; `model.to(dtype)`
+    before initialize casts them too."""
     with torch.no_grad():
         for p in model.parameters():
             if p.is_floating_point() and p.dtype != dtype and (skip is None or not skip(p)):
