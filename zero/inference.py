@@ -247,7 +247,8 @@ class ReplicatedLayout(_WeightsOnly):
     ) -> None:
         """`params`: the trainable parameters (counted for `trainable_numel`)."""
         model.to(place.device)
-        cast_parameters(model, place.dtype)
+        if place.dtype != torch.float32:
+            cast_parameters(model, place.dtype)
         self.module, self.pool, self.place = model, pool, place
         self.trainable_numel = sum(p.numel() for p in params)
 

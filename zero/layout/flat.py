@@ -59,7 +59,8 @@ class FlatLayout:
         if dtype != torch.float32:
             fp32_weights = torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in params])
         model.to(device)
-        cast_parameters(model, dtype)
+        if dtype != torch.float32:
+            cast_parameters(model, dtype)
         self.module = model
         host_is_device = device.type == "cpu"
         # fp32 weights on the host: the master *is* the parameter buffer (nothing to copy back)

@@ -311,8 +311,8 @@ def _check_dtypes(model: nn.Module, dtype: torch.dtype) -> None:
 
 
 def _cast_unpartitioned(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
-    """What stages 0-2 do to a model (`cast_parameters` after `model.to(device)`), for what is not
-    partitioned yet: parameters to the compute dtype, buffers to the device in their own dtype."""
+    """For what is not partitioned yet: parameters to the compute dtype (`cast_parameters`), buffers to the
+    device in their own dtype."""
     cast_parameters(model, dtype, skip=is_partitioned)
     with torch.no_grad():
         for m in model.modules():
