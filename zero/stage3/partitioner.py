@@ -261,13 +261,14 @@ class Stage3Partitioner:
                 from_host = mem is None or mem.device.type == "cpu"  # a host tier or an NVMe staging slot
                 if from_host:
                     self.host_to_device_bytes += unit.part_nbytes
-            if self.world_size == 1 and from_host:
-                # on the copies' side stream: the copy overlaps the layers queued before it
-                full = self.store.device_buffer(unit.padded_numel, unit.dtype)
-                self.store.read(unit, full, fresh=True)
-            elif self.world_size == 1:
-                full = _empty(unit.padded_numel, unit.dtype, self.device)
-                self.store.read(unit, full)
+            if self.world_size == 1:
+                # from the host: a buffer of the copies' side stream, so the copy overlaps the layers queued
+                # before it
+                if from_host:
+                    full = self.store.device_buffer(unit.padded_numel, unit.dtype)
+                else:
+                    full = _empty(unit.padded_numel, unit.dtype, self.device)
+                self.store.read(unit, full, fresh=from_host)
             else:
                 full = _empty(unit.padded_numel, unit.dtype, self.device)
                 own = torch.empty(unit.part_numel, dtype=unit.dtype, device=self.device)
