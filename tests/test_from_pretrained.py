@@ -140,8 +140,8 @@ def test_generation_and_logits_equal_transformers(ckpts, tmp_path, arch, tier):
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_max_in_cpu_keeps_the_first_layers_in_ram(ckpts, tmp_path, arch):
-    """nvme with max_in_cpu half the model: the first partitions are filled in host memory (no swap file),
+def test_max_in_cpu_keeps_layers_in_ram(ckpts, tmp_path, arch):
+    """nvme with max_in_cpu half the model: the planned partitions are filled in host memory (no swap file),
     the rest streamed into swap files; generation and logits equal transformers; a forward reads from NVMe
     only the partitions that are not resident (untied Llama: each exactly once)."""
     path = ckpts[arch]

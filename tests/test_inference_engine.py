@@ -274,8 +274,8 @@ def resident_config(tmp, max_in_cpu, **off):
 
 
 @pytest.mark.parametrize("arch", list(BUILDERS))
-def test_max_in_cpu_keeps_the_first_layers_in_ram_and_streams_the_rest(tmp_path, arch):
-    """offload_param.max_in_cpu with nvme for inference: the first partitions, up to that many elements,
+def test_max_in_cpu_keeps_layers_in_ram_and_streams_the_rest(tmp_path, arch):
+    """offload_param.max_in_cpu with nvme for inference: partitions of up to that many elements in all
     stay in host memory (no swap file), the rest are streamed; generation and logits equal transformers
     exactly, and the report's NVMe bytes per forward shrink by the resident partitions' bytes (untied
     Llama: each unit used once per forward, so exactly)."""

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_stage3_helpers import MLP, SharedModuleLM, TiedLM, TwiceMLP, attach, s3_config
 
+from offload.swap.resident import resident_plan
 from zero.models import GPT, GPTConfig
 from zero.stage3 import PartitionStatus, Stage3Partitioner, Unit, register_external_parameter
 
@@ -202,13 +203,18 @@ def test_nvme_streams_partitions_larger_than_the_staging_buffer(tmp_path):
     part.close()
 
 
-def test_max_in_cpu_keeps_first_partitions_in_memory(tmp_path):
+def test_max_in_cpu_keeps_the_planned_partitions_in_memory(tmp_path):
+    """The partitions kept in host memory are the ones `resident_plan` picks over the units in module
+    order: the first, then spread (not the next ones in a row), within the budget."""
     model = MLP()
-    cfg = s3_config("nvme", tmp_path, offload_param={"max_in_cpu": 16 * 40 + 40 + 40 * 40 + 40})
+    budget = 16 * 40 + 40 + 40 * 40 + 40
+    cfg = s3_config("nvme", tmp_path, offload_param={"max_in_cpu": budget})
     part, _ = attach(model, cfg)
-    tiers = [part.store.on_nvme(u) for u in part.units]
-    assert tiers == [False, False, True, True, True]
-    assert part.store.in_cpu_numel <= cfg["zero_optimization"]["offload_param"]["max_in_cpu"]
+    resident = [not part.store.on_nvme(u) for u in part.units]
+    assert resident == resident_plan([u.part_numel for u in part.units], budget)
+    assert resident[0] and not resident[1] and sum(resident) == 2
+    assert part.store.in_cpu_numel == sum(u.part_numel for u, r in zip(part.units, resident) if r) <= budget
+    assert all(part.store.swap_file(u) is None for u, r in zip(part.units, resident) if r)
     part.close()
 
 

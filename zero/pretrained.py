@@ -247,6 +247,7 @@ def _cache_inputs(
     import transformers
 
     from offload import __version__
+    from offload.swap.resident import RESIDENT_PLAN_VERSION
 
     def stat_of(path: str) -> List[Any]:
         st = os.stat(path)
@@ -266,6 +267,7 @@ def _cache_inputs(
         "world_size": world_size,
         "rank": rank,
         "max_in_cpu": int(loaded.zero_optimization.offload_param.max_in_cpu),
+        "resident_plan": RESIDENT_PLAN_VERSION,
         "hf_kwargs": {k: repr(v) for k, v in sorted(hf_kwargs.items())},
         "key_mapping": dict(key_mapping) if key_mapping else None,
     }

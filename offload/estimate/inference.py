@@ -7,8 +7,8 @@ The rows follow what the stage-3 engine allocates for one rank (zero/stage3/stor
 * one unit per module (its own parameters; a shared parameter in its first owner's unit), each rank holding
   `ceil(numel / world_size)` elements of it;
 * `offload_param.device` none: every partition on the device; cpu: every partition in host memory (pinned
-  when `pin_memory`), packed back to back; nvme: a unit stays in host memory while the partitions kept
-  there so far plus its own fit `max_in_cpu` elements, else it gets a swap file of its partition's bytes
+  when `pin_memory`), packed back to back; nvme: the units `offload.swap.resident.resident_plan` picks
+  for `max_in_cpu` elements stay in host memory, every other one gets a swap file of its partition's bytes
   rounded up to 4 KiB, and `buffer_count` pinned staging buffers of
   min(`buffer_size` elements, the largest NVMe partition) serve the reads (the prefetch depth);
 * on the device: units under `stage3_param_persistence_threshold` elements stay whole once used (up to
@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from offload.config.zero import ZeroConfig
+from offload.swap.resident import resident_plan
 
 from .errors import EstimateInputError
 from .formulas import SwapBufferSettings
@@ -190,17 +191,10 @@ def estimate_inference(setup: InferenceSetup) -> InferenceEstimate:
     b = setup.buffers
     tier = setup.offload_param
     parts = [math.ceil(n / setup.world_size) for n in setup.units]
-    in_cpu, on_nvme = 0, []
-    placed_cpu: List[int] = []
-    in_host: List[bool] = []  # per unit: its partition lives in host memory
-    for p in parts:
-        if tier == "nvme" and in_cpu + p > b.param_max_in_cpu:
-            on_nvme.append(p)
-            in_host.append(False)
-        else:
-            placed_cpu.append(p)
-            in_host.append(tier != "none")
-            in_cpu += p if tier == "nvme" else 0
+    resident = resident_plan(parts, b.param_max_in_cpu) if tier == "nvme" else [True] * len(parts)
+    on_nvme = [p for p, r in zip(parts, resident) if not r]
+    placed_cpu = [p for p, r in zip(parts, resident) if r]
+    in_host = [r and tier != "none" for r in resident]  # per unit: its partition lives in host memory
     stored = sum(setup.stored_bytes(p) for p in placed_cpu)
     pinned = b.param_pin_memory and tier != "none"
     rows: Dict[str, Dict[str, int]] = {}

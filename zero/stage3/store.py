@@ -7,8 +7,9 @@ module that owns it, and moves it through `buffer_count` pinned staging slots of
 elements: a partition that fits a slot is read with one request; a larger one is prefetched in pieces into
 as many free slots as it needs and copied out of them, or, read on demand, streamed through a slot chunk by
 chunk (on a CPU destination: read straight into it). Each slot has its own aio handle, so waiting for one
-prefetch never waits for the others. With `max_in_cpu`, the first partitions (up to that many elements)
-stay in host memory.
+prefetch never waits for the others. With `max_in_cpu`, partitions of up to that many elements in all stay
+in host memory, spread along the module order (offload.swap.resident) so that a forward's reads overlap
+their compute.
 
 Lending (`lend` / `give_back`): when the compute device is the CPU, a partition that lands in a slot can be
 used where it lies instead of being copied out: `lend` returns a view of the slot and keeps the slot out of
@@ -45,6 +46,7 @@ import torch
 from offload.config.aio import AioConfig
 from offload.config.zero import OffloadParamConfig
 from offload.pinned import PinnedMemoryBudgetError, PinnedPool
+from offload.swap.resident import resident_plan
 from offload.swap.space import SwapFile, SwapSpace, SwapSpaceError, check_nvme_path
 from zero.stage3.device_copy import SideStream
 from zero.stage3.quant import PartitionCodec, QuantTarget, planned_nbytes, unit_codec
@@ -169,6 +171,9 @@ class PartitionStore:
         self.buffer_size = max(1, int(buffer_size))
         self.max_in_cpu = int(max_in_cpu) if tier == "nvme" else 0
         self.in_cpu_numel = 0
+        # unit name -> kept in host memory (NVMe tier), as `reserve` planned it for the units it was given;
+        # units placed without a plan (one at a time, as zero.Init builds them) take what is left, first fit
+        self._resident: Dict[str, bool] = {}
         self.stats = StoreStats()
         self._aio = aio
         self._nvme_path = check_nvme_path(nvme_path or "") if tier == "nvme" else None
@@ -208,15 +213,18 @@ class PartitionStore:
         return lambda n, dtype: torch.empty(n, dtype=dtype)
 
     def reserve(self, units: Sequence[Any]) -> None:
-        """Make one memory segment (per dtype) for the units placed next, so they lie back to back.
-        `units`: Units or anything with `name`, `dtype`, `part_numel` and `part_nbytes` (UnitSize)."""
+        """Make one memory segment (per dtype) for the units placed next, so they lie back to back, and on
+        the NVMe tier plan which of them stay in host memory (`resident_plan` over what is left of
+        max_in_cpu). `units`: Units or anything with `name`, `dtype`, `part_numel` and `part_nbytes`
+        (UnitSize), in module order."""
         totals: Dict[torch.dtype, int] = {}
-        budget = self.max_in_cpu - self.in_cpu_numel if self.tier == "nvme" else None
-        for u in units:
-            if budget is not None:
-                if u.part_numel > budget:
-                    continue
-                budget -= u.part_numel
+        keep = [True] * len(units)
+        if self.tier == "nvme":
+            keep = resident_plan([u.part_numel for u in units], self.max_in_cpu - self.in_cpu_numel)
+            self._resident.update((u.name, k) for u, k in zip(units, keep))
+        for u, k in zip(units, keep):
+            if not k:
+                continue
             t = self._plan.get(u.name)
             if t is not None:
                 n = planned_nbytes(t.numels, t.index, u.part_numel, self.rank, t.spec, u.dtype)
@@ -251,7 +259,8 @@ class PartitionStore:
         codec = unit_codec(unit, self._plan.get(unit.name))
         if codec is not None:
             self._codecs[unit.index] = codec
-        in_memory = self.tier != "nvme" or self.in_cpu_numel + unit.part_numel <= self.max_in_cpu
+        fits = self.in_cpu_numel + unit.part_numel <= self.max_in_cpu
+        in_memory = self.tier != "nvme" or (self._resident.get(unit.name, True) and fits)
         if in_memory:
             if self.tier == "nvme":
                 self.in_cpu_numel += unit.part_numel
