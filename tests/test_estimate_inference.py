@@ -96,7 +96,7 @@ def test_cpu_tier_and_max_in_cpu_rows_equal_the_engine(tmp_path):
     engine.close()
 
     units = unit_numels(model)
-    max_in_cpu = units[0] + units[1] + 5  # the embedding and the first projection, then more small ones
+    max_in_cpu = units[0] + units[1] + 5  # splits the model: the first partition and a spread of others
     est = estimate_inference(setup_for(model, "nvme", param_max_in_cpu=max_in_cpu))
     _, engine = engine_for(tmp_path, "nvme", max_in_cpu=max_in_cpu)
     assert 0 < est.rows["weights"]["cpu"] <= max_in_cpu * 4
