@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from offload.swap.resident import resident_plan
@@ -11,6 +11,7 @@ sizes = st.lists(st.integers(min_value=1, max_value=10_000), max_size=60)
 
 
 @settings(max_examples=300, deadline=None)
+@example(numels=[], budget=-5)
 @given(numels=sizes, budget=st.integers(min_value=-10, max_value=300_000))
 def test_plan_properties(numels, budget):
     plan = resident_plan(numels, budget)
@@ -19,10 +20,10 @@ def test_plan_properties(numels, budget):
     if sum(numels) <= budget:
         assert all(plan)
         return
-    assert kept <= budget
     if budget <= 0:
         assert not any(plan)
         return
+    assert kept <= budget
     assert plan[0] == (numels[0] <= budget)
     # no streamed partition fits what is left of the budget (as with first fit)
     assert all(kept + n > budget for n, r in zip(numels, plan) if not r)

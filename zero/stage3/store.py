@@ -27,7 +27,7 @@ one): `prefetch` of a partition in host memory copies it to the device on a side
 gathered buffer (`read` decodes a quantized unit's codes from it). A write drops the copy, and so does
 a pass that does not read ahead (`drop_read_ahead`): the optimizer updates memory partitions in place.
 
-The module is longer than most (about 790 lines): reads, prefetches, loans and writes share one piece of
+The module is longer than most (about 840 lines): reads, prefetches, loans and writes share one piece of
 bookkeeping - which slot holds what, under one lock taken by the main thread and the optimizer's writer
 thread - and splitting it would spread that invariant over modules.
 """
