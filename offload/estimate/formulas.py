@@ -154,7 +154,7 @@ class SwapBufferSettings:
     param_buffer_size: int = DEFAULT_PARAM_BUFFER_SIZE
     optimizer_pin_memory: bool = ENGINE_PLACEMENT.pin_memory_default
     param_pin_memory: bool = ENGINE_PLACEMENT.pin_memory_default
-    # offload_param.max_in_cpu: with NVMe parameters, the first partitions up to this many elements stay
+    # offload_param.max_in_cpu: with NVMe parameters, partitions of up to this many elements in all stay
     # in host memory (DeepSpeed's default 1e9 keeps a model under 1e9 parameters off the disk entirely).
     param_max_in_cpu: int = DEFAULT_PARAM_MAX_IN_CPU
     # offload_optimizer.nvme_copies: "auto" (two when nvme_path has room, else one), 1 or 2
@@ -431,7 +431,7 @@ def _stage3(
     host_opt = _host_tier(bufs.optimizer_pin_memory)
     nvme_read = nvme_write = 0
 
-    # Parameter partitions in their tier (NVMe: the first max_in_cpu elements stay in host memory), and
+    # Parameter partitions in their tier (NVMe: up to max_in_cpu elements stay in host memory), and
     # the gathered layers on the GPU.
     on_nvme = 0
     if offload_param == "nvme":
