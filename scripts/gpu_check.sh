@@ -41,7 +41,7 @@ step() {
 	nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 	nproc
 	free -g | head -2
-	df -h "$nvme" . | tail -n +1
+	df -h "$nvme" .
 	"$py" -c "import sys, torch, transformers, accelerate; print(sys.version.split()[0], torch.__version__, \
 torch.version.cuda, transformers.__version__, accelerate.__version__)"
 	"$py" -c "import offload._aio, offload._cpu_optim; print('extensions import')"
