@@ -20,6 +20,7 @@ import zero
 import zero.checkpointing as zc
 from offload.config import ConfigError, load_config
 from tests.aio_helpers import run_child
+from zero.checkpointing.apply import applied_blocks
 
 D = 64
 
@@ -435,9 +436,33 @@ def test_engine_warns_when_its_section_checkpoints_nothing(tmp_path, caplog):
         loss = engine(torch.randn(1, 4, D))
         engine.backward(loss)
         engine.step()
-    assert any("checkpointed no block" in r.getMessage() for r in caplog.records)
+    warned = [r.getMessage() for r in caplog.records if "checkpointed no block" in r.getMessage()]
+    assert len(warned) == 1 and "call zero.checkpointing.apply(model)" in warned[0]
     assert engine.last_report.activations == {}
     engine.close()
+
+
+def test_engine_warning_names_eval_mode_of_an_applied_hf_model(tmp_path, caplog):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=32, vocab_size=64)
+    section = {"activation_checkpointing": {"cpu_checkpointing": True}}
+    base = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    ids = torch.randint(0, 64, (2, 16))
+    for training in (False, True):
+        model = transformers.GPT2LMHeadModel(cfg).train(training)  # from_pretrained's models are in eval mode
+        assert zc.apply(model) == applied_blocks(model)
+        engine, *_ = zero.initialize(model=model, config={**base, **section})
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="zero"):
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+            engine.step()
+        warned = [r.getMessage() for r in caplog.records if "checkpointed no block" in r.getMessage()]
+        if training:
+            assert warned == [] and engine.last_report.activations["checkpoints"] == 2
+        else:
+            assert len(warned) == 1 and "eval mode" in warned[0] and "model.train()" in warned[0]
+            assert "call zero.checkpointing.apply" not in warned[0]  # it was called
+        engine.close()
 
 
 def test_estimator_checkpoint_rows_match_what_the_stash_moved(tmp_path):

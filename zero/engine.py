@@ -39,6 +39,7 @@ from offload.config.activation import ActivationCheckpointingConfig
 from offload.pinned import PINNED_BUDGET_ENV, PinnedPool, default_pinned_budget, pinned_bytes_in_use
 from zero import checkpointing, inference
 from zero.accelerator import compute_device
+from zero.checkpointing.apply import why_nothing_checkpointed
 from zero.deepspeed_api import init_distributed  # noqa: F401 - its old home; zero.initialize uses it
 from zero.device_part import TorchDevicePart, wants_torch_part
 from zero.integrity import StateGuard
@@ -503,8 +504,8 @@ class ZeroEngine:
             rep.activations = activations.as_dict()
         elif self._checkpointing is not None and self.global_steps == 1:
             logger.warning(
-                "activation_checkpointing is configured but the first step checkpointed no block: call"
-                " zero.checkpointing.apply(model) (or checkpoint blocks with zero.checkpointing.checkpoint)"
+                "activation_checkpointing is configured but the first step checkpointed no block: %s",
+                why_nothing_checkpointed(self.module),
             )
         self.last_report = rep
         return rep

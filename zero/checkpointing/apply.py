@@ -16,7 +16,7 @@ from typing import Any, Iterable, List, Optional, Sequence, Tuple, Type, Union
 
 from torch import nn
 
-__all__ = ["apply", "find_blocks"]
+__all__ = ["apply", "applied_blocks", "find_blocks", "why_nothing_checkpointed"]
 
 _REPLAY = threading.local()
 
@@ -59,18 +59,20 @@ def _is_hf(model: nn.Module) -> bool:
     )
 
 
+def _hf_block(module: nn.Module) -> bool:
+    """A Hugging Face block with gradient checkpointing on (not a model that carries the flag too)."""
+    return getattr(module, "gradient_checkpointing", False) is True and not hasattr(
+        module, "supports_gradient_checkpointing"
+    )
+
+
 def _hf_enable(model: nn.Module) -> List[str]:
     from zero.checkpointing import checkpoint
 
     enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
     enable({"use_reentrant": False})  # HF's switch: flags, KV cache off in training, input grads
     model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=checkpoint)
-    return [  # the blocks: modules with the flag set, not the models that carry one too
-        name
-        for name, m in model.named_modules()
-        if getattr(m, "gradient_checkpointing", False) is True
-        and not hasattr(m, "supports_gradient_checkpointing")
-    ]
+    return [name for name, m in model.named_modules() if _hf_block(m)]
 
 
 def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -96,9 +98,9 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 def _wrap(module: nn.Module) -> bool:
-    forward = module.__dict__.get("forward")
-    if isinstance(forward, types.MethodType) and forward.__func__ is _checkpointed_forward:
+    if _is_wrapped(module):
         return False  # already wrapped
+    forward = module.__dict__.get("forward")
     if forward is not None:
         module._zero_checkpoint_inner = forward  # an instance-level forward someone set before us
     module.forward = types.MethodType(_checkpointed_forward, module)
@@ -124,3 +126,35 @@ def apply(
     for name in names:
         _wrap(modules[name])
     return names
+
+
+def _is_wrapped(module: nn.Module) -> bool:
+    forward = module.__dict__.get("forward")
+    return isinstance(forward, types.MethodType) and forward.__func__ is _checkpointed_forward
+
+
+def applied_blocks(model: nn.Module) -> List[str]:
+    """Qualified names of `model`'s blocks set to be checkpointed: wrapped by `apply`, or Hugging Face blocks
+    with gradient checkpointing on."""
+    return [name for name, m in model.named_modules() if _is_wrapped(m) or _hf_block(m)]
+
+
+def why_nothing_checkpointed(model: nn.Module) -> str:
+    """Why a training step of `model` checkpointed no block, and what to do about it."""
+    blocks = applied_blocks(model)
+    if not blocks:
+        return (
+            "no block of the model is set to be checkpointed: call zero.checkpointing.apply(model) (or"
+            " checkpoint blocks with zero.checkpointing.checkpoint)"
+        )
+    modules = dict(model.named_modules())
+    if not all(modules[name].training for name in blocks):
+        return (
+            f"{len(blocks)} blocks are set to be checkpointed, but the model is in eval mode, where Hugging"
+            " Face blocks are not checkpointed (from_pretrained returns the model in eval mode): call"
+            " model.train() (or engine.train()) before training"
+        )
+    return (
+        f"{len(blocks)} blocks are set to be checkpointed, but none ran with gradients enabled (under"
+        " torch.no_grad nothing is checkpointed)"
+    )
