@@ -6,7 +6,8 @@ directory is a new, empty temporary directory, with this checkout first on the i
 makes what it uses (a tiny model from a config, its data, its files), so a reader can paste any one block and
 run it. Relative paths in a block land in its scratch directory; /tmp paths are fine for scratch space.
 
-Blocks not meant to run (pseudo-code, signatures, output, shell) are fenced ```text / ```bash instead. A block
+Blocks not meant to run (pseudo-code, signatures, output, shell) are fenced ```text / ```bash instead (every
+fence names its language, so none hides a Python example). A block
 under `<!-- doc-test: slow -->` (tests/doc_blocks.py) runs only in the `-m slow` run; every block runs in one
 of the two.
 """
@@ -19,7 +20,7 @@ import sys
 
 import pytest
 
-from tests.doc_blocks import REPO, Block, python_blocks
+from tests.doc_blocks import REPO, Block, blocks, pages, python_blocks
 
 TIMEOUT_S = 600
 
@@ -49,6 +50,13 @@ def test_blocks_are_found():
     ids = [b.id for b in python_blocks()]
     assert any(i.startswith("README.md:") for i in ids), "README.md has no Python block"
     assert len(ids) == len(set(ids))
+
+
+def test_every_block_names_its_language():
+    """A bare ``` fence hides whether its text is meant to run: Python is ```python (and runs here), the rest
+    ```text, ```bash, ```json..."""
+    bare = [b.id for p in pages() for b in blocks(p) if not b.lang]
+    assert bare == [], f"fences without a language: {bare}"
 
 
 @pytest.mark.parametrize("block", _params())
