@@ -332,20 +332,18 @@ def test_lock_file_without_a_stamp_is_removed_alone(tmp_path):
 def test_creator_racing_a_reclaimer_takes_another_name(tmp_path, monkeypatch):
     # A reclaimer that runs between the creation of a lock file and its locking finds it unlocked and
     # unstamped and removes it; the creator must notice and start over instead of using an unlinked lock.
-    import tempfile
+    from offload.swap import reclaim_stale, space
 
-    from offload.swap import reclaim_stale
+    real_open, first = space._open_lock_file, []
 
-    real_mkstemp, first = tempfile.mkstemp, []
-
-    def mkstemp_then_reclaim(*args, **kwargs):
-        fd, path = real_mkstemp(*args, **kwargs)
+    def open_then_reclaim(name, root_fd):
+        fd, path = real_open(name, root_fd), str(tmp_path / name)
         if not first:
             first.append(path)
             assert reclaim_stale(str(tmp_path)) == [] and not os.path.exists(path)
-        return fd, path
+        return fd
 
-    monkeypatch.setattr(tempfile, "mkstemp", mkstemp_then_reclaim)
+    monkeypatch.setattr(space, "_open_lock_file", open_then_reclaim)
     with SwapSpace(str(tmp_path)) as space:
         assert space.lock_path != first[0]
         assert _children_left(tmp_path) == sorted(
@@ -359,19 +357,20 @@ def test_creator_racing_a_reclaimer_takes_another_name(tmp_path, monkeypatch):
 def test_creator_finding_its_lock_file_held_takes_another_name(tmp_path, monkeypatch):
     # The reclaimer still holds the lock it took (it unlinks the file itself): the creator leaves it alone.
     import fcntl
-    import tempfile
 
-    real_mkstemp, held = tempfile.mkstemp, []
+    from offload.swap import space
 
-    def mkstemp_held_by_reclaimer(*args, **kwargs):
-        fd, path = real_mkstemp(*args, **kwargs)
+    real_open, held = space._open_lock_file, []
+
+    def open_held_by_reclaimer(name, root_fd):
+        fd, path = real_open(name, root_fd), str(tmp_path / name)
         if not held:
             other = os.open(path, os.O_RDONLY)
             fcntl.flock(other, fcntl.LOCK_EX)
             held.append((other, path))
-        return fd, path
+        return fd
 
-    monkeypatch.setattr(tempfile, "mkstemp", mkstemp_held_by_reclaimer)
+    monkeypatch.setattr(space, "_open_lock_file", open_held_by_reclaimer)
     with SwapSpace(str(tmp_path)) as space:
         other, path = held[0]
         assert space.lock_path != path and os.path.exists(path)
