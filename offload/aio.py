@@ -174,7 +174,8 @@ def _hold_io(keepalive: Any) -> Optional[Callable[[], None]]:
     if not isinstance(keepalive, tuple) or len(keepalive) != 3:
         return None
     _, view, obj = keepalive
-    for owner in (getattr(view, "obj", None), obj, getattr(obj, "_zo_owner", None)):
+    exporters = (getattr(view, "obj", None), obj, getattr(obj, "obj", None))
+    for owner in [o for e in exporters for o in (e, getattr(e, "_zo_owner", None))]:
         hold = getattr(owner, "hold_io", None)
         if hold is not None:
             hold()
