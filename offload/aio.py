@@ -2,8 +2,10 @@
 
 `AioHandle` keeps DeepSpeed's `aio_handle` method names and return values, so code written for
 `AsyncIOBuilder().load().aio_handle(...)` runs unchanged, and adds what DeepSpeed lacks: numpy arrays and any
-buffer-protocol object, an open fd instead of a path, exceptions carrying errno/file/offset instead of -1,
-and a choice of backend (io_uring, Linux AIO, pread/pwrite threads).
+buffer-protocol object, an open fd instead of a path, a file of a held directory (`FileAt`: a directory fd
+and a plain name, opened with openat), exceptions carrying errno/file/offset instead of -1, and a choice of
+backend (io_uring, Linux AIO, pread/pwrite threads). No file is ever opened through a symlink in its last
+component (O_NOFOLLOW: AioError ELOOP), and a name with a NUL byte is a ValueError.
 
 Buffers and their lifetimes: the C++ core takes raw (pointer, length) pairs. This module resolves each buffer
 to one contiguous host region, refuses what would need a hidden copy (non-contiguous tensors, read-only
