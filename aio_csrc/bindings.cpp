@@ -33,6 +33,12 @@ void raise_aio_error(const zo::IoError& e) {
 
 void* as_ptr(uintptr_t p) { return reinterpret_cast<void*>(p); }
 
+// A file of an open directory; a negative dir_fd is refused by FileRef::validate.
+zo::FileRef at_ref(int dir_fd, const std::string& name, const std::string& shown) {
+    if (dir_fd < 0) throw zo::UsageError("dir_fd must be >= 0, got " + std::to_string(dir_fd));
+    return zo::FileRef{dir_fd, name, shown};
+}
+
 // Runs `fn` without the GIL; then, holding it again, issues any warning and rethrows any error.
 template <typename Fn>
 int64_t call_io(Fn&& fn, zo::CallNotes* notes) {
@@ -85,6 +91,13 @@ class PyHandle {
             [&] { return h_->submit_path(write, as_ptr(ptr), nbytes, path, offset, asynchronous, &notes); },
             &notes);
     }
+    int64_t io_at(bool write, uintptr_t ptr, int64_t nbytes, const zo::FileRef& file, int64_t offset,
+                  bool asynchronous) {
+        zo::CallNotes notes;
+        return call_io(
+            [&] { return h_->submit_at(write, as_ptr(ptr), nbytes, file, offset, asynchronous, &notes); },
+            &notes);
+    }
     int64_t io_fd(bool write, uintptr_t ptr, int64_t nbytes, int fd, int64_t offset, bool asynchronous) {
         return call_io([&] { return h_->submit_fd(write, as_ptr(ptr), nbytes, fd, offset, asynchronous); },
                        nullptr);
@@ -97,6 +110,23 @@ class PyHandle {
                 return int64_t(0);
             },
             &notes);
+    }
+    void register_at(const zo::FileRef& file, bool writable) {
+        zo::CallNotes notes;
+        call_io(
+            [&] {
+                h_->register_at(file, writable, &notes);
+                return int64_t(0);
+            },
+            &notes);
+    }
+    void unregister_at(const zo::FileRef& file) {
+        call_io(
+            [&] {
+                h_->unregister_at(file);
+                return int64_t(0);
+            },
+            nullptr);
     }
     void unregister_file(const std::string& path) {
         call_io(
@@ -125,27 +155,43 @@ class PyHandle {
     std::unique_ptr<zo::Handle> h_;
 };
 
+// The memory of a PinnedBuffer. release() while I/O into it is in flight (hold_io() without its
+// unhold_io()) only marks it released: the mapping goes once the last hold ends, so a request never
+// writes into memory that was unmapped under it. Every member runs with the GIL held.
 class PyPinned {
   public:
     PyPinned(size_t nbytes, size_t alignment, bool huge_pages, bool lock, zo::Populate populate)
         : mem_(std::make_unique<zo::PinnedMemory>(nbytes, alignment, huge_pages, lock, populate)),
           nbytes_(nbytes) {}
     zo::PinnedMemory& mut() {
-        if (mem_->released()) throw py::value_error("PinnedBuffer was released");
+        if (released()) throw py::value_error("PinnedBuffer was released");
         return *mem_;
     }
     const zo::PinnedMemory& mem() const {
-        if (mem_->released()) throw py::value_error("PinnedBuffer was released");
+        if (released()) throw py::value_error("PinnedBuffer was released");
         return *mem_;
     }
-    void release() { mem_->release(); }
+    void release() {
+        released_ = true;
+        if (holds_ == 0) mem_->release();
+    }
+    void hold_io() {
+        if (released()) throw py::value_error("PinnedBuffer was released");
+        ++holds_;
+    }
+    void unhold_io() {
+        if (holds_ == 0) throw py::value_error("unhold_io() without a matching hold_io()");
+        if (--holds_ == 0 && released_) mem_->release();
+    }
     size_t nbytes() const { return nbytes_; }
-    bool released() const { return mem_->released(); }
+    bool released() const { return released_ || mem_->released(); }
     const zo::PinnedMemory& raw() const { return *mem_; }
 
   private:
     std::unique_ptr<zo::PinnedMemory> mem_;
     size_t nbytes_;
+    size_t holds_ = 0;
+    bool released_ = false;
 };
 
 }  // namespace
@@ -236,6 +282,39 @@ PYBIND11_MODULE(_aio, m) {
                 return h.io_fd(true, ptr, nbytes, fd, offset, asynchronous);
             },
             py::arg("ptr"), py::arg("nbytes"), py::arg("fd"), py::arg("offset"), py::arg("asynchronous"))
+        .def(
+            "pread_at",
+            [](PyHandle& h, uintptr_t ptr, int64_t nbytes, int dir_fd, const std::string& name,
+               const std::string& shown, int64_t offset, bool asynchronous) {
+                return h.io_at(false, ptr, nbytes, at_ref(dir_fd, name, shown), offset, asynchronous);
+            },
+            py::arg("ptr"), py::arg("nbytes"), py::arg("dir_fd"), py::arg("name"), py::arg("shown"),
+            py::arg("offset"), py::arg("asynchronous"),
+            "Read from file `name` of the open directory `dir_fd` (openat, O_NOFOLLOW); `shown` names it in "
+            "errors.")
+        .def(
+            "pwrite_at",
+            [](PyHandle& h, uintptr_t ptr, int64_t nbytes, int dir_fd, const std::string& name,
+               const std::string& shown, int64_t offset, bool asynchronous) {
+                return h.io_at(true, ptr, nbytes, at_ref(dir_fd, name, shown), offset, asynchronous);
+            },
+            py::arg("ptr"), py::arg("nbytes"), py::arg("dir_fd"), py::arg("name"), py::arg("shown"),
+            py::arg("offset"), py::arg("asynchronous"),
+            "Write to file `name` of the open directory `dir_fd` (openat, O_NOFOLLOW; created 0600).")
+        .def(
+            "register_at",
+            [](PyHandle& h, int dir_fd, const std::string& name, const std::string& shown, bool writable) {
+                h.register_at(at_ref(dir_fd, name, shown), writable);
+            },
+            py::arg("dir_fd"), py::arg("name"), py::arg("shown"), py::arg("writable") = true,
+            "register_file for file `name` of the open directory `dir_fd`.")
+        .def(
+            "unregister_at",
+            [](PyHandle& h, int dir_fd, const std::string& name, const std::string& shown) {
+                h.unregister_at(at_ref(dir_fd, name, shown));
+            },
+            py::arg("dir_fd"), py::arg("name"), py::arg("shown"),
+            "unregister_file for file `name` of the open directory `dir_fd`.")
         .def("register_file", &PyHandle::register_file, py::arg("path"), py::arg("writable") = true,
              "Open `path` once; requests naming it use that descriptor until unregister_file() or close().")
         .def("unregister_file", &PyHandle::unregister_file, py::arg("path"),
@@ -268,7 +347,12 @@ PYBIND11_MODULE(_aio, m) {
                 return mem.wait_populated();
             },
             "Block until the background population is done; returns its errno (0: every page resident).")
-        .def("release", &PyPinned::release, "Unmap now; the buffer must not be used afterwards.");
+        .def("release", &PyPinned::release,
+             "Unmap now, or once the I/O holding it (hold_io) is done; the buffer must not be used "
+             "afterwards.")
+        .def("hold_io", &PyPinned::hold_io,
+             "Keep the memory mapped until the matching unhold_io(), even if release() is called meanwhile.")
+        .def("unhold_io", &PyPinned::unhold_io, "End a hold_io(); unmaps if release() was called meanwhile.");
 
     m.def(
         "alloc_pinned",

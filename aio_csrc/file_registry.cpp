@@ -62,6 +62,14 @@ std::string FileTable::key_of(const std::string& path) {
     return key.empty() ? "/" : key;
 }
 
+std::string FileTable::key_at(int dir_fd, const std::string& name) {
+    struct stat st;
+    if (fstat(dir_fd, &st) != 0) throw IoError(errno, Op::kStat, name, 0, 0, "the directory fd is not open");
+    if (!S_ISDIR(st.st_mode)) throw IoError(ENOTDIR, Op::kOpen, name, 0, 0, "dir_fd is not a directory");
+    return "@" + std::to_string(static_cast<uint64_t>(st.st_dev)) + ":" +
+           std::to_string(static_cast<uint64_t>(st.st_ino)) + "/" + name;
+}
+
 bool FileTable::add(const std::string& key, std::shared_ptr<RegisteredFile> f) {
     std::lock_guard<std::mutex> lk(mu_);
     if (!files_.emplace(key, std::move(f)).second) return false;

@@ -71,6 +71,10 @@ class FileTable {
     // current directory), with "//", "/./" and a trailing "/" folded. ".." is kept: folding it is only
     // right where no symlink is involved. Throws IoError when a relative path meets an unreadable cwd.
     static std::string key_of(const std::string& path);
+    // The key of file `name` in the open directory `dir_fd` (its device and inode, then the name): the
+    // same directory reached through any path or descriptor gives the same key. A path key starts with
+    // '/', this one never does. Throws IoError if dir_fd cannot be stat'ed or is not a directory.
+    static std::string key_at(int dir_fd, const std::string& name);
 
     bool empty() const { return count_.load(std::memory_order_acquire) == 0; }
     // Adds `f` under `key`; false (and nothing changed) if the key is taken.

@@ -639,14 +639,30 @@ struct OpenedFile {
     bool direct = false;
 };
 
-// Opens `path` with `flags`, with O_DIRECT unless the mode is off; where the filesystem refuses it, "auto"
-// keeps the file buffered (and notes the fallback once per filesystem) and "on" throws. Errors name the
-// request's range.
-OpenedFile open_path(const std::string& path, int flags, DirectMode mode, const char* what, int64_t offset,
+// Opens `file` with `flags` | O_NOFOLLOW, with O_DIRECT unless the mode is off; where the filesystem
+// refuses O_DIRECT, "auto" keeps the file buffered (and notes the fallback once per filesystem) and "on"
+// throws. Errors name the request's range.
+int open_nofollow(const FileRef& file, int flags) {
+    int fd;
+    do {
+        fd = ::openat(file.dir_fd, file.name.c_str(), flags | O_NOFOLLOW, 0600);
+    } while (fd < 0 && errno == EINTR);
+    return fd;
+}
+
+[[noreturn]] void throw_open_error(int err, const FileRef& file, int64_t offset, int64_t nbytes,
+                                   const char* what) {
+    if (err == ELOOP)
+        throw IoError(err, Op::kOpen, file.label(), offset, nbytes,
+                      std::string(what) + ": it is a symbolic link, which the I/O core never follows");
+    throw IoError(err, Op::kOpen, file.label(), offset, nbytes, what);
+}
+
+OpenedFile open_file(const FileRef& file, int flags, DirectMode mode, const char* what, int64_t offset,
                      int64_t nbytes, CallNotes* notes) {
     OpenedFile f;
     if (mode != DirectMode::kOff) {
-        const int fd = ::open(path.c_str(), flags | O_DIRECT, 0600);
+        const int fd = open_nofollow(file, flags | O_DIRECT);
         if (fd >= 0) {
             f.fd = FileDesc(fd, true);
             f.di = direct_info(fd);
@@ -654,18 +670,18 @@ OpenedFile open_path(const std::string& path, int flags, DirectMode mode, const 
                 // Keep the descriptor; just switch it to buffered I/O.
                 const int fl = fcntl(fd, F_GETFL);
                 if (fl < 0 || fcntl(fd, F_SETFL, fl & ~O_DIRECT) != 0)
-                    throw IoError(errno, Op::kOpen, path, offset, nbytes, "clearing O_DIRECT");
+                    throw IoError(errno, Op::kOpen, file.label(), offset, nbytes, "clearing O_DIRECT");
             }
         } else if (errno != EINVAL) {
-            throw IoError(errno, Op::kOpen, path, offset, nbytes, what);
+            throw_open_error(errno, file, offset, nbytes, what);
         }
         if (!f.di.supported && mode == DirectMode::kOn)
-            throw IoError(EINVAL, Op::kOpen, path, offset, nbytes,
+            throw IoError(EINVAL, Op::kOpen, file.label(), offset, nbytes,
                           "the filesystem does not support O_DIRECT (direct='on'; use 'auto' or 'off')");
     }
     if (f.fd.get() < 0) {
-        const int fd = ::open(path.c_str(), flags, 0600);
-        if (fd < 0) throw IoError(errno, Op::kOpen, path, offset, nbytes, what);
+        const int fd = open_nofollow(file, flags);
+        if (fd < 0) throw_open_error(errno, file, offset, nbytes, what);
         f.fd = FileDesc(fd, true);
     }
     f.direct = f.di.supported && mode != DirectMode::kOff;
@@ -673,47 +689,79 @@ OpenedFile open_path(const std::string& path, int flags, DirectMode mode, const 
         struct stat st;
         if (fstat(f.fd.get(), &st) == 0 && first_fallback_on(st.st_dev)) {
             notes->direct_fallback = true;
-            notes->fallback_path = path;
+            notes->fallback_path = file.label();
         }
     }
     return f;
 }
 
+// A second, readable descriptor of the file open as `fd` (read-modify-write of a partial block when `fd`
+// is write-only): /proc/self/fd/N names the open file itself, whatever its path names meanwhile.
+FileDesc reopen_for_read(int fd, const std::string& shown, int64_t offset, int64_t nbytes) {
+    const std::string link = "/proc/self/fd/" + std::to_string(fd);
+    int rfd;
+    do {
+        rfd = ::open(link.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
+    } while (rfd < 0 && errno == EINTR);
+    if (rfd < 0)
+        throw IoError(errno, Op::kOpen, shown, offset, nbytes,
+                      "reopening the file (through /proc/self/fd) for read-modify-write of a partial block");
+    return FileDesc(rfd, true);
+}
+
+std::string registration_key(const FileRef& file) {
+    return file.dir_fd == AT_FDCWD ? FileTable::key_of(file.name) : FileTable::key_at(file.dir_fd, file.name);
+}
+
 }  // namespace
+
+void FileRef::validate() const {
+    if (name.empty()) throw UsageError("the file name is empty");
+    if (name.find('\0') != std::string::npos)
+        throw UsageError("the file name '" + name.substr(0, name.find('\0')) +
+                         "\\0...' contains a NUL byte: no file can have that name");
+    if (dir_fd != AT_FDCWD) {
+        if (dir_fd < 0) throw UsageError("dir_fd must be >= 0, got " + std::to_string(dir_fd));
+        if (name.find('/') != std::string::npos || name == "." || name == "..")
+            throw UsageError("a file opened relative to a directory fd must have a plain name, got '" + name +
+                             "'");
+    }
+}
 
 int64_t Handle::submit_path(bool write, void* buf, int64_t nbytes, const std::string& path, int64_t offset,
                             bool async, CallNotes* notes) {
+    return submit_at(write, buf, nbytes, FileRef{AT_FDCWD, path, path}, offset, async, notes);
+}
+
+int64_t Handle::submit_at(bool write, void* buf, int64_t nbytes, const FileRef& file, int64_t offset,
+                          bool async, CallNotes* notes) {
     check_args(buf, nbytes, offset);
+    file.validate();
     CallScope scope(*this);
     auto req = new_request(write, buf, nbytes, offset, async);
     Request& r = *req;
-    r.path = path;
-    if (!files_.empty()) r.registered = files_.use(FileTable::key_of(path));
+    r.path = file.label();
+    if (!files_.empty()) r.registered = files_.use(registration_key(file));
     if (r.registered) {
         // Registered: the descriptor opened at registration, never the path as it is now.
         const RegisteredFile& f = *r.registered.get();
         if (write && !f.writable)
-            throw IoError(EBADF, Op::kWrite, path, offset, nbytes, "the file is registered read-only");
+            throw IoError(EBADF, Op::kWrite, r.path, offset, nbytes, "the file is registered read-only");
         r.fd = FileDesc(f.fd.get(), false);
         r.direct = f.direct;
         set_alignment(r, f.di, opts_.block_size);
     } else {
         const int flags = (write ? O_WRONLY | O_CREAT : O_RDONLY) | O_CLOEXEC;
-        OpenedFile f = open_path(path, flags, opts_.direct, write ? "opening for write" : "opening for read",
+        OpenedFile f = open_file(file, flags, opts_.direct, write ? "opening for write" : "opening for read",
                                  offset, nbytes, notes);
         r.fd = std::move(f.fd);
         r.direct = f.direct;
         set_alignment(r, f.di, opts_.block_size);
     }
     inspect_file(r);
-    if (needs_rmw(r) && !r.registered) {  // a registered writable file is open O_RDWR
-        // Writes open O_WRONLY; read-modify-write of a partial block needs a readable descriptor.
-        const int rfd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
-        if (rfd < 0)
-            throw IoError(errno, Op::kOpen, path, offset, nbytes,
-                          "opening for read-modify-write of a partial block");
-        r.rmw_fd = FileDesc(rfd, true);
-    }
+    // Writes open O_WRONLY; read-modify-write of a partial block needs a readable descriptor of the same
+    // file (a registered writable file is open O_RDWR already).
+    if (needs_rmw(r) && !r.registered) r.rmw_fd = reopen_for_read(r.fd.get(), r.path, offset, nbytes);
     return dispatch(req, async);
 }
 
@@ -741,15 +789,7 @@ int64_t Handle::submit_fd(bool write, void* buf, int64_t nbytes, int fd, int64_t
     }
     set_alignment(r, di, opts_.block_size);
     inspect_file(r);
-    if (needs_rmw(r) && acc == O_WRONLY) {
-        const std::string link = "/proc/self/fd/" + std::to_string(fd);
-        const int rfd = ::open(link.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
-        if (rfd < 0)
-            throw IoError(
-                errno, Op::kOpen, r.name(), offset, nbytes,
-                "the fd is write-only and reopening it for read-modify-write of a partial block failed");
-        r.rmw_fd = FileDesc(rfd, true);
-    }
+    if (needs_rmw(r) && acc == O_WRONLY) r.rmw_fd = reopen_for_read(fd, r.name(), offset, nbytes);
     return dispatch(req, async);
 }
 
@@ -886,27 +926,36 @@ void Handle::wake_workers() {
 }
 
 void Handle::register_file(const std::string& path, bool writable, CallNotes* notes) {
+    register_at(FileRef{AT_FDCWD, path, path}, writable, notes);
+}
+
+void Handle::register_at(const FileRef& file, bool writable, CallNotes* notes) {
+    file.validate();
     CallScope scope(*this);
-    const std::string key = FileTable::key_of(path);
+    const std::string key = registration_key(file);
     auto f = std::make_shared<RegisteredFile>();
-    f->path = path;
+    f->path = file.label();
     f->writable = writable;
     const int flags = (writable ? O_RDWR | O_CREAT : O_RDONLY) | O_CLOEXEC;
     OpenedFile opened =
-        open_path(path, flags, opts_.direct,
+        open_file(file, flags, opts_.direct,
                   writable ? "registering for read and write" : "registering for read", 0, 0, notes);
     f->fd = std::move(opened.fd);
     f->di = opened.di;
     f->direct = opened.direct;
-    if (!files_.add(key, f)) throw UsageError("'" + path + "' is already registered with this aio Handle");
+    if (!files_.add(key, f))
+        throw UsageError("'" + file.label() + "' is already registered with this aio Handle");
 }
 
-void Handle::unregister_file(const std::string& path) {
+void Handle::unregister_file(const std::string& path) { unregister_at(FileRef{AT_FDCWD, path, path}); }
+
+void Handle::unregister_at(const FileRef& file) {
+    file.validate();
     CallScope scope(*this);
     bool found = false;
-    const int err = files_.remove(FileTable::key_of(path), &found);
-    if (!found) throw UsageError("'" + path + "' is not registered with this aio Handle");
-    if (err != 0) throw IoError(err, Op::kClose, path, 0, 0, "closing the unregistered file");
+    const int err = files_.remove(registration_key(file), &found);
+    if (!found) throw UsageError("'" + file.label() + "' is not registered with this aio Handle");
+    if (err != 0) throw IoError(err, Op::kClose, file.label(), 0, 0, "closing the unregistered file");
 }
 
 void Handle::close() {

@@ -1,6 +1,7 @@
 // The async I/O handle: worker threads, request splitting, alignment handling. No Python in here.
 #pragma once
 
+#include <fcntl.h>
 #include <sys/types.h>
 
 #include <atomic>
@@ -39,6 +40,19 @@ struct CallNotes {
     std::string fallback_path;
 };
 
+// Names a file: `name` relative to the open directory `dir_fd`, or a path (dir_fd AT_FDCWD, the default).
+// The core opens it with openat(O_NOFOLLOW): a symlink in its last component is refused (ELOOP), never
+// followed. With a directory fd, `name` must be a plain file name (no '/', not "." or ".."), so nothing
+// but the directory the caller holds open is ever walked. `shown` names the file in errors (default: name).
+struct FileRef {
+    int dir_fd;
+    std::string name;
+    std::string shown;
+    // Throws UsageError for an empty name, an embedded NUL, or a name that is not plain under a dir fd.
+    void validate() const;
+    const std::string& label() const { return shown.empty() ? name : shown; }
+};
+
 // Offsets, lengths and buffers aligned to this are moved without any bounce copy on every filesystem we
 // know of (logical blocks of at most 4 KiB).
 constexpr size_t kPreferredAlignment = 4096;
@@ -64,6 +78,10 @@ class Handle {
     // Sync: returns nbytes or throws IoError. Async: queues and returns 0.
     int64_t submit_path(bool write, void* buf, int64_t nbytes, const std::string& path, int64_t offset,
                         bool async, CallNotes* notes);
+    // Same for a file named relative to a directory fd (FileRef); a registration made with the same
+    // directory (compared by device and inode) and name is used instead of opening it.
+    int64_t submit_at(bool write, void* buf, int64_t nbytes, const FileRef& file, int64_t offset, bool async,
+                      CallNotes* notes);
     // Same on a caller-owned descriptor, which is never closed here. O_DIRECT is taken from its flags.
     int64_t submit_fd(bool write, void* buf, int64_t nbytes, int fd, int64_t offset, bool async);
 
@@ -72,9 +90,11 @@ class Handle {
     // (compared as FileTable::key_of spells it) use this descriptor, whatever the path names meanwhile.
     // Throws IoError for open failures, UsageError if the path is registered already.
     void register_file(const std::string& path, bool writable, CallNotes* notes);
+    void register_at(const FileRef& file, bool writable, CallNotes* notes);
     // Forgets the registration. The descriptor is closed now if no request uses it (IoError if that
     // close fails), else when the last such request completes. UsageError if the path is not registered.
     void unregister_file(const std::string& path);
+    void unregister_at(const FileRef& file);
 
     // Blocks until every queued async request finished; returns how many finished since the last wait().
     // If any failed, throws the first failure (after all have finished).

@@ -2,8 +2,10 @@
 
 `AioHandle` keeps DeepSpeed's `aio_handle` method names and return values, so code written for
 `AsyncIOBuilder().load().aio_handle(...)` runs unchanged, and adds what DeepSpeed lacks: numpy arrays and any
-buffer-protocol object, an open fd instead of a path, exceptions carrying errno/file/offset instead of -1,
-and a choice of backend (io_uring, Linux AIO, pread/pwrite threads).
+buffer-protocol object, an open fd instead of a path, a file of a held directory (`FileAt`: a directory fd
+and a plain name, opened with openat), exceptions carrying errno/file/offset instead of -1, and a choice of
+backend (io_uring, Linux AIO, pread/pwrite threads). No file is ever opened through a symlink in its last
+component (O_NOFOLLOW: AioError ELOOP), and a name with a NUL byte is a ValueError.
 
 Buffers and their lifetimes: the C++ core takes raw (pointer, length) pairs. This module resolves each buffer
 to one contiguous host region, refuses what would need a hidden copy (non-contiguous tensors, read-only
@@ -20,7 +22,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from typing import TYPE_CHECKING, Any, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Protocol, Tuple, Union, runtime_checkable
 
 from offload import _aio
 from offload.pinned import HostBuffer, alloc_host_buffer, pinned_tensor
@@ -39,12 +41,47 @@ __all__ = [
     "BackendUnavailableError",
     "DeviceBuffer",
     "DirectIOFallbackWarning",
+    "FileAt",
+    "FileInDir",
     "TorchDeviceBuffer",
     "available_backends",
 ]
 
-PathOrFd = Union[str, bytes, "os.PathLike[str]", int]
-PathName = Union[str, bytes, "os.PathLike[str]"]
+
+@runtime_checkable
+class FileAt(Protocol):
+    """A file named relative to a directory the caller holds open: `name` (a plain file name) in the
+    directory open as `dir_fd`; `path` names it in errors. The core opens it with openat(O_NOFOLLOW), so
+    neither a directory renamed or replaced on the way to it nor a symlink put in its place is ever followed.
+    `offload.swap.SwapFile` is one."""
+
+    @property
+    def dir_fd(self) -> int: ...
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def path(self) -> str: ...
+
+
+class FileInDir:
+    """A plain FileAt: file `name` of the directory open as `dir_fd` (which the caller keeps open)."""
+
+    __slots__ = ("dir_fd", "name", "path")
+
+    def __init__(self, dir_fd: int, name: str, path: Optional[str] = None) -> None:
+        self.dir_fd = dir_fd
+        self.name = name
+        self.path = path if path is not None else name
+
+    def __repr__(self) -> str:
+        return f"FileInDir(dir_fd={self.dir_fd}, name={self.name!r}, path={self.path!r})"
+
+
+PathOrFd = Union[str, bytes, "os.PathLike[str]", int, FileAt]
+PathName = Union[str, bytes, "os.PathLike[str]", FileAt]
+_Target = Union[str, int, Tuple[int, str, str]]  # a path, an fd, or (dir_fd, name, path)
 
 _BACKENDS = ("auto", "io_uring", "aio", "psync")
 _DIRECT_MODES = ("auto", "on", "off")
@@ -98,7 +135,7 @@ class TorchDeviceBuffer(DeviceBuffer):
 class _Region:
     """One request's host memory: (ptr, nbytes) plus whatever must stay alive until it completes."""
 
-    __slots__ = ("ptr", "nbytes", "keepalive", "device", "staging")
+    __slots__ = ("ptr", "nbytes", "keepalive", "device", "staging", "unhold")
 
     def __init__(
         self,
@@ -113,6 +150,9 @@ class _Region:
         self.keepalive = keepalive
         self.device = device
         self.staging = staging
+        # Ends the hold on memory that can be freed explicitly (PinnedBuffer.release()): it stays mapped
+        # until the request is done, so a release() meanwhile cannot pull it from under the kernel.
+        self.unhold: Optional[Callable[[], None]] = _hold_io(keepalive)
 
     def finish_read(self) -> None:
         """After the kernel filled the host memory: move staged bytes on to the device."""
@@ -125,6 +165,24 @@ class _Region:
         self.staging = None
         self.keepalive = None
         self.device = None
+        unhold, self.unhold = self.unhold, None
+        if unhold is not None:
+            unhold()
+
+
+def _hold_io(keepalive: Any) -> Optional[Callable[[], None]]:
+    """Hold the memory behind a buffer that can be unmapped explicitly (an object with `hold_io`: a
+    PinnedBuffer, or the HostBuffer behind an `as_ctypes()` array) until the returned callable runs."""
+    if not isinstance(keepalive, tuple) or len(keepalive) != 3:
+        return None
+    _, view, obj = keepalive
+    exporters = (getattr(view, "obj", None), obj, getattr(obj, "obj", None))
+    for owner in [o for e in exporters for o in (e, getattr(e, "_zo_owner", None))]:
+        hold = getattr(owner, "hold_io", None)
+        if hold is not None:
+            hold()
+            return owner.unhold_io
+    return None
 
 
 def _describe(obj: Any) -> str:
@@ -137,6 +195,11 @@ def _torch_region(
     if t.layout != torch.strided:
         raise TypeError(
             f"tensor with layout {t.layout} cannot be used for file I/O; only strided tensors can"
+        )
+    if t.device.type == "meta":
+        raise ValueError(
+            f"meta tensor of shape {tuple(t.shape)} has no memory to read into or write from; materialize "
+            "it first (to_empty(device=...))"
         )
     if t.device.type != "cpu":
         return 0, 0, t, TorchDeviceBuffer(t)
@@ -198,19 +261,31 @@ def _resolve(buffer: Any, for_read: bool) -> Tuple[int, int, Any, Optional[Devic
     return ptr, nbytes, keep, None
 
 
-def _check_target(path_or_fd: PathOrFd) -> Union[str, int]:
+def _check_target(path_or_fd: PathOrFd) -> _Target:
     if isinstance(path_or_fd, bool):
         raise TypeError("file must be a path or an open file descriptor, not a bool")
     if isinstance(path_or_fd, int):
         if path_or_fd < 0:
             raise ValueError(f"file descriptor must be >= 0, got {path_or_fd}")
         return path_or_fd
+    if isinstance(path_or_fd, FileAt):
+        dir_fd, name, shown = path_or_fd.dir_fd, path_or_fd.name, os.fsdecode(path_or_fd.path)
+        if isinstance(dir_fd, bool) or not isinstance(dir_fd, int) or dir_fd < 0:
+            raise ValueError(f"dir_fd must be an open directory descriptor (an int >= 0), got {dir_fd!r}")
+        if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\0" in name:
+            raise ValueError(f"a file of an open directory needs a plain file name, got {name!r}")
+        return dir_fd, name, shown
     try:
-        return os.fsdecode(os.fspath(path_or_fd))
+        path = os.fsdecode(os.fspath(path_or_fd))
     except TypeError:
         raise TypeError(
-            f"file must be a path or an open file descriptor, got {_describe(path_or_fd)}"
+            f"file must be a path or an open file descriptor (or a FileAt), got {_describe(path_or_fd)}"
         ) from None
+    if "\0" in path:
+        raise ValueError(f"path {path!r} contains a NUL byte: no file can have that name")
+    if not path:
+        raise ValueError("path is empty")
+    return path
 
 
 def _check_offset(file_offset: int) -> int:
@@ -311,15 +386,20 @@ class AioHandle:
         """Open `path` once: until `unregister_file(path)` or `close()`, requests by that path use it.
 
         The file is opened here (read-write, created with mode 0600 and never truncated, when `writable`;
-        read-only otherwise) and errors raise here (`AioError`). Later requests by this path (spelled any way
-        that names the same absolute path without `..`: "d//./f" matches "d/f") are not opened again, so a
-        file renamed over the path or a symlink put in its place is never read or written instead. A write
-        to a file registered read-only raises `AioError(EBADF)`. Registering a path twice is a ValueError.
+        read-only otherwise; never through a symlink in its last component) and errors raise here
+        (`AioError`). Later requests by this path (spelled any way that names the same absolute path
+        without `..`: "d//./f" matches "d/f") are not opened again, so a file renamed over the path or a
+        symlink put in its place is never read or written instead. A `FileAt` is opened relative to its
+        directory fd and matched by that directory and name. A write to a file registered read-only raises
+        `AioError(EBADF)`. Registering a file twice is a ValueError.
         """
         target = _check_target(path)
         if isinstance(target, int):
             raise TypeError("register_file takes a path; a descriptor is already open (pass it to the calls)")
-        self._h.register_file(target, bool(writable))
+        if isinstance(target, tuple):
+            self._h.register_at(target[0], target[1], target[2], bool(writable))
+        else:
+            self._h.register_file(target, bool(writable))
 
     def unregister_file(self, path: PathName) -> None:
         """Forget a registration: later requests open the path again. The descriptor is closed now, or once
@@ -327,7 +407,10 @@ class AioHandle:
         target = _check_target(path)
         if isinstance(target, int):
             raise TypeError("unregister_file takes the path given to register_file")
-        self._h.unregister_file(target)
+        if isinstance(target, tuple):
+            self._h.unregister_at(*target)
+        else:
+            self._h.unregister_file(target)
 
     # -- I/O ------------------------------------------------------------------------------------------------
 
@@ -434,14 +517,15 @@ class AioHandle:
                 raise
         return region
 
-    def _call(
-        self, for_read: bool, region: _Region, target: Union[str, int], offset: int, asynchronous: bool
-    ) -> int:
+    def _call(self, for_read: bool, region: _Region, target: _Target, offset: int, asynchronous: bool) -> int:
         h = self._h
         if isinstance(target, int):
             fn = h.pread_fd if for_read else h.pwrite_fd
-        else:
-            fn = h.pread if for_read else h.pwrite
+            return fn(region.ptr, region.nbytes, target, offset, asynchronous)
+        if isinstance(target, tuple):
+            fn = h.pread_at if for_read else h.pwrite_at
+            return fn(region.ptr, region.nbytes, *target, offset, asynchronous)
+        fn = h.pread if for_read else h.pwrite
         return fn(region.ptr, region.nbytes, target, offset, asynchronous)
 
     def _sync(self, for_read: bool, buffer: Any, path_or_fd: PathOrFd, file_offset: int) -> int:

@@ -124,7 +124,8 @@ class HostBuffer:
     """One pinned host allocation and its CUDA registration, freed in the right order exactly once.
 
     Views (`as_ctypes`, tensors from `pinned_tensor`) hold a reference to this object, so the memory lives
-    until the last view is gone; `release()` frees it at once and is only safe when no view is in use.
+    until the last view is gone; `release()` frees it at once and is only safe when no view is in use, except
+    that memory an `offload.aio` request is reading into or writing from is unmapped once the request is done.
     """
 
     def __init__(
@@ -142,6 +143,7 @@ class HostBuffer:
         if populate not in _POPULATE_MODES:
             raise ValueError(f"populate must be one of {_POPULATE_MODES}, got {populate!r}")
         self._buf = _aio.alloc_pinned(nbytes, ALIGNMENT, huge_pages, lock, populate)
+        self._mem = self._buf  # kept after release(): ends the I/O holds that release() waits for
         self.nbytes = nbytes
         self.ptr: int = self._buf.ptr
         self.locked: bool = self._buf.locked
@@ -171,6 +173,17 @@ class HostBuffer:
     @property
     def released(self) -> bool:
         return self._buf is None
+
+    def hold_io(self) -> None:
+        """Keep the memory mapped until the matching `unhold_io()`, even if `release()` runs meanwhile
+        (offload.aio holds every buffer it reads into or writes from until the request is done)."""
+        if self._buf is None:
+            raise ValueError("pinned buffer was already released")
+        self._buf.hold_io()
+
+    def unhold_io(self) -> None:
+        """End a `hold_io()`; the memory is unmapped now if `release()` ran meanwhile."""
+        self._mem.unhold_io()
 
     @property
     def populated(self) -> bool:

@@ -71,14 +71,15 @@ def fail_nth_write(swapper, nth: int) -> dict:
             half = buf.view(torch.uint8)[: buf.numel() * buf.element_size() // 2]
             res = real_write(half, path, offset)
             real_wait = h.wait
+            name = getattr(path, "path", path)  # a SwapFile: the core's errors name its path
 
             def failing_wait():
                 real_wait()
                 del h.wait  # once
-                raise OSError(errno.EIO, "injected write failure", path)
+                raise OSError(errno.EIO, "injected write failure", name)
 
             h.wait = failing_wait
-            fired.update(path=path, offset=offset)
+            fired.update(path=name, offset=offset)
             return res
 
         h.async_pwrite = write

@@ -433,7 +433,7 @@ def test_a_manifest_that_cannot_be_written_leaves_no_cache(tmp_path, monkeypatch
     cache = open_swap_cache(str(tmp_path), inputs)
     cache.create("a.param.swp", 100)
 
-    def failing_replace(src, dst):
+    def failing_replace(src, dst, **kwargs):
         raise OSError(errno.EIO, "Input/output error")
 
     monkeypatch.setattr(os, "replace", failing_replace)

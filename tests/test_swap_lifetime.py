@@ -332,20 +332,18 @@ def test_lock_file_without_a_stamp_is_removed_alone(tmp_path):
 def test_creator_racing_a_reclaimer_takes_another_name(tmp_path, monkeypatch):
     # A reclaimer that runs between the creation of a lock file and its locking finds it unlocked and
     # unstamped and removes it; the creator must notice and start over instead of using an unlinked lock.
-    import tempfile
+    from offload.swap import reclaim_stale, space
 
-    from offload.swap import reclaim_stale
+    real_open, first = space._open_lock_file, []
 
-    real_mkstemp, first = tempfile.mkstemp, []
-
-    def mkstemp_then_reclaim(*args, **kwargs):
-        fd, path = real_mkstemp(*args, **kwargs)
+    def open_then_reclaim(name, root_fd):
+        fd, path = real_open(name, root_fd), str(tmp_path / name)
         if not first:
             first.append(path)
             assert reclaim_stale(str(tmp_path)) == [] and not os.path.exists(path)
-        return fd, path
+        return fd
 
-    monkeypatch.setattr(tempfile, "mkstemp", mkstemp_then_reclaim)
+    monkeypatch.setattr(space, "_open_lock_file", open_then_reclaim)
     with SwapSpace(str(tmp_path)) as space:
         assert space.lock_path != first[0]
         assert _children_left(tmp_path) == sorted(
@@ -359,19 +357,20 @@ def test_creator_racing_a_reclaimer_takes_another_name(tmp_path, monkeypatch):
 def test_creator_finding_its_lock_file_held_takes_another_name(tmp_path, monkeypatch):
     # The reclaimer still holds the lock it took (it unlinks the file itself): the creator leaves it alone.
     import fcntl
-    import tempfile
 
-    real_mkstemp, held = tempfile.mkstemp, []
+    from offload.swap import space
 
-    def mkstemp_held_by_reclaimer(*args, **kwargs):
-        fd, path = real_mkstemp(*args, **kwargs)
+    real_open, held = space._open_lock_file, []
+
+    def open_held_by_reclaimer(name, root_fd):
+        fd, path = real_open(name, root_fd), str(tmp_path / name)
         if not held:
             other = os.open(path, os.O_RDONLY)
             fcntl.flock(other, fcntl.LOCK_EX)
             held.append((other, path))
-        return fd, path
+        return fd
 
-    monkeypatch.setattr(tempfile, "mkstemp", mkstemp_held_by_reclaimer)
+    monkeypatch.setattr(space, "_open_lock_file", open_held_by_reclaimer)
     with SwapSpace(str(tmp_path)) as space:
         other, path = held[0]
         assert space.lock_path != path and os.path.exists(path)
@@ -429,3 +428,51 @@ def test_a_failing_cleanup_is_reported_and_the_others_still_run(tmp_path):
     assert run.returncode == 0, run.stderr
     assert "cleanup failed" in run.stderr and "cleanup boom" in run.stderr
     assert marker.exists()
+
+
+def _read_id(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def test_reclaim_trusts_the_boot_and_machine_ids_never_the_host_name(tmp_path):
+    """A stale pair is this machine's when its stamp has this kernel's boot id (the flock is the truth) or
+    this machine's id with an earlier boot (every process of that boot is gone). The same host name on
+    another machine (another boot and machine id) proves nothing: its directory is left alone."""
+    from offload.swap import reclaim_stale
+
+    boot = _read_id("/proc/sys/kernel/random/boot_id")
+    machine = _read_id("/etc/machine-id")
+    if not boot or not machine:
+        pytest.skip("needs /proc/sys/kernel/random/boot_id and /etc/machine-id")
+    host = socket.gethostname()
+    stamps = {
+        "samehost": f"host {host}\nboot another-boot\nmachine another-machine\n",  # a twin elsewhere
+        "rebooted": f"host renamed-since\nboot an-earlier-boot\nmachine {machine}\n",
+        "thisboot": f"host renamed-since\nboot {boot}\nmachine another-machine\n",
+        "oldstamp": f"host {host}\nboot another-boot\n",  # a stamp without a machine id
+    }
+    for name, tail in stamps.items():
+        fd = os.open(tmp_path / f".zero-offload-{name}.lock", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, f"zero-offload swap space\npid 1\n{tail}".encode())
+        os.close(fd)
+        (tmp_path / f"zero-offload-{name}").mkdir(mode=0o700)
+        (tmp_path / f"zero-offload-{name}" / "state.swp").write_bytes(b"\0" * 4096)
+    got = reclaim_stale(str(tmp_path))
+    assert sorted(os.path.basename(r.path) for r in got) == ["zero-offload-rebooted", "zero-offload-thisboot"]
+    assert _children_left(tmp_path) == sorted(
+        [f"zero-offload-{n}" for n in ("samehost", "oldstamp")]
+        + [f".zero-offload-{n}.lock" for n in ("samehost", "oldstamp")]
+    )
+
+
+def test_new_stamps_carry_the_machine_id(tmp_path):
+    machine = _read_id("/etc/machine-id")
+    if not machine:
+        pytest.skip("needs /etc/machine-id")
+    with SwapSpace(str(tmp_path)) as space:
+        with open(space.lock_path) as f:
+            assert f"machine {machine}" in f.read().splitlines()

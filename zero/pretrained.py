@@ -651,10 +651,11 @@ def from_pretrained(
     cache's). `engine.load_report` (a `LoadReport`) says what the load read and wrote.
 
     `swap_cache`: True (or a directory to use instead of `offload_param.nvme_path`) keeps the parameter swap
-    files in `<nvme_path>/zero-offload-cache/<fingerprint>/` after the engine is closed, and a later load
-    with the same fingerprint (checkpoint files' names, sizes and mtimes, config.json, dtype, quantization,
-    world size, rank, `max_in_cpu`, hf_kwargs, package versions) reuses them without reading the weights
-    they hold (zero.stage3.swap_cache; docs/inference.md, "Reusing the swap files of an earlier load").
+    files in `<nvme_path>/zero-offload-cache-<uid>/<fingerprint>/` after the engine is closed, and a later
+    load with the same fingerprint (checkpoint files' names, sizes and mtimes, config.json, dtype,
+    quantization, world size, rank, `max_in_cpu`, hf_kwargs, package versions) reuses them without reading
+    the weights they hold (zero.stage3.swap_cache; docs/inference.md, "Reusing the swap files of an earlier
+    load").
     Needs `offload_param.device` "nvme" and no optimizer block (`ValueError` otherwise).
 
     Raises `FileNotFoundError` (no config.json, no weights, a shard the index names is missing),

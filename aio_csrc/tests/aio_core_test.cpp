@@ -278,10 +278,9 @@ void registered_files(const std::string& backend) {
         CHECK(h.wait() == 1, "wait after unregister");
         CHECK(std::memcmp(buf.data() + n, expect.data(), 100) == 0, "queued read after unregister");
         expect_usage_error([&] { h.unregister_file(path); }, "unregistering twice");
-        // Unregistered: the path is opened per request again, so the symlink is followed.
-        CHECK(h.submit_path(false, buf.data(), 100, path, 0, false, nullptr) == 100, "read by path");
-        CHECK(std::memcmp(buf.data(), other.data(), 100) == 0, "%s: unregistered path not reopened",
-              backend.c_str());
+        // Unregistered: the path is opened per request again, and the symlink now there is refused.
+        expect_io_error([&] { h.submit_path(false, buf.data(), 100, path, 0, false, nullptr); }, ELOOP,
+                        zo::Op::kOpen, "a request by a path that is a symlink");
         // Read-only registration refuses writes; a missing file cannot be registered for reading.
         h.register_file(target, false, nullptr);
         expect_io_error([&] { h.submit_path(true, buf.data(), 10, target, 0, false, nullptr); }, EBADF,
@@ -295,6 +294,89 @@ void registered_files(const std::string& backend) {
     CHECK(count_fds() == fds_before, "%s: fds %d -> %d", backend.c_str(), fds_before, count_fds());
     unlink(path.c_str());
     unlink(target.c_str());
+}
+
+// Files named relative to a directory fd: the directory renamed away and a directory of symlinks put in
+// its place changes nothing (requests and registrations reach the held directory's files); names that are
+// not plain, or carry a NUL, are refused before anything is opened.
+void files_at(const std::string& backend) {
+    zo::HandleOptions o;
+    o.backend = backend;
+    o.block_size = 16 * 1024;
+    const int fds_before = count_fds();
+    std::mt19937_64 rng(33);
+    const size_t n = 40000;
+    const std::vector<char> data = random_bytes(rng, n);
+    const std::vector<char> victim_bytes = random_bytes(rng, n);
+    const std::string dir = g_dir + "/at_" + backend;
+    const std::string moved = dir + "_moved";
+    const std::string victim = g_dir + "/at_victim_" + backend;
+    CHECK(mkdir(dir.c_str(), 0700) == 0, "mkdir: %s", std::strerror(errno));
+    write_all(victim, victim_bytes);
+    const int dfd = open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    CHECK(dfd >= 0, "open dir: %s", std::strerror(errno));
+    zo::PinnedMemory buf(2 * n + 4096, 4096, false, false);
+    {
+        zo::Handle h(o);
+        const zo::FileRef a{dfd, "a", dir + "/a"};
+        const zo::FileRef b{dfd, "b", dir + "/b"};
+        std::memcpy(buf.data() + 1, data.data(), n);
+        CHECK(h.submit_at(true, buf.data() + 1, n, a, 3, false, nullptr) == static_cast<int64_t>(n),
+              "write a");
+        h.register_at(b, true, nullptr);
+        CHECK(h.submit_at(true, buf.data() + 1, n, b, 0, false, nullptr) == static_cast<int64_t>(n),
+              "write b");
+        // The attacker's move: the directory renamed away, one of symlinks to the victim in its place.
+        CHECK(rename(dir.c_str(), moved.c_str()) == 0, "rename: %s", std::strerror(errno));
+        CHECK(mkdir(dir.c_str(), 0700) == 0, "mkdir again: %s", std::strerror(errno));
+        CHECK(symlink(victim.c_str(), (dir + "/a").c_str()) == 0 &&
+                  symlink(victim.c_str(), (dir + "/b").c_str()) == 0,
+              "symlinks: %s", std::strerror(errno));
+        std::memset(buf.data(), 'q', 2 * n);
+        CHECK(h.submit_at(true, buf.data() + 5, 1000, a, 11, false, nullptr) == 1000, "unaligned write a");
+        h.submit_at(true, buf.data() + 5, 1000, b, 11, true, nullptr);
+        CHECK(h.wait() == 1, "wait");
+        CHECK(read_all(victim) == victim_bytes, "%s: a write reached the victim through a swapped directory",
+              backend.c_str());
+        std::vector<char> expect(3, 0);
+        expect.insert(expect.end(), data.begin(), data.end());
+        std::memset(expect.data() + 11, 'q', 1000);
+        CHECK(read_all(moved + "/a") == expect, "%s: file a in the held directory", backend.c_str());
+        std::vector<char> expect_b = data;
+        std::memset(expect_b.data() + 11, 'q', 1000);
+        CHECK(read_all(moved + "/b") == expect_b, "%s: file b in the held directory", backend.c_str());
+        CHECK(h.submit_at(false, buf.data() + 1, n, b, 0, false, nullptr) == static_cast<int64_t>(n),
+              "read b");
+        CHECK(std::memcmp(buf.data() + 1, expect_b.data(), n) == 0, "%s: read b", backend.c_str());
+        h.unregister_at(b);
+        // A symlink inside the held directory itself is refused, never followed.
+        CHECK(symlinkat(victim.c_str(), dfd, "link") == 0, "symlinkat: %s", std::strerror(errno));
+        expect_io_error(
+            [&] { h.submit_at(true, buf.data(), 10, zo::FileRef{dfd, "link", "link"}, 0, false, nullptr); },
+            ELOOP, zo::Op::kOpen, "a write through a symlink in the directory");
+        expect_io_error([&] { h.register_at(zo::FileRef{dfd, "link", "link"}, true, nullptr); }, ELOOP,
+                        zo::Op::kOpen, "registering a symlink");
+        CHECK(read_all(victim) == victim_bytes, "%s: the victim changed", backend.c_str());
+        expect_usage_error(
+            [&] { h.submit_at(false, buf.data(), 10, zo::FileRef{dfd, "x/y", ""}, 0, false, nullptr); },
+            "a name with a slash");
+        expect_usage_error(
+            [&] { h.submit_at(false, buf.data(), 10, zo::FileRef{dfd, "..", ""}, 0, false, nullptr); },
+            "a name of ..");
+        expect_usage_error(
+            [&] { h.submit_path(false, buf.data(), 10, std::string("a\0b", 3), 0, false, nullptr); },
+            "a path with a NUL");
+        expect_usage_error([&] { h.register_at(zo::FileRef{dfd, std::string("a\0", 2), ""}, true, nullptr); },
+                           "a name with a NUL");
+        h.close();
+    }
+    CHECK(close(dfd) == 0, "close dir");
+    CHECK(count_fds() == fds_before, "%s: fds %d -> %d", backend.c_str(), fds_before, count_fds());
+    for (const char* f : {"/a", "/b", "/link"}) unlink((moved + f).c_str());
+    for (const char* f : {"/a", "/b"}) unlink((dir + f).c_str());
+    rmdir(moved.c_str());
+    rmdir(dir.c_str());
+    unlink(victim.c_str());
 }
 
 // Many small async requests in flight at once, spread over threads and two handles. Records are not
@@ -543,6 +625,7 @@ int main(int argc, char** argv) {
         alloc_faults(backend);
         staging_reuse(backend);
         registered_files(backend);
+        files_at(backend);
     }
     if (access("/dev/shm", W_OK) == 0)
         CHECK(g_fallback_notes == 1, "O_DIRECT fallback reported %d times, expected once", g_fallback_notes);

@@ -159,7 +159,7 @@ class OptimizerSwapper:
                 self._fresh.append(True)
             for h in self._handles:  # every request uses the descriptor opened here, never the path again
                 for f in self._files:
-                    h.register_file(f.path)
+                    h.register_file(f)  # relative to the space's directory fd
         except BaseException:
             self.close()
             raise
@@ -211,9 +211,7 @@ class OptimizerSwapper:
 
     def _read(self, i: int, slot: int, f: SwapFile) -> None:
         nbytes = self._io_bytes(self.chunks[i][1])
-        self._handles[slot].async_pread(
-            self._slots[slot][: nbytes // FP32_BYTES], f.path, i * self.region_bytes
-        )
+        self._handles[slot].async_pread(self._slots[slot][: nbytes // FP32_BYTES], f, i * self.region_bytes)
         self.stats.bytes_read += nbytes
 
     def _write(self, i: int, slot: int, f: SwapFile) -> None:
@@ -221,9 +219,7 @@ class OptimizerSwapper:
         # [master | states] is one region; the master is its head, so writing it alone is one shorter write
         nbytes = n * FP32_BYTES if self._master_only else self._io_bytes(n)
         self._fresh[self._files.index(f)] = False
-        self._handles[slot].async_pwrite(
-            self._slots[slot][: nbytes // FP32_BYTES], f.path, i * self.region_bytes
-        )
+        self._handles[slot].async_pwrite(self._slots[slot][: nbytes // FP32_BYTES], f, i * self.region_bytes)
         self.stats.bytes_written += nbytes
 
     def _wait(self, slot: int) -> None:

@@ -18,8 +18,15 @@ unlinked only after the directory is gone, by whoever holds the lock. `reclaim_s
 every new SwapSpace) removes each directory whose lock it can take without waiting: its owner is dead. A
 directory whose lock is held is never touched, nor anything that is not exactly such a pair (our prefix,
 our uid, a regular 0600 lock file with our stamp, a real 0700 directory: never a symlink). On a filesystem
-shared between machines a lock need not be visible across them, so a directory is reclaimed only from the
-machine (kernel boot, or host name) that stamped it.
+shared between machines a lock need not be visible across them, so a directory is reclaimed only on the
+machine that stamped it: under the same kernel boot (/proc/sys/kernel/random/boot_id: its flock is the
+truth), or under a later boot of the same machine (/etc/machine-id: every process of the earlier boot is
+gone). A host name is never enough: two machines can share one.
+
+Paths: `nvme_path` must be a directory no other user can rename entries in (`check_nvme_path`). It is opened
+once, the lock file and directory are created relative to that descriptor (O_EXCL, O_NOFOLLOW), and the
+directory stays open for the space's life (`dir_fd`): swap files are created, grown, opened for I/O
+(`SwapFile` is an `offload.aio.FileAt`) and removed relative to it, never by path.
 """
 
 from __future__ import annotations
@@ -28,16 +35,17 @@ import errno
 import fcntl
 import logging
 import os
+import secrets
 import shutil
 import socket
 import stat
-import tempfile
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Tuple
 
 from offload import cleanup
+from offload.swap.private_dir import O_CLOEXEC, O_NOFOLLOW, DirFd, open_root, private_subdir, unsafe_reason
 
 __all__ = [
     "SWAP_PREFIXES",
@@ -73,14 +81,35 @@ def align_up(n: int, alignment: int) -> int:
 
 @dataclass(frozen=True)
 class SwapFile:
-    """One preallocated 0600 file of a SwapSpace: its path and size in bytes."""
+    """One preallocated 0600 file of a SwapSpace: its path and size in bytes.
+
+    Also an `offload.aio.FileAt`: `dir_fd` is the space's open directory and `name` the file's name in it,
+    so I/O handed a SwapFile opens it relative to that descriptor (openat, O_NOFOLLOW), never by its path."""
 
     path: str
     nbytes: int
+    dir: Optional[DirFd] = field(default=None, compare=False, repr=False)
+
+    @property
+    def name(self) -> str:
+        return os.path.basename(self.path)
+
+    @property
+    def dir_fd(self) -> int:
+        """The open directory the file is in; SwapSpaceError (EBADF) once its space is closed."""
+        if self.dir is None:
+            raise AttributeError(f"swap file {self.path} was made without its directory descriptor")
+        return self.dir.fd
+
+
+def _swap_error(err: int, message: str, path: str) -> OSError:
+    return SwapSpaceError(err, message, path)
 
 
 def check_nvme_path(nvme_path: str) -> str:
-    """Absolute `nvme_path` if it is an existing, writable directory; SwapSpaceError naming it otherwise."""
+    """Absolute `nvme_path` if it is an existing, writable directory that no other user can rename entries
+    in (owned by this user or root; writable by others only with the sticky bit); SwapSpaceError (EPERM for
+    an unsafe one) naming it otherwise."""
     if not nvme_path:
         raise SwapSpaceError(
             errno.EINVAL, "offload nvme_path is empty: set zero_optimization.offload_*.nvme_path"
@@ -92,15 +121,24 @@ def check_nvme_path(nvme_path: str) -> str:
         raise SwapSpaceError(errno.ENOTDIR, "offload nvme_path is not a directory", path)
     if not os.access(path, os.W_OK | os.X_OK):
         raise SwapSpaceError(errno.EACCES, "offload nvme_path is not writable by this user", path)
+    reason = unsafe_reason(os.stat(path))
+    if reason is not None:
+        raise SwapSpaceError(errno.EPERM, f"offload nvme_path {reason}", path)
     return path
 
 
-def create_swap_file(path: str, nbytes: int, alignment: int = DEFAULT_ALIGNMENT) -> SwapFile:
+def create_swap_file(
+    path: str, nbytes: int, alignment: int = DEFAULT_ALIGNMENT, dir: Optional[DirFd] = None
+) -> SwapFile:
     """A new 0600 file at `path` (which must not exist) of `nbytes` rounded up to `alignment`, fully
-    allocated on disk; SwapSpaceError naming the file, the size and the errno otherwise."""
+    allocated on disk; SwapSpaceError naming the file, the size and the errno otherwise. With `dir`, the file
+    is `os.path.basename(path)` in that open directory (openat, O_EXCL | O_NOFOLLOW) and the SwapFile keeps
+    the directory for the I/O on it."""
     nbytes = align_up(max(int(nbytes), 1), alignment)
+    name, dir_fd = (os.path.basename(path), dir.fd) if dir is not None else (path, None)
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+        fd = os.open(name, flags, 0o600, dir_fd=dir_fd)
     except OSError as e:
         raise SwapSpaceError(e.errno, f"cannot create swap file: {e.strerror}", path) from e
     try:
@@ -108,10 +146,10 @@ def create_swap_file(path: str, nbytes: int, alignment: int = DEFAULT_ALIGNMENT)
         _preallocate(fd, nbytes, path)
     except BaseException:
         os.close(fd)
-        os.unlink(path)
+        os.unlink(name, dir_fd=dir_fd)
         raise
     os.close(fd)
-    return SwapFile(path, nbytes)
+    return SwapFile(path, nbytes, dir)
 
 
 class SwapSpace:
@@ -139,6 +177,7 @@ class SwapSpace:
         self._lease = _Lease.create(root, prefix)
         self.dir = self._lease.dir
         self.lock_path = self._lease.lock_path
+        self.dir_fd = self._lease.held  # every file is opened relative to it
         self.alignment = max(DEFAULT_ALIGNMENT, int(alignment))
         self._files: Dict[str, SwapFile] = {}
         self._lock = threading.Lock()
@@ -172,7 +211,7 @@ class SwapSpace:
             raise SwapSpaceError(errno.EBADF, "swap space is closed", self.dir)
         if os.sep in name or name in ("", ".", ".."):
             raise ValueError(f"swap file name must be a plain file name, got {name!r}")
-        f = create_swap_file(os.path.join(self.dir, name), nbytes, self.alignment)
+        f = create_swap_file(os.path.join(self.dir, name), nbytes, self.alignment, self.dir_fd)
         with self._lock:
             self._files[name] = f
         return f
@@ -187,12 +226,15 @@ class SwapSpace:
         nbytes = align_up(max(int(nbytes), 1), self.alignment)
         if nbytes <= f.nbytes:
             return f
-        fd = os.open(f.path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+        try:
+            fd = os.open(name, os.O_RDWR | O_NOFOLLOW | O_CLOEXEC, dir_fd=self.dir_fd.fd)
+        except OSError as e:
+            raise SwapSpaceError(e.errno, f"cannot open swap file to grow it: {e.strerror}", f.path) from e
         try:
             _preallocate(fd, nbytes, f.path)
         finally:
             os.close(fd)
-        grown = SwapFile(f.path, nbytes)
+        grown = SwapFile(f.path, nbytes, self.dir_fd)
         with self._lock:
             self._files[name] = grown
         return grown
@@ -201,8 +243,11 @@ class SwapSpace:
         """Delete file `name` (its space returns to the disk); unknown names are ignored."""
         with self._lock:
             f = self._files.pop(name, None)
-        if f is not None:
-            _unlink_quietly(f.path)
+        if f is not None and not self.dir_fd.closed:
+            try:
+                os.unlink(name, dir_fd=self.dir_fd.fd)
+            except OSError:
+                pass
 
     def close(self) -> None:
         """Remove every swap file, the directory and its lock file. Safe to call more than once."""
@@ -223,13 +268,18 @@ class SwapSpace:
 class _Lease:
     """The directory, its lock file and the locked fd: created together, released together, once.
 
-    `release` may run from a signal handler that interrupted the main thread anywhere (even inside
+    `nvme_path` is opened once (`root_fd`); the lock file and the directory are created relative to it
+    (O_EXCL, O_NOFOLLOW) and the directory is held open (`held`) for the space's life: every swap file is
+    opened relative to that descriptor, so renaming or replacing anything under `nvme_path` later changes
+    nothing. `release` may run from a signal handler that interrupted the main thread anywhere (even inside
     `release` itself), so it takes no lock: the state is claimed by an atomic `list.pop`. A forked child
     shares the parent's lock (the same open file description) and removes nothing."""
 
-    def __init__(self, dir: str, lock_path: str, fd: int) -> None:
+    def __init__(self, dir: str, lock_path: str, fd: int, root_fd: int, held: DirFd) -> None:
         self.dir = dir
         self.lock_path = lock_path
+        self.root_fd = root_fd
+        self.held = held
         self.pid = os.getpid()
         self.registration: Optional[cleanup.Registration] = None
         self._state = [fd]
@@ -237,49 +287,60 @@ class _Lease:
     @classmethod
     def create(cls, root: str, prefix: str) -> _Lease:
         stamp = _stamp()
-        for _ in range(100):
+        root_fd = open_root(root, _swap_error)
+        try:
+            for _ in range(100):
+                stem = prefix + secrets.token_hex(6)
+                lock_name = _LOCK_PREFIX + stem + _LOCK_SUFFIX
+                lock_path, path = os.path.join(root, lock_name), os.path.join(root, stem)
+                lease = cls._try_create(root, root_fd, stem, lock_name, lock_path, path, stamp)
+                if lease is not None:
+                    return lease
+            raise SwapSpaceError(errno.EEXIST, "cannot find a free swap directory name under nvme_path", root)
+        except BaseException:
+            os.close(root_fd)
+            raise
+
+    @classmethod
+    def _try_create(
+        cls, root: str, root_fd: int, stem: str, lock_name: str, lock_path: str, path: str, stamp: bytes
+    ) -> Optional[_Lease]:
+        try:
+            fd = _open_lock_file(lock_name, root_fd)
+        except FileExistsError:
+            return None
+        except OSError as e:
+            raise SwapSpaceError(
+                e.errno, f"cannot create the swap directory under nvme_path: {e.strerror}", root
+            ) from e
+        try:
+            os.fchmod(fd, 0o600)
             try:
-                fd, lock_path = tempfile.mkstemp(prefix=_LOCK_PREFIX + prefix, suffix=_LOCK_SUFFIX, dir=root)
-            except OSError as e:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # a reclaimer got it first and unlinks it: take a fresh name
+                os.close(fd)
+                return None
+            except OSError as e:  # no flock here (some network filesystems): nothing is reclaimable
+                logger.debug("swap directory lock unsupported under %s: %s", root, e)
+            if not _is_file_in(fd, root_fd, lock_name):  # unlinked by a reclaimer before we locked it
+                os.close(fd)
+                return None
+            _write_all(fd, stamp)
+            try:
+                dir_fd = private_subdir(root_fd, stem, path, _swap_error)
+            except FileExistsError:  # a directory without a lock: not ours to use or remove
+                os.unlink(lock_name, dir_fd=root_fd)
+                os.close(fd)
+                return None
+        except BaseException as e:
+            _unlink_quietly(lock_name, root_fd)
+            os.close(fd)
+            if isinstance(e, OSError) and not isinstance(e, SwapSpaceError):
                 raise SwapSpaceError(
                     e.errno, f"cannot create the swap directory under nvme_path: {e.strerror}", root
                 ) from e
-            try:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:  # a reclaimer got it first and unlinks it: take a fresh name
-                    os.close(fd)
-                    continue
-                except OSError as e:  # no flock here (some network filesystems): nothing is reclaimable
-                    logger.debug("swap directory lock unsupported under %s: %s", root, e)
-                if not is_file_at(fd, lock_path):  # unlinked by a reclaimer before we locked it
-                    os.close(fd)
-                    continue
-                _write_all(fd, stamp)
-                path = _dir_of(lock_path)
-                try:
-                    os.mkdir(path, 0o700)
-                except FileExistsError:  # a directory without a lock: not ours to use or remove
-                    os.unlink(lock_path)
-                    os.close(fd)
-                    continue
-                try:
-                    os.chmod(path, 0o700)  # exact, whatever the umask
-                except BaseException:
-                    os.rmdir(path)
-                    raise
-            except OSError as e:
-                _unlink_quietly(lock_path)
-                os.close(fd)
-                raise SwapSpaceError(
-                    e.errno, f"cannot create the swap directory under nvme_path: {e.strerror}", root
-                ) from e
-            except BaseException:
-                _unlink_quietly(lock_path)
-                os.close(fd)
-                raise
-            return cls(path, lock_path, fd)
-        raise SwapSpaceError(errno.EEXIST, "cannot find a free swap directory name under nvme_path", root)
+            raise
+        return cls(path, lock_path, fd, root_fd, DirFd(dir_fd, path, _swap_error))
 
     def release(self) -> None:
         try:
@@ -288,14 +349,43 @@ class _Lease:
             return  # released already (or being released by the frame this signal interrupted)
         try:
             if self.pid == os.getpid():
-                shutil.rmtree(self.dir, ignore_errors=True)
-                if not os.path.lexists(self.dir):  # else keep the lock file: a later run reclaims the rest
-                    _unlink_quietly(self.lock_path)
+                self._remove()
         finally:
+            self.held.close()
+            os.close(self.root_fd)
             os.close(fd)  # drops the lock (in a forked child, only its reference to the parent's)
             reg, self.registration = self.registration, None
             if reg is not None:
                 reg.cancel()
+
+    def _remove(self) -> None:
+        """Remove the directory and then its lock file, through the held descriptors only."""
+        name = os.path.basename(self.dir)
+        if self.held.is_at(self.root_fd, name):
+            shutil.rmtree(name, ignore_errors=True, dir_fd=self.root_fd)
+        else:  # renamed or replaced under us: empty the directory we hold, touch nothing at the name
+            for entry in os.listdir(self.held.fd):
+                _unlink_quietly(entry, self.held.fd)
+            logger.warning("swap directory %s was moved or replaced while in use", self.dir)
+        try:
+            os.lstat(name, dir_fd=self.root_fd)
+        except FileNotFoundError:
+            _unlink_quietly(os.path.basename(self.lock_path), self.root_fd)
+        except OSError:
+            pass  # else keep the lock file: a later run reclaims the rest
+
+
+def _open_lock_file(name: str, root_fd: int) -> int:
+    """A new 0600 lock file `name` in the directory `root_fd` (O_EXCL, O_NOFOLLOW)."""
+    return os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0o600, dir_fd=root_fd)
+
+
+def _is_file_in(fd: int, dir_fd: int, name: str) -> bool:
+    """Whether the open file `fd` is the file `name` of the directory `dir_fd` now."""
+    try:
+        return os.path.samestat(os.fstat(fd), os.lstat(name, dir_fd=dir_fd))
+    except OSError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -305,7 +395,7 @@ class ReclaimedSpace:
     path: str
     nbytes: int  # disk space freed (allocated blocks of its files)
     pid: int  # the process that created it, as recorded in its lock file
-    host: str
+    host: str  # for messages only: a host name proves nothing about whose lock it is
 
 
 def reclaim_stale(nvme_path: str, prefixes: Iterable[str] = SWAP_PREFIXES) -> List[ReclaimedSpace]:
@@ -332,7 +422,7 @@ def reclaim_stale(nvme_path: str, prefixes: Iterable[str] = SWAP_PREFIXES) -> Li
     return reclaimed
 
 
-def _reclaim_one(root: str, lock_name: str, me: Tuple[str, str]) -> Optional[ReclaimedSpace]:
+def _reclaim_one(root: str, lock_name: str, me: Tuple[str, str, str]) -> Optional[ReclaimedSpace]:
     lock_path = os.path.join(root, lock_name)
     path = _dir_of(lock_path)
     try:
@@ -357,10 +447,13 @@ def _reclaim_one(root: str, lock_name: str, me: Tuple[str, str]) -> Optional[Rec
         owner = _parse_stamp(data)
         if owner is None:
             return None  # not a lock file of ours
-        pid, host, boot = owner
-        if not ((boot and boot == me[1]) or host == me[0]):
+        pid, host, boot, machine = owner
+        if not _same_machine(boot, machine, me):
             logger.info(
-                "swap directory %s belongs to host %s: left for a process there to reclaim", path, host
+                "swap directory %s belongs to host %s (another machine, or one this process cannot tell is "
+                "this one): left for a process there to reclaim",
+                path,
+                host,
             )
             return None
         nbytes = 0
@@ -425,22 +518,35 @@ def is_file_at(fd: int, path: str) -> bool:
         return False
 
 
-def _identity() -> Tuple[str, str]:
-    """(host name, kernel boot id): processes sharing a boot id share the kernel that keeps the locks."""
+def _read_id(path: str) -> str:
     try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return socket.gethostname(), boot
+        with open(path, encoding="ascii") as f:
+            return f.read(64).strip()
+    except (OSError, ValueError):
+        return ""
+
+
+def _identity() -> Tuple[str, str, str]:
+    """(host name, kernel boot id, machine id). Processes sharing a boot id share the kernel that keeps the
+    locks; a machine id with another boot id is this machine before a reboot, whose processes are all gone.
+    The host name is for messages only: two machines may well share one."""
+    boot = _read_id("/proc/sys/kernel/random/boot_id")
+    machine = _read_id("/etc/machine-id") or _read_id("/var/lib/dbus/machine-id")
+    return socket.gethostname(), boot, machine
+
+
+def _same_machine(boot: str, machine: str, me: Tuple[str, str, str]) -> bool:
+    """Whether a lock stamped with (`boot`, `machine`) was taken on this machine: under this kernel (its
+    flock tells whether the owner lives) or under an earlier boot of it (the owner is gone)."""
+    return bool(boot and boot == me[1]) or bool(machine and machine == me[2])
 
 
 def _stamp() -> bytes:
-    host, boot = _identity()
-    return f"{_STAMP_MAGIC}\npid {os.getpid()}\nhost {host}\nboot {boot}\n".encode()
+    host, boot, machine = _identity()
+    return f"{_STAMP_MAGIC}\npid {os.getpid()}\nhost {host}\nboot {boot}\nmachine {machine}\n".encode()
 
 
-def _parse_stamp(data: bytes) -> Optional[Tuple[int, str, str]]:
+def _parse_stamp(data: bytes) -> Optional[Tuple[int, str, str, str]]:
     try:
         lines = data.decode().splitlines()
     except UnicodeDecodeError:
@@ -449,9 +555,10 @@ def _parse_stamp(data: bytes) -> Optional[Tuple[int, str, str]]:
         return None
     fields = dict(line.partition(" ")[::2] for line in lines[1:])
     try:
-        return int(fields.get("pid", "")), fields.get("host", ""), fields.get("boot", "")
+        pid = int(fields.get("pid", ""))
     except ValueError:
         return None
+    return pid, fields.get("host", ""), fields.get("boot", ""), fields.get("machine", "")
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -481,9 +588,9 @@ def _human_bytes(n: int) -> str:
     return f"{n:.1f} {unit}"
 
 
-def _unlink_quietly(path: str) -> None:
+def _unlink_quietly(path: str, dir_fd: Optional[int] = None) -> None:
     try:
-        os.unlink(path)
+        os.unlink(path, dir_fd=dir_fd)
     except OSError:
         pass
 

@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from offload.pinned import PinnedPool
-from offload.swap.space import SwapSpace, align_up
+from offload.swap.space import SwapFile, SwapSpace, align_up
 from zero.checkpointing.tiers import Entry, HostBuffers, HostTier, Tier, bytes_view
 
 __all__ = ["NvmeTier"]
@@ -33,6 +33,7 @@ class _ScratchPass:
     def __init__(self, name: str) -> None:
         self.name = name
         self.path: Optional[str] = None
+        self.file: Optional[SwapFile] = None  # opened relative to the space's directory fd, never by path
         self.size = 0
         self.cursor = 0
         self.error: Optional[BaseException] = None
@@ -123,8 +124,8 @@ class NvmeTier(Tier):
         if p.path is None:
             first = max(p.cursor, self._high_water, (self._slots or 0) * (p.cursor - offset))
             f = self.space.create(p.name, first)
-            p.path, p.size = f.path, f.nbytes
-            self._aio.register_file(p.path)
+            p.file, p.path, p.size = f, f.path, f.nbytes
+            self._aio.register_file(f)
         elif p.cursor > p.size:
             p.size = self.space.grow(p.name, max(p.cursor, 2 * p.size)).nbytes
         return offset
@@ -152,7 +153,7 @@ class NvmeTier(Tier):
                 src = None  # the compute thread's memory goes back now
             try:
                 p.check()
-                self._aio.sync_pwrite(buf[:length], p.path, offset)
+                self._aio.sync_pwrite(buf[:length], p.file, offset)
             except BaseException as e:
                 p.error = p.error or e
                 raise
@@ -176,7 +177,7 @@ class NvmeTier(Tier):
             p.check()
             buf, key = self._buffers.take(length)  # recycled pinned memory, handed back by restore
             try:
-                self._aio.sync_pread(buf[:length], p.path, offset)
+                self._aio.sync_pread(buf[:length], p.file, offset)
             except BaseException as e:
                 self._buffers.give(key)
                 p.error = p.error or e
@@ -216,7 +217,7 @@ class NvmeTier(Tier):
 
         def drop() -> None:  # queued behind the pass's last write and read
             try:
-                self._aio.unregister_file(p.path)
+                self._aio.unregister_file(p.file)
             finally:
                 self.space.remove(p.name)
 

@@ -462,7 +462,7 @@ class PartitionStore:
         not enough slots are free, or the device has no memory for the copy."""
         if self._reads_ahead(unit):
             return self._read_ahead(unit)
-        path = self.swap_file(unit)
+        path = self._files.get(unit.index)  # opened relative to its directory fd, never by path
         if path is None or unit.index in self._inflight:
             return False
         self.ensure_slots()
@@ -590,7 +590,7 @@ class PartitionStore:
         """Read the unit's stored bytes into a staging slot (its prefetch's, else a free one) and return
         the slot, counted as used in place: lent to the unit (`lend`), else taken until `_done(slot)`.
         None when the unit is not on NVMe, does not fit a slot, or no slot is free."""
-        path = self.swap_file(unit)
+        path = self._files.get(unit.index)  # opened relative to its directory fd, never by path
         if path is None:
             return None
         self.ensure_slots()
@@ -700,7 +700,7 @@ class PartitionStore:
             else:
                 dst.copy_(mem)
             return
-        path = self.swap_file(unit)
+        path = self._files.get(unit.index)  # opened relative to its directory fd, never by path
         if path is None:
             raise KeyError(f"unit {unit.name!r} has no partition in this store")
         dst_bytes = dst.view(torch.uint8)
@@ -768,12 +768,14 @@ class PartitionStore:
             else:
                 codec.encode(src.to(entry[2].device), entry[2], only)
             return
-        path = self.swap_file(unit)
+        path = self._files.get(unit.index)  # opened relative to its directory fd, never by path
         if path is None:
             raise KeyError(f"unit {unit.name!r} has no partition in this store")
         if self._space is not None and self._space.read_only:
             raise SwapSpaceError(
-                errno.EROFS, f"the partition of {unit.name!r} is in a read-only swap cache: not written", path
+                errno.EROFS,
+                f"the partition of {unit.name!r} is in a read-only swap cache: not written",
+                path.path,
             )
         self._drop_inflight(unit.index)  # a prefetch of the old values must not be used
         host = src.detach().to("cpu").contiguous()
@@ -790,7 +792,7 @@ class PartitionStore:
     def read_private(self, unit: Unit, dst: torch.Tensor) -> None:
         """`read` into a host tensor through the writer's own handle, never a staging slot: for the thread
         that writes partitions (the optimizer), while the main thread's gathers use the slots."""
-        path = self.swap_file(unit)
+        path = self._files.get(unit.index)  # opened relative to its directory fd, never by path
         if path is None:
             self.read(unit, dst)  # memory tier: a plain copy, no slot
             return
@@ -808,7 +810,7 @@ class PartitionStore:
             self._write_handle = self._aio.handle()  # its own handle: a write never waits on a prefetch
         return self._write_handle
 
-    def _aio_write(self, host: torch.Tensor, path: str) -> int:
+    def _aio_write(self, host: torch.Tensor, path: SwapFile) -> int:
         return int(self._own_handle().sync_pwrite(host, path, 0))
 
     # ---------------------------------------------------------------------------------------------- close

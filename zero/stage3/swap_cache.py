@@ -3,13 +3,21 @@
 `zero.from_pretrained(..., swap_cache=True)` puts the stage-3 parameter swap files of a load in a persistent
 directory instead of private scratch swap (offload.swap.space):
 
-    <root>/zero-offload-cache/<fingerprint>/         0700: the swap files (0600) and manifest.json
-    <root>/zero-offload-cache/<fingerprint>.lock     0600: flock'd by every process using the directory
+    <root>/zero-offload-cache-<uid>/<fingerprint>/         0700: the swap files (0600) and manifest.json
+    <root>/zero-offload-cache-<uid>/<fingerprint>.lock     0600: flock'd by every process using the directory
 
-`<root>` is `offload_param.nvme_path` (or the directory given as `swap_cache=`). The fingerprint is a hash of
-everything that decides the files' names and bytes (`inputs`, assembled by the loader: checkpoint files'
-names, sizes and mtimes, config.json, dtype, quantization, world size and rank, ...), and the manifest repeats
-those inputs in full, so a hash collision or a different package version is never taken for a match.
+`<root>` is `offload_param.nvme_path` (or the directory given as `swap_cache=`); `<uid>` is the user's id, so
+users sharing a root never meet in one directory. The root must be one no other user can rename entries in
+(offload.swap.space.check_nvme_path); it is opened once, the per-user directory and every directory, lock,
+manifest and swap file below it are opened relative to held descriptors with O_NOFOLLOW and checked on the
+descriptor (owned by this user, 0700 / 0600), and the swap files are read and written relative to the
+fingerprint directory's descriptor (`SwapFile` is an `offload.aio.FileAt`). A per-user directory that
+another user created first, or a symlink in its place, is refused (SwapCacheError, EPERM).
+
+The fingerprint is a hash of everything that decides the files' names and bytes (`inputs`, assembled by the
+loader: checkpoint files' names, sizes and mtimes, config.json, dtype, quantization, world size and rank,
+...), and the manifest repeats those inputs in full, so a hash collision or a different package version is
+never taken for a match.
 
 Building: the first process takes the lock exclusively, removes whatever an earlier, unfinished build left,
 creates the files (preallocated, 0600) and the loader writes them; `seal()` then fsyncs every file and writes
@@ -44,16 +52,16 @@ import shutil
 import stat
 import threading
 import weakref
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from offload import cleanup
+from offload.swap.private_dir import O_CLOEXEC, O_DIRECTORY, O_NOFOLLOW, DirFd, open_root, private_subdir
 from offload.swap.space import (
     DEFAULT_ALIGNMENT,
     SwapFile,
     SwapSpaceError,
     align_up,
     create_swap_file,
-    is_file_at,
 )
 
 __all__ = [
@@ -68,7 +76,7 @@ __all__ = [
 
 logger = logging.getLogger("zero")
 
-CACHE_DIR = "zero-offload-cache"
+CACHE_DIR = f"zero-offload-cache-{os.geteuid()}"  # per user: users sharing a root never share it
 LAYOUT_VERSION = 1  # raised whenever the swap files' names or bytes change for the same inputs
 MANIFEST = "manifest.json"
 _LOCK_SUFFIX = ".lock"
@@ -89,19 +97,25 @@ def fingerprint(inputs: Mapping[str, Any]) -> str:
     return hashlib.sha256(blob).hexdigest()[:32]
 
 
-def _private_dir(path: str) -> None:
-    """Create `path` 0700 if missing; refuse one that is not a real directory of this user."""
+def _cache_error(err: int, message: str, path: str) -> OSError:
+    return SwapCacheError(err, message, path)
+
+
+def _private_dir(parent_fd: int, name: str, path: str) -> int:
+    """A descriptor of `name` in `parent_fd`, created 0700 if missing; a file, a symlink or a directory of
+    another user there is refused (SwapCacheError, EPERM)."""
     try:
-        os.mkdir(path, 0o700)
+        return private_subdir(parent_fd, name, path, _cache_error)
     except FileExistsError:
         pass
     except OSError as e:
+        if isinstance(e, SwapCacheError):
+            raise
         raise SwapCacheError(e.errno, f"cannot create the swap cache directory: {e.strerror}", path) from e
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
-        raise SwapCacheError(errno.EPERM, "swap cache path is not a directory of this user", path)
-    if stat.S_IMODE(st.st_mode) != 0o700:
-        os.chmod(path, 0o700)
+    try:
+        return private_subdir(parent_fd, name, path, _cache_error, create=False)
+    except SwapCacheError as e:
+        raise SwapCacheError(errno.EPERM, "swap cache path is not a directory of this user", path) from e
 
 
 def _lock(fd: int, how: int) -> bool:
@@ -112,71 +126,111 @@ def _lock(fd: int, how: int) -> bool:
         return False
 
 
-def _open_lock(path: str) -> int:
-    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+def _open_lock(name: str, base_fd: int, path: str) -> int:
+    flags = os.O_RDWR | os.O_CREAT | O_NOFOLLOW | O_CLOEXEC
     try:
-        fd = os.open(path, flags, 0o600)
+        fd = os.open(name, flags, 0o600, dir_fd=base_fd)
     except OSError as e:
         raise SwapCacheError(e.errno, f"cannot open the swap cache lock: {e.strerror}", path) from e
-    os.fchmod(fd, 0o600)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            raise SwapCacheError(errno.EPERM, "swap cache lock is not a file of this user", path)
+        os.fchmod(fd, 0o600)
+    except BaseException:
+        os.close(fd)
+        raise
     return fd
 
 
-def _read_manifest(directory: str) -> Optional[Dict[str, Any]]:
+def _is_file_in(fd: int, dir_fd: int, name: str) -> bool:
+    try:
+        return os.path.samestat(os.fstat(fd), os.lstat(name, dir_fd=dir_fd))
+    except OSError:
+        return False
+
+
+def _open_dir(base_fd: int, name: str) -> Optional[int]:
+    """A descriptor of the existing directory `name` (O_NOFOLLOW), or None if there is none there."""
+    try:
+        return os.open(name, os.O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC, dir_fd=base_fd)
+    except OSError:
+        return None
+
+
+def _read_manifest(dir_fd: int, directory: str) -> Optional[Dict[str, Any]]:
     """The manifest, or None when there is none or it cannot be read (an unfinished or damaged cache)."""
     try:
-        with open(os.path.join(directory, MANIFEST), encoding="utf-8") as f:
-            m = json.load(f)
+        fd = os.open(MANIFEST, os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC, dir_fd=dir_fd)
     except FileNotFoundError:
         return None
+    except OSError as e:
+        logger.warning("swap cache %s: unreadable %s (%s): rebuilding it", directory, MANIFEST, e)
+        return None
+    try:
+        with open(fd, encoding="utf-8") as f:
+            m = json.load(f)
     except (OSError, ValueError) as e:
         logger.warning("swap cache %s: unreadable %s (%s): rebuilding it", directory, MANIFEST, e)
         return None
     return m if isinstance(m, dict) else None
 
 
-def _file_problem(directory: str, manifest: Dict[str, Any]) -> Optional[str]:
+def _file_problem(dir_fd: int, directory: str, manifest: Dict[str, Any]) -> Optional[str]:
     """None if every file the manifest lists exists with its listed size, else what is wrong with one."""
     for name, nbytes in manifest.get("files", {}).items():
         path = os.path.join(directory, name)
+        if not isinstance(name, str) or name in ("", ".", "..", MANIFEST) or os.sep in name:
+            return f"{path}: not a plain file name"
         try:
-            st = os.lstat(path)
+            st = os.lstat(name, dir_fd=dir_fd)
         except OSError as e:
             code = errno.errorcode.get(e.errno or 0, e.errno)
             return f"{path}: expected {nbytes} bytes, cannot stat it ({code})"
-        if not stat.S_ISREG(st.st_mode) or st.st_size != nbytes:
+        if not stat.S_ISREG(st.st_mode) or st.st_size != nbytes or st.st_uid != os.geteuid():
             return f"{path}: expected {nbytes} bytes, found {st.st_size} bytes"
     return None
 
 
-def _remove_dir(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)
-    if os.path.lexists(path):
-        raise SwapCacheError(errno.ENOTEMPTY, "cannot remove the unfinished swap cache directory", path)
+def _remove_dir(base_fd: int, name: str, path: str) -> None:
+    shutil.rmtree(name, ignore_errors=True, dir_fd=base_fd)
+    try:
+        os.lstat(name, dir_fd=base_fd)
+    except FileNotFoundError:
+        return
+    raise SwapCacheError(errno.ENOTEMPTY, "cannot remove the unfinished swap cache directory", path)
 
 
-def _reclaim_unfinished(root: str, keep: str) -> None:
-    """Remove the directories under `root` that have no manifest and whose lock nobody holds (a build
+def _has_manifest(base_fd: int, name: str) -> bool:
+    try:
+        os.lstat(os.path.join(name, MANIFEST), dir_fd=base_fd)
+        return True
+    except OSError:
+        return False
+
+
+def _reclaim_unfinished(base_fd: int, base: str, keep: str) -> None:
+    """Remove the directories under `base` that have no manifest and whose lock nobody holds (a build
     that died); `keep` (a fingerprint) is left to the caller."""
     try:
-        names = os.listdir(root)
+        names = os.listdir(base_fd)
     except OSError:
         return
     for name in names:
-        path = os.path.join(root, name)
-        if name == keep or name.endswith(_LOCK_SUFFIX) or os.path.exists(os.path.join(path, MANIFEST)):
+        path = os.path.join(base, name)
+        if name == keep or name.endswith(_LOCK_SUFFIX) or _has_manifest(base_fd, name):
             continue
         try:
-            st = os.lstat(path)
+            st = os.lstat(name, dir_fd=base_fd)
             if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
                 continue
-            fd = _open_lock(path + _LOCK_SUFFIX)
+            fd = _open_lock(name + _LOCK_SUFFIX, base_fd, path + _LOCK_SUFFIX)
         except (OSError, SwapCacheError):
             continue
         try:
-            if _lock(fd, fcntl.LOCK_EX) and is_file_at(fd, path + _LOCK_SUFFIX):
-                if not os.path.exists(os.path.join(path, MANIFEST)):
-                    shutil.rmtree(path, ignore_errors=True)
+            if _lock(fd, fcntl.LOCK_EX) and _is_file_in(fd, base_fd, name + _LOCK_SUFFIX):
+                if not _has_manifest(base_fd, name):
+                    shutil.rmtree(name, ignore_errors=True, dir_fd=base_fd)
                     logger.warning("removed unfinished swap cache %s (its builder is gone)", path)
         finally:
             os.close(fd)
@@ -187,8 +241,17 @@ class SwapCache:
     and reused. Has SwapSpace's interface for the stage-3 store (`create`, `close`, `dir`,
     `bytes_allocated`, `read_only`); `open_swap_cache` makes one."""
 
-    def __init__(self, directory: str, fd: int, inputs: Mapping[str, Any], manifest: Optional[Dict]) -> None:
+    def __init__(
+        self,
+        directory: str,
+        fd: int,
+        inputs: Mapping[str, Any],
+        manifest: Optional[Dict],
+        base_fd: int,
+        dir_fd: int,
+    ) -> None:
         self.dir = directory
+        self.dir_fd = DirFd(dir_fd, directory, _cache_error)  # every file is opened relative to it
         self.alignment = DEFAULT_ALIGNMENT
         self.inputs = dict(inputs)
         self.reused = manifest is not None
@@ -196,7 +259,14 @@ class SwapCache:
         self._files: Dict[str, SwapFile] = {}
         self._sealed = self.reused
         self._lock = threading.Lock()
-        state = {"fd": fd, "dir": directory, "sealed": self._sealed, "pid": os.getpid()}
+        state = {
+            "fd": fd,
+            "base_fd": base_fd,
+            "dir": self.dir_fd,
+            "name": os.path.basename(directory),
+            "sealed": self._sealed,
+            "pid": os.getpid(),
+        }
         self._state = state
         self._finalizer = weakref.finalize(self, SwapCache._release, state)
         self._registration = cleanup.register(self._finalizer)
@@ -207,9 +277,17 @@ class SwapCache:
         if fd is None:
             return
         try:
-            if not state["sealed"] and state["pid"] == os.getpid():
-                shutil.rmtree(state["dir"], ignore_errors=True)  # unfinished: never used by anyone
+            held: DirFd = state["dir"]
+            if (
+                not state["sealed"]
+                and state["pid"] == os.getpid()
+                and held.is_at(state["base_fd"], state["name"])
+            ):
+                # unfinished: never used by anyone
+                shutil.rmtree(state["name"], ignore_errors=True, dir_fd=state["base_fd"])
         finally:
+            state["dir"].close()
+            os.close(state["base_fd"])
             os.close(fd)  # drops the lock
 
     @property
@@ -252,9 +330,9 @@ class SwapCache:
                     f"the model needs this swap file with {size} bytes; the cache's manifest {found}",
                     path,
                 )
-            f = SwapFile(path, size)
+            f = SwapFile(path, size, self.dir_fd)
         else:
-            f = create_swap_file(path, size, self.alignment)
+            f = create_swap_file(path, size, self.alignment, self.dir_fd)
         with self._lock:
             self._files[name] = f
         return f
@@ -275,23 +353,33 @@ class SwapCache:
         if self._sealed:
             return
         for f in self.files:
-            _fsync(f.path, os.O_RDONLY)
+            _fsync(self.dir_fd.fd, f.name, f.path, os.O_RDONLY)
         manifest = {
             "layout": LAYOUT_VERSION,
             "inputs": self.inputs,
             "files": {os.path.basename(f.path): f.nbytes for f in self.files},
         }
-        tmp = os.path.join(self.dir, MANIFEST + ".tmp")
+        tmp_name = MANIFEST + ".tmp"
+        tmp = os.path.join(self.dir, tmp_name)
+        dfd = self.dir_fd.fd
         try:
-            with open(tmp, "w", encoding="utf-8") as out:
+            try:
+                os.unlink(tmp_name, dir_fd=dfd)  # left by a failed seal: the directory is ours alone
+            except FileNotFoundError:
+                pass
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC
+            with open(os.open(tmp_name, flags, 0o600, dir_fd=dfd), "w", encoding="utf-8") as out:
+                os.fchmod(out.fileno(), 0o600)
                 json.dump(manifest, out, sort_keys=True, indent=1)
                 out.flush()
                 os.fsync(out.fileno())
-            os.chmod(tmp, 0o600)
-            os.replace(tmp, os.path.join(self.dir, MANIFEST))
+            os.replace(tmp_name, MANIFEST, src_dir_fd=dfd, dst_dir_fd=dfd)
         except OSError as e:
             raise SwapCacheError(e.errno, f"cannot write the swap cache manifest: {e.strerror}", tmp) from e
-        _fsync(self.dir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            os.fsync(dfd)
+        except OSError as e:
+            raise SwapCacheError(e.errno, f"cannot fsync the swap cache file: {e.strerror}", self.dir) from e
         self._sealed = self._state["sealed"] = True
         fcntl.flock(self._state["fd"], fcntl.LOCK_SH)  # other processes may reuse it now
 
@@ -307,9 +395,9 @@ class SwapCache:
         return f"SwapCache({self.dir!r}, {kind}, files={len(self._files)})"
 
 
-def _fsync(path: str, flags: int) -> None:
+def _fsync(dir_fd: int, name: str, path: str, flags: int) -> None:
     try:
-        fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(name, flags | O_NOFOLLOW | O_CLOEXEC, dir_fd=dir_fd)
         try:
             os.fsync(fd)
         finally:
@@ -325,14 +413,31 @@ def open_swap_cache(root: str, inputs: Mapping[str, Any], rebuild: bool = False)
     both sizes); `rebuild`: a complete one too. None, with a warning, when another process holds the lock
     and the cache is not complete (being built or broken): the caller uses private scratch swap. Removes
     unfinished caches of other fingerprints whose builder is gone."""
-    base = os.path.join(os.path.abspath(os.path.expanduser(root)), CACHE_DIR)
-    _private_dir(base)
+    root = os.path.abspath(os.path.expanduser(root))
+    base = os.path.join(root, CACHE_DIR)
+    root_fd = open_root(root, _cache_error)
+    try:
+        base_fd = _private_dir(root_fd, CACHE_DIR, base)
+    finally:
+        os.close(root_fd)
+    try:
+        cache = _open_in(base_fd, base, inputs, rebuild)
+    except BaseException:
+        os.close(base_fd)
+        raise
+    if cache is None:
+        os.close(base_fd)
+    return cache
+
+
+def _open_in(base_fd: int, base: str, inputs: Mapping[str, Any], rebuild: bool) -> Optional[SwapCache]:
     fp = fingerprint({**inputs, "layout": LAYOUT_VERSION})
-    _reclaim_unfinished(base, fp)
+    _reclaim_unfinished(base_fd, base, fp)
     directory = os.path.join(base, fp)
+    lock_name = fp + _LOCK_SUFFIX
     lock_path = directory + _LOCK_SUFFIX
     for _ in range(100):
-        fd = _open_lock(lock_path)
+        fd = _open_lock(lock_name, base_fd, lock_path)
         try:
             exclusive = _lock(fd, fcntl.LOCK_EX)
             if not exclusive and not _lock(fd, fcntl.LOCK_SH):
@@ -342,14 +447,15 @@ def open_swap_cache(root: str, inputs: Mapping[str, Any], rebuild: bool = False)
                 )
                 os.close(fd)
                 return None
-            if not is_file_at(fd, lock_path):  # replaced since we opened it: try the new one
+            if not _is_file_in(fd, base_fd, lock_name):  # replaced since we opened it: try the new one
                 os.close(fd)
                 continue
-            manifest = None if rebuild else _usable(directory, inputs)
-            if manifest is not None:
+            found = None if rebuild else _usable(base_fd, fp, directory, inputs)
+            if found is not None:
+                manifest, dir_fd = found
                 if exclusive:
                     fcntl.flock(fd, fcntl.LOCK_SH)
-                return SwapCache(directory, fd, inputs, manifest)
+                return SwapCache(directory, fd, inputs, manifest, base_fd, dir_fd)
             if not exclusive:
                 logger.warning(
                     "swap cache %s is incomplete or does not match, and another process uses it: this load "
@@ -358,22 +464,44 @@ def open_swap_cache(root: str, inputs: Mapping[str, Any], rebuild: bool = False)
                 )
                 os.close(fd)
                 return None
-            if os.path.lexists(directory):
-                _remove_dir(directory)
-            _private_dir(directory)
-            return SwapCache(directory, fd, inputs, None)
+            try:
+                os.lstat(fp, dir_fd=base_fd)
+                _remove_dir(base_fd, fp, directory)
+            except FileNotFoundError:
+                pass
+            dir_fd = _private_dir(base_fd, fp, directory)
+            return SwapCache(directory, fd, inputs, None, base_fd, dir_fd)
         except BaseException:
             os.close(fd)
             raise
     raise SwapCacheError(errno.EAGAIN, "could not lock the swap cache", lock_path)
 
 
-def _usable(directory: str, inputs: Mapping[str, Any]) -> Optional[Dict[str, Any]]:
-    """The manifest if the cache is complete, for these inputs, with every file of its listed size."""
-    manifest = _read_manifest(directory)
+def _usable(
+    base_fd: int, name: str, directory: str, inputs: Mapping[str, Any]
+) -> Optional[Tuple[Dict[str, Any], int]]:
+    """The manifest and a descriptor of the directory if the cache is complete, for these inputs, with every
+    file of its listed size, in a private directory of this user."""
+    dir_fd = _open_dir(base_fd, name)
+    if dir_fd is None:
+        return None
+    manifest = None
+    try:
+        st = os.fstat(dir_fd)
+        if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) != 0o700:
+            logger.warning("swap cache %s is not a private directory of this user: rebuilding it", directory)
+        else:
+            manifest = _check_manifest(dir_fd, directory, inputs)
+    finally:
+        if manifest is None:
+            os.close(dir_fd)
+    return (manifest, dir_fd) if manifest is not None else None
+
+
+def _check_manifest(dir_fd: int, directory: str, inputs: Mapping[str, Any]) -> Optional[Dict[str, Any]]:
+    manifest = _read_manifest(dir_fd, directory)
     if manifest is None:
-        if os.path.lexists(directory):
-            logger.warning("swap cache %s has no manifest (an unfinished build): rebuilding it", directory)
+        logger.warning("swap cache %s has no manifest (an unfinished build): rebuilding it", directory)
         return None
     if manifest.get("layout") != LAYOUT_VERSION or manifest.get("inputs") != json.loads(json.dumps(inputs)):
         logger.warning("swap cache %s was made from other inputs: rebuilding it", directory)
@@ -381,7 +509,7 @@ def _usable(directory: str, inputs: Mapping[str, Any]) -> Optional[Dict[str, Any
     if not isinstance(manifest.get("files"), dict):
         logger.warning("swap cache %s: %s lists no files: rebuilding it", directory, MANIFEST)
         return None
-    problem = _file_problem(directory, manifest)
+    problem = _file_problem(dir_fd, directory, manifest)
     if problem is not None:
         logger.warning("swap cache file %s: rebuilding the cache from the checkpoint", problem)
         return None
