@@ -97,6 +97,8 @@ class ZeroEngine:
                 f"zero_optimization.offload_param.device={zcfg.offload_param.device!r} needs stage 3; "
                 "with stages 0-2 only offload_optimizer is supported"
             )
+        if self.stage < 3:
+            _refuse_partitioned(model, self.stage)
         off = zcfg.offload_optimizer
         self.gas = int(cfg.gradient_accumulation_steps)
         self.micro_batch_size = int(cfg.train_micro_batch_size_per_gpu)
@@ -720,12 +722,25 @@ class ZeroEngine:
         return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
     def save_checkpoint(
-        self, save_dir: str, tag: Optional[str] = None, client_state: Optional[Dict[str, Any]] = None
+        self,
+        save_dir: str,
+        tag: Optional[str] = None,
+        client_state: Optional[Dict[str, Any]] = None,
+        *,
+        exclude_frozen_parameters: bool = False,
     ) -> str:
+        """DeepSpeed's save_checkpoint (zero.checkpoint.save_checkpoint); `exclude_frozen_parameters`
+        leaves out the parameters with requires_grad False (an adapter's base model)."""
         from zero.checkpoint import save_checkpoint
 
         self._require_optimizer("save_checkpoint() (training state; save_16bit_model exports the weights)")
-        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state)
+        return save_checkpoint(
+            self,
+            save_dir,
+            tag=tag,
+            client_state=client_state,
+            exclude_frozen_parameters=exclude_frozen_parameters,
+        )
 
     def load_checkpoint(
         self,
@@ -804,6 +819,19 @@ class ZeroEngine:
             f"ZeroEngine({self.layout.describe()}, offload_optimizer={self.offload_device}, "
             f"dtype={self.dtype}, rank={self.rank}/{self.world_size}, device={self.device})"
         )
+
+
+def _refuse_partitioned(model: nn.Module, stage: int) -> None:
+    """ValueError, before anything is built, for a model zero.Init partitioned given a stage 0-2 config."""
+    from zero.stage3.unit import is_partitioned
+
+    for name, p in model.named_parameters():
+        if is_partitioned(p):
+            raise ValueError(
+                f"zero_optimization.stage={stage}: the model was built under zero.Init, which partitions "
+                f"its parameters for stage 3 (parameter {name!r} is partitioned); use stage 3 with it, or "
+                "build the model without zero.Init for stages 0-2"
+            )
 
 
 def _cast_floats(value: Any, dtype: torch.dtype) -> Any:

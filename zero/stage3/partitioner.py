@@ -406,7 +406,11 @@ class Stage3Partitioner:
 
     # ------------------------------------------------------------------------------------------- backward
     def install_grad_hooks(self) -> None:
-        """Per-parameter post-accumulate-grad hooks that reduce each unit's gradient (see `grads`)."""
+        """Per-parameter post-accumulate-grad hooks that reduce each unit's gradient (see `grads`). Which
+        parameters are trainable is read now: a parameter frozen after `zero.Init` partitioned it (PEFT's
+        LoRA freezes the base model that way) is gathered for forward and backward but gets no gradient."""
+        for u in self.units:
+            u.trainable = [i for i, p in enumerate(u.params) if p.requires_grad]
         self.grads.install(self.units)
 
     def begin_backward(self) -> None:
