@@ -53,6 +53,7 @@ from zero.optimizer_offload import (
 )
 from zero.optimizer_state import FusedDeviceStep, OptimizerState, StateInfo, build_tier, swap_copies
 from zero.overlap import OverlapPass
+from zero.param_groups import build_groups, check_quantized_groups, group_spans
 from zero.report import InferenceReport, PhaseClock, StepReport
 from zero.split_state import SplitTier
 from zero.unused import UnusedParameterCheck
@@ -131,7 +132,8 @@ class ZeroEngine:
         # -- optimizer rule: from the config's optimizer block or the client optimizer, not both (DeepSpeed);
         # neither: an inference engine (zero.inference), whose optimizer tier is none whatever the config says
         params = trainable_params(model, model_parameters)
-        self.rule, hyper = self._rule(cfg, optimizer, params)
+        self.rule, hyper, client = self._rule(cfg, optimizer, params)
+        groups = build_groups(params, model_parameters, client) if self.rule is not None else []
         self.offload_device = off.device if off is not None and self.rule is not None else "none"
 
         # -- the parts: layout, optimizer state on its tier, overlap with backward
@@ -150,7 +152,7 @@ class ZeroEngine:
             if self.rule is None:
                 self._build_inference(model, params, place, pool, lr_scheduler)
             else:
-                self._build(model, params, hyper, place, pool, off, lr_scheduler)
+                self._build(model, params, hyper, place, pool, off, lr_scheduler, groups)
         except BaseException:
             self.close()  # no hooks, pinned buffers or swap directories left behind
             raise
@@ -164,8 +166,10 @@ class ZeroEngine:
         pool: PinnedPool,
         off: Any,
         lr_scheduler: Optional[Any],
+        groups: List[Dict[str, Any]],
     ) -> None:
-        """The parts, in dependency order: layout, optimizer state, overlap, update pass, scheduler."""
+        """The parts, in dependency order: layout, optimizer state, overlap, update pass, scheduler.
+        `groups`: the optimizer's param groups (zero.param_groups.build_groups)."""
         inference.refuse_weight_quantization(self.config)
         zcfg = self.config.zero_optimization
         self.layout: Layout
@@ -179,7 +183,7 @@ class ZeroEngine:
             self.layout = FlatLayout(model, params, place, pool, zcfg, on_grad=self.overlap.source_ready)
         self.module = self.layout.module
         self.pool: PinnedPool = self.layout.pool  # stage 3 under zero.Init: the Init's pinned budget
-        self.optimizer = ZeroOptimizer(params, self.rule, hyper)
+        self.optimizer = ZeroOptimizer(groups, self.rule, hyper)
         self.optimizer.engine = self
         self._opt = self._optimizer_state(off, int(zcfg.sub_group_size))
         self._enable_overlap(off)
@@ -216,7 +220,9 @@ class ZeroEngine:
     @staticmethod
     def _rule(
         cfg: Any, client_opt: Any, params: List[nn.Parameter]
-    ) -> Tuple[Optional[UpdateRule], Dict[str, Any]]:
+    ) -> Tuple[Optional[UpdateRule], Dict[str, Any], Optional[torch.optim.Optimizer]]:
+        """The update rule, its default hyperparameters, and the client optimizer (built when given as a
+        callable) whose param groups the engine's optimizer takes."""
         if client_opt is not None and cfg.optimizer is not None:
             logger.warning(  # DeepSpeed's rule (_configure_optimizer): the client optimizer is used
                 "zero.initialize: the client optimizer (optimizer=%s) is used; the config's 'optimizer' "
@@ -225,17 +231,19 @@ class ZeroEngine:
                 cfg.optimizer.type,
             )
         if client_opt is None and cfg.optimizer is not None:
-            return rule_from_config(cfg.optimizer.type, dict(cfg.optimizer.params))
+            return (*rule_from_config(cfg.optimizer.type, dict(cfg.optimizer.params)), None)
         if client_opt is not None:
             if callable(client_opt) and not isinstance(client_opt, torch.optim.Optimizer):
                 client_opt = client_opt(params)
-            return rule_from_client_optimizer(client_opt)
-        return None, {}  # no optimizer: inference
+            return (*rule_from_client_optimizer(client_opt), client_opt)
+        return None, {}, None  # no optimizer: inference
 
     def _optimizer_state(self, off: Any, sub_group: int) -> OptimizerState:
         """fp32 master and states on the offload tier, with the writer that copies weights back."""
         layout, n_states = self.layout, self.rule.n_states
         part = layout.part_numel
+        spans = group_spans(layout.param_spans(), self.optimizer.param_groups, part)
+        check_quantized_groups(self.rule, self.optimizer.param_groups, spans)
         sub_group = max(1, sub_group)
         staging = 0  # pinned bytes the GPU copy-back needs besides the NVMe slots
         if self.device.type == "cuda":
@@ -262,16 +270,16 @@ class ZeroEngine:
         )
         device_step = None
         if self.device.type == "cuda" and self.offload_device == "none":
-            device_step = FusedDeviceStep(self.rule, self.optimizer, tier)  # type: ignore[arg-type]
+            device_step = FusedDeviceStep(self.rule, self.optimizer, tier, spans)  # type: ignore[arg-type]
         torch_part = wants_torch_part(self._device_part, self.device) and self.offload_device != "none"
         whole = isinstance(tier, DeviceState) and tier.numel > 0 and not tier.pinned_bytes  # ratio 0
         if torch_part and (whole or (isinstance(tier, SplitTier) and tier.on_device)):
             try:  # Twin-Flow: the device share stepped by torch (zero.device_part)
-                group = self.optimizer.param_groups[0]
+                groups = self.optimizer.param_groups
                 if isinstance(tier, SplitTier):
-                    tier.use_device_part(TorchDevicePart(self.rule, group, tier.front))
+                    tier.use_device_part(TorchDevicePart(self.rule, groups, tier.front, spans=spans))
                 else:
-                    tier = TorchDevicePart(self.rule, group, tier)  # type: ignore[arg-type]
+                    tier = TorchDevicePart(self.rule, groups, tier, spans=spans)  # type: ignore[arg-type]
             except BaseException:
                 tier.close()
                 if space is not None:
@@ -287,6 +295,7 @@ class ZeroEngine:
             put_master=layout.put_master,
             on_step_lost=self.zero_grad,
             device_step=device_step,
+            spans=spans,
         )
 
     def _enable_overlap(self, off: Any) -> None:
@@ -654,7 +663,7 @@ class ZeroEngine:
         master, states = self._opt.master_and_states()
         return {
             "rule": self.rule.kind,
-            "param_groups": [self.optimizer.hyperparameters()],
+            "param_groups": self.optimizer.group_hyperparameters(),
             "step": self.optimizer.step_count,
             "partition": (self.lo, self.hi),
             "master": master,
@@ -667,9 +676,10 @@ class ZeroEngine:
                 f"optimizer state is for {sd['rule']} over partition {tuple(sd['partition'])}, "
                 f"this engine runs {self.rule.kind} over {(self.lo, self.hi)}"
             )
+        self.optimizer.check_hyperparameters(sd["param_groups"], "load_optimizer_state_dict")
         self._update.drop_overlapped()
         self._opt.load_values(sd["master"], sd["states"])
-        self.optimizer.param_groups[0].update(sd["param_groups"][0])
+        self.optimizer.load_hyperparameters(sd["param_groups"], "load_optimizer_state_dict")
         self.optimizer.step_count = int(sd["step"])
         self._opt.restore_params()
 

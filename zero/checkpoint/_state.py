@@ -334,7 +334,7 @@ def read_params(engine: CheckpointEngine, path: str, exclude_frozen: bool = Fals
 def optimizer_meta(engine: CheckpointEngine) -> Dict[str, Any]:
     return {
         "rule": engine.rule.kind,
-        "param_groups": [engine.optimizer.hyperparameters()],
+        "param_groups": engine.optimizer.group_hyperparameters(),
         "step": engine.optimizer.step_count,
         "partition": [engine.lo, engine.hi],
         "n_states": engine.rule.n_states,

@@ -116,6 +116,7 @@ def _check_meta(engine: CheckpointEngine, plan: _Plan, strict: bool, optimizer: 
             raise ValueError(
                 f"{path}: optimizer states are for {meta['rule']}, this engine runs {engine.rule.kind}"
             )
+        engine.optimizer.check_hyperparameters(meta["param_groups"], path)
 
 
 def _needed_pickled(ms: Dict[str, Any], scheduler: bool) -> List[str]:
@@ -219,7 +220,7 @@ def _apply(engine: CheckpointEngine, plan: _Plan, strict: bool, optimizer: bool,
         st.read_optimizer(
             engine, os.path.join(path, f"optim_rank{engine.rank}.bin"), st.saved_state_dtype(meta)
         )
-        engine.optimizer.param_groups[0].update(meta["param_groups"][0])
+        engine.optimizer.load_hyperparameters(meta["param_groups"], path)
         engine.optimizer.step_count = int(meta["step"])
         if engine.loss_scaler is not None and ms["loss_scaler"] is not None:
             engine.loss_scaler.load_state_dict(ms["loss_scaler"])
