@@ -205,6 +205,14 @@ def test_checkpoint_keeps_each_groups_hyperparameters_and_resumes_bit_for_bit(tm
     c.close()
 
 
+def test_groups_given_as_a_generator_are_kept(tmp_path):
+    model = make_model()
+    cfg = base_config("cpu", tmp_path, stage=1)
+    engine, *_ = zero.initialize(model=model, model_parameters=iter(hf_groups(model)), config=cfg)
+    assert [g["weight_decay"] for g in engine.optimizer.param_groups] == [0.1, 0.0]
+    engine.close()
+
+
 def test_client_optimizer_groups_are_taken(tmp_path):
     """A client torch AdamW with two groups: the engine takes each group's hyperparameters."""
     model = make_model()

@@ -131,6 +131,8 @@ class ZeroEngine:
 
         # -- optimizer rule: from the config's optimizer block or the client optimizer, not both (DeepSpeed);
         # neither: an inference engine (zero.inference), whose optimizer tier is none whatever the config says
+        if model_parameters is not None:
+            model_parameters = list(model_parameters)  # read twice: the parameters, then their groups
         params = trainable_params(model, model_parameters)
         self.rule, hyper, client = self._rule(cfg, optimizer, params)
         groups = build_groups(params, model_parameters, client) if self.rule is not None else []
