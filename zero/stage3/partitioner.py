@@ -397,6 +397,14 @@ class Stage3Partitioner:
             self._gather(unit)
         self._use(unit)
 
+    def release_backward_hold(self, units: List[Unit]) -> None:
+        """Units without trainable parameters whose module's backward has run (zero.stage3.hooks): free
+        them as a gradient would free a trainable unit."""
+        for u in units:
+            if u.bwd_hold and not u.trainable:
+                u.bwd_hold = False
+                self._maybe_free(u)
+
     def release_all(self) -> None:
         """Free every gathered, non-persistent unit (after an exception, or to drop all full weights)."""
         for u in self.units:
