@@ -171,6 +171,20 @@ def test_losses_match_the_plain_trainer(stage, tmp_path):
     assert filled["zero_optimization"]["reduce_bucket_size"] == HIDDEN * HIDDEN
 
 
+def test_weight_decay_without_an_optimizer_block_keeps_the_trainers_two_groups(tmp_path):
+    """The Trainer's AdamW decays weights but not biases and LayerNorm weights (two param groups): the
+    engine takes both groups, and the run follows the plain Trainer's."""
+    want = logged(plain_run(tmp_path, weight_decay=0.5))
+    trainer = zero_run(tmp_path, zero_config(2, tmp_path), weight_decay=0.5)
+    assert_same_run(logged(trainer), want)
+    groups = trainer.engine.optimizer.param_groups
+    assert [g["weight_decay"] for g in groups] == [0.5, 0.0]
+    names = {id(p): n for n, p in trainer.engine.module.named_parameters()}
+    no_decay = {names[id(p)] for p in groups[1]["params"]}
+    assert no_decay == set(names.values()) - set(trainer.get_decay_parameter_names(trainer.engine.module))
+    assert any(n.endswith(".bias") for n in no_decay) and any(".ln_" in n for n in no_decay)
+
+
 def test_accumulation_is_divided_once_when_the_trainer_divides_the_loss(tmp_path):
     """Without num_items_in_batch (a model without loss kwargs) the Trainer divides each micro-batch's loss
     by the window size; the engine must not divide again. Without clipping the logged gradient norm (and,
@@ -429,12 +443,6 @@ def test_refused_combinations(tmp_path):
             zero_config=cfg or zero_config(2, tmp_path),
         )
 
-    with pytest.raises(ValueError, match="weight_decay=0.1 without an optimizer block"):
-        make(weight_decay=0.1)
-    make(
-        zero_config(2, tmp_path, optimizer={"type": "AdamW", "params": {"weight_decay": "auto"}}),
-        weight_decay=0.1,
-    )
     with pytest.raises(ValueError, match="reduce_lr_on_plateau"):
         make(lr_scheduler_type="reduce_lr_on_plateau")
     with pytest.raises(ValueError, match="auto_find_batch_size"):

@@ -19,17 +19,24 @@ device_part="torch")`), with torch's single-tensor Adam/AdamW instead of the fus
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
 from zero.optimizer_offload import DeviceState, UpdateRule
 
-__all__ = ["DEVICE_PART_CHOICES", "TorchDevicePart", "check_device_part_rule", "wants_torch_part"]
+__all__ = [
+    "DEVICE_PART_CHOICES",
+    "TorchAdamSpans",
+    "TorchDevicePart",
+    "check_device_part_rule",
+    "wants_torch_part",
+]
 
 DEVICE_PART_CHOICES = ("auto", "torch", "kernels")
 VisitFn = Callable[[int, int, torch.Tensor, List[torch.Tensor]], None]
+Span = Tuple[int, int, int]  # [start, end) of the master and its param group (zero.param_groups)
 
 
 def wants_torch_part(choice: str, device: torch.device) -> bool:
@@ -66,6 +73,69 @@ def check_device_part_rule(rule: UpdateRule, group: Dict[str, Any]) -> None:
         )
 
 
+class TorchAdamSpans:
+    """torch's Adam/AdamW over a flat fp32 master and its two states: one torch parameter (a view) per run of
+    one param group (`spans`: (start, end, group index) over the master), in torch param groups holding
+    their group's hyperparameters, so each run is updated as torch updates that group. The tier's tensors
+    are the optimizer's state (views: no second copy). `fused`: torch's fused implementation (CUDA), else
+    the single-tensor one."""
+
+    def __init__(
+        self,
+        groups: Sequence[Dict[str, Any]],
+        spans: Sequence[Span],
+        master: torch.Tensor,
+        states: List[torch.Tensor],
+        *,
+        fused: bool,
+    ) -> None:
+        used = sorted({gi for _, _, gi in spans})
+        modes = {bool(groups[gi]["adamw_mode"]) for gi in used}
+        if len(modes) > 1:
+            raise NotImplementedError(
+                "param groups mixing Adam (L2) and AdamW (decoupled) weight decay cannot be stepped by "
+                "torch's fused Adam on the device; use one mode, or offload_optimizer.device cpu or nvme"
+            )
+        self.group_ids = used
+        self.views: List[Tuple[int, int, nn.Parameter]] = []
+        members: Dict[int, List[nn.Parameter]] = {gi: [] for gi in used}
+        step_dev = master.device if fused else torch.device("cpu")
+        state: Dict[nn.Parameter, Dict[str, torch.Tensor]] = {}
+        for a, z, gi in spans:
+            p = nn.Parameter(master[a:z], requires_grad=False)
+            self.views.append((a, z, p))
+            members[gi].append(p)
+            state[p] = {
+                "step": torch.zeros((), dtype=torch.float32, device=step_dev),
+                "exp_avg": states[0][a:z],
+                "exp_avg_sq": states[1][a:z],
+            }
+        cls = torch.optim.AdamW if modes.pop() else torch.optim.Adam
+        impl: Dict[str, Any] = {"fused": True} if fused else {"foreach": False}
+        self.opt = cls([{"params": members[gi], **_torch_hyper(groups[gi])} for gi in used], **impl)
+        for p, st in state.items():
+            self.opt.state[p] = st
+
+    def step(self, grad: torch.Tensor, step: int, groups: Sequence[Dict[str, Any]]) -> None:
+        """Update `step` with the fp32 gradient `grad` (unscaled, on the master's device) and the groups'
+        current hyperparameters."""
+        for tg, gi in zip(self.opt.param_groups, self.group_ids):
+            tg.update(_torch_hyper(groups[gi]))
+        for a, z, p in self.views:
+            p.grad = grad[a:z]
+            self.opt.state[p]["step"].fill_(step - 1)
+        self.opt.step()
+        for _, _, p in self.views:
+            p.grad = None
+
+    def close(self) -> None:
+        self.opt.state.clear()
+
+
+def _torch_hyper(group: Dict[str, Any]) -> Dict[str, Any]:
+    return {k: group[k] for k in ("lr", "betas", "eps", "weight_decay")}
+
+
 class TorchDevicePart:
     """The first `state.numel` elements of a split state, stepped by torch's Adam/AdamW (module doc).
 
@@ -73,9 +143,19 @@ class TorchDevicePart:
     `torch.optim.AdamW` picks there by default)."""
 
     def __init__(
-        self, rule: UpdateRule, group: Dict[str, Any], state: DeviceState, *, fused: Optional[bool] = None
+        self,
+        rule: UpdateRule,
+        group: Union[Dict[str, Any], Sequence[Dict[str, Any]]],
+        state: DeviceState,
+        *,
+        spans: Optional[Sequence[Span]] = None,
+        fused: Optional[bool] = None,
     ) -> None:
-        check_device_part_rule(rule, group)
+        """`group`: the optimizer's param group, or its groups with `spans` (zero.param_groups.group_spans
+        over the partition; clipped to this share)."""
+        groups = [group] if isinstance(group, dict) else list(group)
+        for g in groups:
+            check_device_part_rule(rule, g)
         self.state = state
         self.numel = state.numel
         self.chunk_numel = state.chunk_numel
@@ -83,22 +163,10 @@ class TorchDevicePart:
         self.launches = 0  # updates queued: one per committed pass
         dev = state.master.device
         self.fused = dev.type == "cuda" if fused is None else bool(fused)
-        self.param = nn.Parameter(state.master, requires_grad=False)
-        cls = torch.optim.AdamW if group["adamw_mode"] else torch.optim.Adam
-        impl: Dict[str, Any] = {"fused": True} if self.fused else {"foreach": False}
-        self.opt = cls(
-            [self.param],
-            lr=group["lr"],
-            betas=group["betas"],
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
-            **impl,
-        )
-        self.opt.state[self.param] = {  # the tier's tensors are the optimizer's state: no second copy
-            "step": torch.zeros((), dtype=torch.float32, device=dev if self.fused else "cpu"),
-            "exp_avg": state.states[0],
-            "exp_avg_sq": state.states[1],
-        }
+        share = [
+            (a, min(z, self.numel), gi) for a, z, gi in (spans or [(0, self.numel, 0)]) if a < self.numel
+        ]
+        self.torch = TorchAdamSpans(groups, share, state.master, state.states, fused=self.fused)
         self._launched = False
 
     @property
@@ -110,20 +178,21 @@ class TorchDevicePart:
     def pinned_bytes(self) -> int:
         return self.state.pinned_bytes
 
-    def launch(self, grad: torch.Tensor, step: int, group: Dict[str, Any], grad_scale: float) -> None:
+    def launch(
+        self,
+        grad: torch.Tensor,
+        step: int,
+        group: Union[Dict[str, Any], Sequence[Dict[str, Any]]],
+        grad_scale: float,
+    ) -> None:
         """Queue update `step` of the share: `grad` holds its raw gradient sums (any dtype or device; not
-        changed), divided by `grad_scale` here as the CPU kernels divide theirs. On CUDA the copy of `grad`
-        to the device waits, the update itself does not."""
+        changed), divided by `grad_scale` here as the CPU kernels divide theirs; `group`: the optimizer's
+        param groups (or its one group). On CUDA the copy of `grad` to the device waits, the update itself
+        does not."""
         dev = self.state.master.device
         g = grad.to(device=dev, dtype=torch.float32, copy=True)
         g.div_(grad_scale)
-        pg = self.opt.param_groups[0]
-        for k in ("lr", "betas", "eps", "weight_decay"):
-            pg[k] = group[k]
-        self.param.grad = g
-        self.opt.state[self.param]["step"].fill_(step - 1)
-        self.opt.step()
-        self.param.grad = None
+        self.torch.step(g, step, [group] if isinstance(group, dict) else group)
         self.launches += 1
         self._launched = True
 
@@ -164,5 +233,5 @@ class TorchDevicePart:
         return None
 
     def close(self) -> None:
-        self.opt.state.clear()
+        self.torch.close()
         self.state.close()

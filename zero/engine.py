@@ -54,6 +54,7 @@ from zero.optimizer_offload import (
 )
 from zero.optimizer_state import FusedDeviceStep, OptimizerState, StateInfo, build_tier, swap_copies
 from zero.overlap import OverlapPass
+from zero.param_groups import build_groups, check_quantized_groups, group_spans
 from zero.report import InferenceReport, PhaseClock, StepReport
 from zero.split_state import SplitTier
 from zero.unused import UnusedParameterCheck
@@ -98,6 +99,8 @@ class ZeroEngine:
                 f"zero_optimization.offload_param.device={zcfg.offload_param.device!r} needs stage 3; "
                 "with stages 0-2 only offload_optimizer is supported"
             )
+        if self.stage < 3:
+            _refuse_partitioned(model, self.stage)
         off = zcfg.offload_optimizer
         self.gas = int(cfg.gradient_accumulation_steps)
         self.micro_batch_size = int(cfg.train_micro_batch_size_per_gpu)
@@ -129,8 +132,11 @@ class ZeroEngine:
 
         # -- optimizer rule: from the config's optimizer block or the client optimizer, not both (DeepSpeed);
         # neither: an inference engine (zero.inference), whose optimizer tier is none whatever the config says
+        if model_parameters is not None:
+            model_parameters = list(model_parameters)  # read twice: the parameters, then their groups
         params = trainable_params(model, model_parameters)
-        self.rule, hyper = self._rule(cfg, optimizer, params)
+        self.rule, hyper, client = self._rule(cfg, optimizer, params)
+        groups = build_groups(params, model_parameters, client) if self.rule is not None else []
         self.offload_device = off.device if off is not None and self.rule is not None else "none"
 
         # -- the parts: layout, optimizer state on its tier, overlap with backward
@@ -149,7 +155,7 @@ class ZeroEngine:
             if self.rule is None:
                 self._build_inference(model, params, place, pool, lr_scheduler)
             else:
-                self._build(model, params, hyper, place, pool, off, lr_scheduler)
+                self._build(model, params, hyper, place, pool, off, lr_scheduler, groups)
         except BaseException:
             self.close()  # no hooks, pinned buffers or swap directories left behind
             raise
@@ -163,8 +169,10 @@ class ZeroEngine:
         pool: PinnedPool,
         off: Any,
         lr_scheduler: Optional[Any],
+        groups: List[Dict[str, Any]],
     ) -> None:
-        """The parts, in dependency order: layout, optimizer state, overlap, update pass, scheduler."""
+        """The parts, in dependency order: layout, optimizer state, overlap, update pass, scheduler.
+        `groups`: the optimizer's param groups (zero.param_groups.build_groups)."""
         inference.refuse_weight_quantization(self.config)
         zcfg = self.config.zero_optimization
         self.layout: Layout
@@ -178,7 +186,7 @@ class ZeroEngine:
             self.layout = FlatLayout(model, params, place, pool, zcfg, on_grad=self.overlap.source_ready)
         self.module = self.layout.module
         self.pool: PinnedPool = self.layout.pool  # stage 3 under zero.Init: the Init's pinned budget
-        self.optimizer = ZeroOptimizer(params, self.rule, hyper)
+        self.optimizer = ZeroOptimizer(groups, self.rule, hyper)
         self.optimizer.engine = self
         self._opt = self._optimizer_state(off, int(zcfg.sub_group_size))
         self._enable_overlap(off)
@@ -215,7 +223,9 @@ class ZeroEngine:
     @staticmethod
     def _rule(
         cfg: Any, client_opt: Any, params: List[nn.Parameter]
-    ) -> Tuple[Optional[UpdateRule], Dict[str, Any]]:
+    ) -> Tuple[Optional[UpdateRule], Dict[str, Any], Optional[torch.optim.Optimizer]]:
+        """The update rule, its default hyperparameters, and the client optimizer (built when given as a
+        callable) whose param groups the engine's optimizer takes."""
         if client_opt is not None and cfg.optimizer is not None:
             logger.warning(  # DeepSpeed's rule (_configure_optimizer): the client optimizer is used
                 "zero.initialize: the client optimizer (optimizer=%s) is used; the config's 'optimizer' "
@@ -224,17 +234,19 @@ class ZeroEngine:
                 cfg.optimizer.type,
             )
         if client_opt is None and cfg.optimizer is not None:
-            return rule_from_config(cfg.optimizer.type, dict(cfg.optimizer.params))
+            return (*rule_from_config(cfg.optimizer.type, dict(cfg.optimizer.params)), None)
         if client_opt is not None:
             if callable(client_opt) and not isinstance(client_opt, torch.optim.Optimizer):
                 client_opt = client_opt(params)
-            return rule_from_client_optimizer(client_opt)
-        return None, {}  # no optimizer: inference
+            return (*rule_from_client_optimizer(client_opt), client_opt)
+        return None, {}, None  # no optimizer: inference
 
     def _optimizer_state(self, off: Any, sub_group: int) -> OptimizerState:
         """fp32 master and states on the offload tier, with the writer that copies weights back."""
         layout, n_states = self.layout, self.rule.n_states
         part = layout.part_numel
+        spans = group_spans(layout.param_spans(), self.optimizer.param_groups, part)
+        check_quantized_groups(self.rule, self.optimizer.param_groups, spans)
         sub_group = max(1, sub_group)
         staging = 0  # pinned bytes the GPU copy-back needs besides the NVMe slots
         if self.device.type == "cuda":
@@ -261,16 +273,16 @@ class ZeroEngine:
         )
         device_step = None
         if self.device.type == "cuda" and self.offload_device == "none":
-            device_step = FusedDeviceStep(self.rule, self.optimizer, tier)  # type: ignore[arg-type]
+            device_step = FusedDeviceStep(self.rule, self.optimizer, tier, spans)  # type: ignore[arg-type]
         torch_part = wants_torch_part(self._device_part, self.device) and self.offload_device != "none"
         whole = isinstance(tier, DeviceState) and tier.numel > 0 and not tier.pinned_bytes  # ratio 0
         if torch_part and (whole or (isinstance(tier, SplitTier) and tier.on_device)):
             try:  # Twin-Flow: the device share stepped by torch (zero.device_part)
-                group = self.optimizer.param_groups[0]
+                groups = self.optimizer.param_groups
                 if isinstance(tier, SplitTier):
-                    tier.use_device_part(TorchDevicePart(self.rule, group, tier.front))
+                    tier.use_device_part(TorchDevicePart(self.rule, groups, tier.front, spans=spans))
                 else:
-                    tier = TorchDevicePart(self.rule, group, tier)  # type: ignore[arg-type]
+                    tier = TorchDevicePart(self.rule, groups, tier, spans=spans)  # type: ignore[arg-type]
             except BaseException:
                 tier.close()
                 if space is not None:
@@ -286,6 +298,7 @@ class ZeroEngine:
             put_master=layout.put_master,
             on_step_lost=self.zero_grad,
             device_step=device_step,
+            spans=spans,
         )
 
     def _enable_overlap(self, off: Any) -> None:
@@ -653,7 +666,7 @@ class ZeroEngine:
         master, states = self._opt.master_and_states()
         return {
             "rule": self.rule.kind,
-            "param_groups": [self.optimizer.hyperparameters()],
+            "param_groups": self.optimizer.group_hyperparameters(),
             "step": self.optimizer.step_count,
             "partition": (self.lo, self.hi),
             "master": master,
@@ -666,9 +679,10 @@ class ZeroEngine:
                 f"optimizer state is for {sd['rule']} over partition {tuple(sd['partition'])}, "
                 f"this engine runs {self.rule.kind} over {(self.lo, self.hi)}"
             )
+        self.optimizer.check_hyperparameters(sd["param_groups"], "load_optimizer_state_dict")
         self._update.drop_overlapped()
         self._opt.load_values(sd["master"], sd["states"])
-        self.optimizer.param_groups[0].update(sd["param_groups"][0])
+        self.optimizer.load_hyperparameters(sd["param_groups"], "load_optimizer_state_dict")
         self.optimizer.step_count = int(sd["step"])
         self._opt.restore_params()
 
@@ -721,12 +735,25 @@ class ZeroEngine:
         return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
     def save_checkpoint(
-        self, save_dir: str, tag: Optional[str] = None, client_state: Optional[Dict[str, Any]] = None
+        self,
+        save_dir: str,
+        tag: Optional[str] = None,
+        client_state: Optional[Dict[str, Any]] = None,
+        *,
+        exclude_frozen_parameters: bool = False,
     ) -> str:
+        """DeepSpeed's save_checkpoint (zero.checkpoint.save_checkpoint); `exclude_frozen_parameters`
+        leaves out the parameters with requires_grad False (an adapter's base model)."""
         from zero.checkpoint import save_checkpoint
 
         self._require_optimizer("save_checkpoint() (training state; save_16bit_model exports the weights)")
-        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state)
+        return save_checkpoint(
+            self,
+            save_dir,
+            tag=tag,
+            client_state=client_state,
+            exclude_frozen_parameters=exclude_frozen_parameters,
+        )
 
     def load_checkpoint(
         self,
@@ -805,6 +832,19 @@ class ZeroEngine:
             f"ZeroEngine({self.layout.describe()}, offload_optimizer={self.offload_device}, "
             f"dtype={self.dtype}, rank={self.rank}/{self.world_size}, device={self.device})"
         )
+
+
+def _refuse_partitioned(model: nn.Module, stage: int) -> None:
+    """ValueError, before anything is built, for a model zero.Init partitioned given a stage 0-2 config."""
+    from zero.stage3.unit import is_partitioned
+
+    for name, p in model.named_parameters():
+        if is_partitioned(p):
+            raise ValueError(
+                f"zero_optimization.stage={stage}: the model was built under zero.Init, which partitions "
+                f"its parameters for stage 3 (parameter {name!r} is partitioned); use stage 3 with it, or "
+                "build the model without zero.Init for stages 0-2"
+            )
 
 
 def _cast_floats(value: Any, dtype: torch.dtype) -> Any:

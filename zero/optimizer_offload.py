@@ -230,16 +230,7 @@ def rule_from_client_optimizer(opt: torch.optim.Optimizer) -> Tuple[UpdateRule, 
     """Translate a torch optimizer the user built into our rule + hyperparameters (its state is not used);
     an `offload.ops` optimizer built with `fp32_optimizer_states=False` gives bf16 states."""
     name = type(opt).__name__.lower()
-    groups = opt.param_groups
-    keys = ("lr", "betas", "eps", "weight_decay")
-    first = {k: groups[0].get(k) for k in keys}
-    for g in groups[1:]:
-        if {k: g.get(k) for k in keys} != first:
-            raise ValueError(
-                f"{type(opt).__name__} has param groups with different hyperparameters; the engine keeps one "
-                "flat buffer and supports one set (put them in the config's optimizer block instead)"
-            )
-    g = groups[0]
+    g = opt.param_groups[0]  # the defaults; each group's own values: zero.param_groups.build_groups
     if name in ("adamw", "cpuadamw"):
         kind, adamw = "adamw", True
     elif name in ("adam", "cpuadam", "fusedadam"):
@@ -367,11 +358,13 @@ _OPTIMIZER_ADD_PARAM_GROUP = getattr(
 class ZeroOptimizer(torch.optim.Optimizer):
     """The optimizer `zero.initialize` returns: torch's face (param_groups for schedulers), engine-driven.
 
-    The hyperparameters live in `param_groups[0]` so that torch and config schedulers can change them;
-    the state lives in the engine's tier. `step()` is the engine's job (`engine.step()`), as in DeepSpeed.
+    The hyperparameters live in `param_groups` (one per group of `params`, `hyper` their defaults) so that
+    torch and config schedulers can change them; each step reads every group's current values
+    (zero.param_groups). The state lives in the engine's tier. `step()` is the engine's job
+    (`engine.step()`), as in DeepSpeed.
     """
 
-    def __init__(self, params: List[torch.nn.Parameter], rule: UpdateRule, hyper: Dict[str, Any]) -> None:
+    def __init__(self, params: List[Any], rule: UpdateRule, hyper: Dict[str, Any]) -> None:
         super().__init__(params, dict(hyper))
         self.rule = rule
         self.step_count = 0  # optimizer updates applied (overflow-skipped steps excluded)
@@ -393,7 +386,27 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.engine.zero_grad()
 
     def hyperparameters(self) -> Dict[str, Any]:
-        return {k: v for k, v in self.param_groups[0].items() if k != "params"}
+        """The first param group's hyperparameters."""
+        return self.group_hyperparameters()[0]
+
+    def group_hyperparameters(self) -> List[Dict[str, Any]]:
+        """Every param group's hyperparameters (without its parameters), in order."""
+        return [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+
+    def check_hyperparameters(self, saved: List[Dict[str, Any]], where: str) -> None:
+        """ValueError unless `saved` (`group_hyperparameters()` of a saved optimizer) has one entry per
+        param group."""
+        if len(saved) != len(self.param_groups):
+            raise ValueError(
+                f"{where}: the saved optimizer has {len(saved)} param group(s), this one "
+                f"{len(self.param_groups)}: build the engine with the same groups"
+            )
+
+    def load_hyperparameters(self, saved: List[Dict[str, Any]], where: str = "optimizer state") -> None:
+        """Each param group takes its saved hyperparameters (`check_hyperparameters` first)."""
+        self.check_hyperparameters(saved, where)
+        for group, values in zip(self.param_groups, saved):
+            group.update({k: v for k, v in values.items() if k != "params"})
 
     def state_dict(self) -> Dict[str, Any]:
         """Hyperparameters, step count and this rank's partition state, as CPU tensors (read from NVMe)."""

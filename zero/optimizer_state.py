@@ -32,16 +32,16 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, NoReturn, Optional, Protocol, Tuple, Union
 
 import torch
-from torch import nn
 
 from offload.config import AioConfig
 from offload.pinned import PINNED_BUDGET_ENV, PinnedPool
 from offload.swap.optimizer_swapper import STATE_TORCH_DTYPES, OptimizerSwapper, SwapStats
 from offload.swap.slots import QUANT_BLOCK, StateFormat, plan_slot_numel
 from offload.swap.space import SwapSpace, check_nvme_path
-from zero.device_part import TorchDevicePart
+from zero.device_part import TorchAdamSpans, TorchDevicePart
 from zero.integrity import StateGuard
 from zero.optimizer_offload import DeviceState, UpdateRule, ZeroOptimizer
+from zero.param_groups import groups_differ, pieces
 from zero.param_writer import ParamWriter
 from zero.report import StepReport
 from zero.split_state import SplitTier, build_split, plan_split
@@ -309,9 +309,16 @@ def sum_of_squares(t: torch.Tensor) -> float:
 
 
 class FusedDeviceStep:
-    """offload none on CUDA: torch's fused Adam/AdamW on the flat fp32 partition in device memory."""
+    """offload none on CUDA: torch's fused Adam/AdamW on the flat fp32 partition in device memory, one torch
+    param group per param group (`spans`: zero.param_groups.group_spans; None: one group)."""
 
-    def __init__(self, rule: UpdateRule, optimizer: ZeroOptimizer, state: DeviceState) -> None:
+    def __init__(
+        self,
+        rule: UpdateRule,
+        optimizer: ZeroOptimizer,
+        state: DeviceState,
+        spans: Optional[List[Tuple[int, int, int]]] = None,
+    ) -> None:
         if rule.kind not in ("adam", "adamw"):
             raise NotImplementedError(
                 f"optimizer {rule.kind!r} without offload on CUDA is not supported; "
@@ -323,32 +330,14 @@ class FusedDeviceStep:
                 "offload on CUDA is not supported: the device step is torch's fused Adam, which keeps fp32 "
                 "states; use offload_optimizer.device cpu or nvme for 16-bit or 8-bit states"
             )
-        g = optimizer.param_groups[0]
-        self.param = nn.Parameter(state.master, requires_grad=False)
-        cls = torch.optim.AdamW if g["adamw_mode"] else torch.optim.Adam
-        self.opt = cls(
-            [self.param],
-            lr=g["lr"],
-            betas=g["betas"],
-            eps=g["eps"],
-            weight_decay=g["weight_decay"],
-            fused=True,
-        )
-        self.opt.state[self.param] = {
-            "step": torch.zeros((), dtype=torch.float32, device=state.master.device),
-            "exp_avg": state.states[0],
-            "exp_avg_sq": state.states[1],
-        }
+        self.optimizer = optimizer
+        spans = spans or [(0, state.numel, 0)]
+        self.torch = TorchAdamSpans(optimizer.param_groups, spans, state.master, state.states, fused=True)
 
     def step(self, grad: torch.Tensor, step: int, group: Dict[str, Any]) -> None:
-        """One update of the master with the fp32 gradient `grad` (already unscaled)."""
-        g = self.opt.param_groups[0]
-        for k in ("lr", "betas", "eps", "weight_decay"):
-            g[k] = group[k]
-        self.param.grad = grad
-        self.opt.state[self.param]["step"].fill_(step - 1)
-        self.opt.step()
-        self.param.grad = None
+        """One update of the master with the fp32 gradient `grad` (already unscaled); each param group's
+        current hyperparameters (`group` is the first one's)."""
+        self.torch.step(grad, step, self.optimizer.param_groups)
 
 
 class OptimizerState:
@@ -369,10 +358,13 @@ class OptimizerState:
         put_master: Callable[[ParamWriter, StateTier], None],
         on_step_lost: Callable[[], None],
         device_step: Optional[FusedDeviceStep] = None,
+        spans: Optional[List[Tuple[int, int, int]]] = None,
     ) -> None:
         """`tier` may be a SplitTier whose device share is a TorchDevicePart (Twin-Flow on CUDA), or that
         part alone (`ratio` 0): each pass then launches that share's update first (`run`), and the chunk
-        walk covers the offloaded share."""
+        walk covers the offloaded share. `spans`: the runs of one param group over the partition
+        (zero.param_groups.group_spans; None: one group); chunks are updated run by run with their group's
+        hyperparameters while the groups' values differ."""
         self.tier = tier
         self.space = space
         self.writer = writer
@@ -387,6 +379,11 @@ class OptimizerState:
         part = tier.device_part if isinstance(tier, SplitTier) else tier
         self.device_part = part if isinstance(part, TorchDevicePart) else None
         self._device_args: Optional[tuple] = None  # what chunk_update gave the device share's launch
+        runs = list(spans) if spans is not None else [(0, tier.numel, 0)]
+        self.first_group = runs[0][2]  # the group of the partition's first run (of every run: one group)
+        self._used = sorted({gi for _, _, gi in runs})
+        self.spans = runs if len(self._used) > 1 else None
+        self._span_starts = [a for a, _, _ in runs]
 
     @property
     def swapped(self) -> bool:
@@ -466,24 +463,46 @@ class OptimizerState:
         chunk's sum of squared (raw) gradients is appended to it first: the step's gradient norm, taken
         while the pass walks the gradients anyway (on NVMe, under the reads and writes in flight)."""
         rule, writer, atomic_from = self.rule, self.writer, self.atomic_from
+        groups = self.optimizer.param_groups
+        group = groups[self.first_group]  # the hyperparameters of every chunk while the groups agree
+        spans = self.spans if self.spans is not None and groups_differ(groups, self._used) else None
+        if spans is not None and rule.format.quantized:
+            raise NotImplementedError(
+                "optimizer.params.state_dtype='int8' with param groups of different hyperparameters is not "
+                "supported (a block's absmax scale would span two groups); use bf16 or fp32 states"
+            )
         if self.device_part is not None:
-            self._device_args = (grad, step, group, grad_scale, sq)
+            self._device_args = (grad, step, groups, grad_scale, sq)
+
+        def apply(a: int, n: int, master: Any, g: Any, states: Any, pc: Any, grp: Dict[str, Any]) -> bool:
+            return rule.apply(
+                master,
+                g,
+                states,
+                step=step,
+                group=grp,
+                grad_scale=grad_scale,
+                param_copy=pc,
+                check_finite=fused_check,
+                seed=a,
+            )
 
         def update(start: int, n: int, master: torch.Tensor, states: List[torch.Tensor]) -> bool:
             g = grad[start : start + n]
             if sq is not None:
                 sq.append(sum_of_squares(g))
-            ok = rule.apply(
-                master,
-                g,
-                states,
-                step=step,
-                group=group,
-                grad_scale=grad_scale,
-                param_copy=writer.param_copy(start, n),
-                check_finite=fused_check,
-                seed=start,
-            )
+            pc = writer.param_copy(start, n)
+            if spans is None:
+                ok = apply(start, n, master, g, states, pc, group)
+            else:  # run by run, each with its group's hyperparameters
+                ok = True
+                for a, z, gi in pieces(spans, self._span_starts, start, n):
+                    lo, hi = a - start, z - start
+                    part = [t[lo:hi] for t in states]
+                    cp = pc[lo:hi] if pc is not None else None
+                    ok = apply(a, z - a, master[lo:hi], g[lo:hi], part, cp, groups[gi])
+                    if not ok:
+                        break
             if ok:
                 self.pass_updates += 1
                 if start < atomic_from:

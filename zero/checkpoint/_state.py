@@ -99,16 +99,24 @@ def weights_only_reason(e: BaseException) -> str:
 
 
 # ---------------------------------------------------------------------------------------- module state
-def module_state(engine: CheckpointEngine) -> Dict[str, Any]:
-    """The module's state dict; at stage 3 without the partitioned parameters (saved per rank)."""
+def frozen_names(engine: CheckpointEngine) -> List[str]:
+    """The state-dict names of the module's parameters with requires_grad False (tied aliases included)."""
+    return [n for n, p in engine.module.named_parameters(remove_duplicate=False) if not p.requires_grad]
+
+
+def module_state(engine: CheckpointEngine, exclude_frozen: bool = False) -> Dict[str, Any]:
+    """The module's state dict; at stage 3 without the partitioned parameters (saved per rank).
+    `exclude_frozen`: without the parameters with requires_grad False (DeepSpeed's
+    `exclude_frozen_parameters`)."""
+    drop = set(frozen_names(engine)) if exclude_frozen else set()
     if not is_stage3(engine):
-        return engine.module.state_dict()
+        return {k: v for k, v in engine.module.state_dict().items() if k not in drop}
     from zero.stage3.unit import is_partitioned
 
     return {
         k: v.detach().clone()
         for k, v in engine.module.state_dict(keep_vars=True).items()
-        if not is_partitioned(v)
+        if not is_partitioned(v) and k not in drop
     }
 
 
@@ -122,9 +130,14 @@ def expected_module_state(engine: CheckpointEngine) -> Dict[str, Optional[torch.
     return {k: None if is_partitioned(v) else v.shape for k, v in own.items()}
 
 
-def check_module_state(engine: CheckpointEngine, saved: Dict[str, Any], strict: bool, where: str) -> None:
+def check_module_state(
+    engine: CheckpointEngine, saved: Dict[str, Any], strict: bool, where: str, frozen_excluded: bool = False
+) -> None:
+    """Raise unless `saved` fits the module (strict: the same keys). A checkpoint saved with
+    `exclude_frozen_parameters` may lack the frozen parameters: the module keeps its own values of them."""
     mine = expected_module_state(engine)
-    missing = [k for k, shape in mine.items() if k not in saved and shape is not None]
+    optional = set(frozen_names(engine)) if frozen_excluded else set()
+    missing = [k for k, shape in mine.items() if k not in saved and shape is not None and k not in optional]
     unexpected = [k for k in saved if k not in mine]
     if strict and (missing or unexpected):
         raise ValueError(f"{where}: module state mismatch: missing {missing}, unexpected {unexpected}")
@@ -137,20 +150,27 @@ def check_module_state(engine: CheckpointEngine, saved: Dict[str, Any], strict: 
         raise ValueError(f"{where}: module state shape mismatch: {'; '.join(wrong[:5])}")
 
 
-def unit_index(engine: CheckpointEngine) -> List[List[Any]]:
-    return [[u.name, u.part_numel, str(u.dtype)] for u in engine.partitioner.units]
+def saved_units(engine: CheckpointEngine, exclude_frozen: bool = False) -> List[Any]:
+    """The stage-3 units whose partitions the parameter file holds: all, or (`exclude_frozen`) those with
+    a trainable parameter (a unit holding only frozen parameters keeps the module's values on load)."""
+    units = engine.partitioner.units
+    return [u for u in units if u.trainable] if exclude_frozen else list(units)
 
 
-def check_units(engine: CheckpointEngine, saved_units: List[Any], where: str) -> int:
-    """Raise unless the saved stage-3 units are this model's; returns the parameter file's size."""
-    mine = unit_index(engine)
-    saved = [[n, int(k), str(d)] for n, k, d in saved_units]
+def unit_index(engine: CheckpointEngine, exclude_frozen: bool = False) -> List[List[Any]]:
+    return [[u.name, u.part_numel, str(u.dtype)] for u in saved_units(engine, exclude_frozen)]
+
+
+def check_units(engine: CheckpointEngine, index: List[Any], where: str, exclude_frozen: bool = False) -> int:
+    """Raise unless the saved stage-3 units (`index`) are this model's; returns the parameter file's size."""
+    mine = unit_index(engine, exclude_frozen)
+    saved = [[n, int(k), str(d)] for n, k, d in index]
     if saved != mine:
         diff = next(
             (f"{a} vs {b}" for a, b in zip(saved, mine) if a != b), f"{len(saved)} vs {len(mine)} units"
         )
         raise ValueError(f"{where}: saved parameter partitions do not match this model's units ({diff})")
-    return sum(u.part_nbytes for u in engine.partitioner.units)
+    return sum(u.part_nbytes for u in saved_units(engine, exclude_frozen))
 
 
 # ------------------------------------------------------------------------------- streamed binary files
@@ -286,12 +306,13 @@ def read_optimizer(engine: CheckpointEngine, path: str, state_dtype: str = "fp32
     handle.close()
 
 
-def write_params(engine: CheckpointEngine, path: str) -> Entry:
-    """Stage 3: every unit's partition, back to back in unit order, one unit in memory at a time."""
+def write_params(engine: CheckpointEngine, path: str, exclude_frozen: bool = False) -> Entry:
+    """Stage 3: every unit's partition (`saved_units`), back to back in unit order, one unit in memory at
+    a time."""
     part = engine.partitioner
     digest = StreamDigest()
     with os.fdopen(create_private(path), "wb") as f:
-        for u in part.units:
+        for u in saved_units(engine, exclude_frozen):
             raw = part.read_partition(u, torch.empty(u.part_numel, dtype=u.dtype)).view(torch.uint8).numpy()
             digest.update(raw)
             f.write(raw.data)
@@ -300,10 +321,10 @@ def write_params(engine: CheckpointEngine, path: str) -> Entry:
     return digest.entry()
 
 
-def read_params(engine: CheckpointEngine, path: str) -> None:
+def read_params(engine: CheckpointEngine, path: str, exclude_frozen: bool = False) -> None:
     part = engine.partitioner
     with open(path, "rb") as f:
-        for u in part.units:
+        for u in saved_units(engine, exclude_frozen):
             values = torch.empty(u.part_numel, dtype=u.dtype)
             if f.readinto(values.view(torch.uint8).numpy()) != u.part_nbytes:  # straight into the tensor
                 raise OSError(f"{path}: ended inside unit {u.name}")
@@ -313,7 +334,7 @@ def read_params(engine: CheckpointEngine, path: str) -> None:
 def optimizer_meta(engine: CheckpointEngine) -> Dict[str, Any]:
     return {
         "rule": engine.rule.kind,
-        "param_groups": [engine.optimizer.hyperparameters()],
+        "param_groups": engine.optimizer.group_hyperparameters(),
         "step": engine.optimizer.step_count,
         "partition": [engine.lo, engine.hi],
         "n_states": engine.rule.n_states,

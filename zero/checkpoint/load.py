@@ -95,14 +95,15 @@ def _check_meta(engine: CheckpointEngine, plan: _Plan, strict: bool, optimizer: 
             f"{path}: saved at stage {ms.get('stage')}, this engine runs stage {engine.stage}: export with "
             "zero.consolidated_state_dict / save_16bit_model to move between stage 3 and stages 0-2"
         )
-    st.check_module_state(engine, ms["module"], strict, path)
+    excluded = bool(ms.get("exclude_frozen_parameters", False))
+    st.check_module_state(engine, ms["module"], strict, path, excluded)
     if mine3:
         if ms["world_size"] != engine.world_size:
             raise ValueError(
                 f"{path}: saved by {ms['world_size']} rank(s), this run has {engine.world_size}: stage-3 "
                 "partitions cannot be mapped"
             )
-        st.check_units(engine, rs["stage3_units"], path)
+        st.check_units(engine, rs["stage3_units"], path, excluded)
     if optimizer:
         meta = rs["optimizer"]
         if ms["world_size"] != engine.world_size or st.partition_of(meta) != (engine.lo, engine.hi):
@@ -115,6 +116,7 @@ def _check_meta(engine: CheckpointEngine, plan: _Plan, strict: bool, optimizer: 
             raise ValueError(
                 f"{path}: optimizer states are for {meta['rule']}, this engine runs {engine.rule.kind}"
             )
+        engine.optimizer.check_hyperparameters(meta["param_groups"], path)
 
 
 def _needed_pickled(ms: Dict[str, Any], scheduler: bool) -> List[str]:
@@ -140,7 +142,8 @@ def _plan(
                 )
         if st.is_stage3(engine):
             size = os.path.getsize(os.path.join(path, f"param_rank{engine.rank}.bin"))
-            if size != st.check_units(engine, plan.rs["stage3_units"], path):
+            excluded = bool(plan.ms.get("exclude_frozen_parameters", False))
+            if size != st.check_units(engine, plan.rs["stage3_units"], path, excluded):
                 raise ValueError(f"{path}: param_rank{engine.rank}.bin has {size} bytes, not this model's")
         return plan
     if manifest.get("format_version") != FORMAT_VERSION:
@@ -185,7 +188,8 @@ def _plan(
         saved_dtype = st.saved_state_dtype(plan.rs["optimizer"])
         expected[f"optim_rank{r}.bin"] = st.optimizer_nbytes(engine, saved_dtype)
     if st.is_stage3(engine):
-        expected[f"param_rank{r}.bin"] = st.check_units(engine, plan.rs["stage3_units"], path)
+        excluded = bool(plan.ms.get("exclude_frozen_parameters", False))
+        expected[f"param_rank{r}.bin"] = st.check_units(engine, plan.rs["stage3_units"], path, excluded)
     for name in big:  # sizes first: a truncated file is found without reading the others
         verify_size(os.path.join(path, name), listed[name])
         if name in expected and listed[name]["size"] != expected[name]:
@@ -206,15 +210,17 @@ def _apply(engine: CheckpointEngine, plan: _Plan, strict: bool, optimizer: bool,
     with torch.no_grad():
         if st.is_stage3(engine):
             engine.module.load_state_dict(ms["module"], strict=False)
-            st.read_params(engine, os.path.join(path, f"param_rank{engine.rank}.bin"))
-        else:
-            engine.module.load_state_dict(ms["module"], strict=strict)
+            excluded = bool(ms.get("exclude_frozen_parameters", False))
+            st.read_params(engine, os.path.join(path, f"param_rank{engine.rank}.bin"), excluded)
+        else:  # a checkpoint without the frozen parameters: the module keeps its own
+            frozen_excluded = bool(ms.get("exclude_frozen_parameters", False))
+            engine.module.load_state_dict(ms["module"], strict=strict and not frozen_excluded)
     if optimizer:
         meta = rs["optimizer"]
         st.read_optimizer(
             engine, os.path.join(path, f"optim_rank{engine.rank}.bin"), st.saved_state_dtype(meta)
         )
-        engine.optimizer.param_groups[0].update(meta["param_groups"][0])
+        engine.optimizer.load_hyperparameters(meta["param_groups"], path)
         engine.optimizer.step_count = int(meta["step"])
         if engine.loss_scaler is not None and ms["loss_scaler"] is not None:
             engine.loss_scaler.load_state_dict(ms["loss_scaler"])

@@ -75,17 +75,18 @@ def _needs_pickle(obj: Any, what: str, pickled: Dict[str, Any], key: str) -> Any
 
 
 def _write_rank_files(
-    engine: CheckpointEngine, tmp: str, client_state: Optional[Dict[str, Any]]
+    engine: CheckpointEngine, tmp: str, client_state: Optional[Dict[str, Any]], exclude_frozen: bool
 ) -> Dict[str, Entry]:
     r = engine.rank
     files: Dict[str, Entry] = {}
     files[f"optim_rank{r}.bin"] = st.write_optimizer(engine, os.path.join(tmp, f"optim_rank{r}.bin"))
     crash_point("after_optimizer")
     if st.is_stage3(engine):
-        files[f"param_rank{r}.bin"] = st.write_params(engine, os.path.join(tmp, f"param_rank{r}.bin"))
+        path = os.path.join(tmp, f"param_rank{r}.bin")
+        files[f"param_rank{r}.bin"] = st.write_params(engine, path, exclude_frozen)
     rank_state: Dict[str, Any] = {"rng": st.rng_state(), "optimizer": st.optimizer_meta(engine)}
     if st.is_stage3(engine):
-        rank_state["stage3_units"] = st.unit_index(engine)
+        rank_state["stage3_units"] = st.unit_index(engine, exclude_frozen)
     problem = st.pickle_needed(rank_state["optimizer"])
     if problem is not None:
         raise ValueError(f"the optimizer's hyperparameters hold objects that need pickle ({problem})")
@@ -110,6 +111,7 @@ def _write_rank_files(
         "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
         "client_state": _needs_pickle(client_state or {}, "client_state", pickled, "client_state"),
         "config": engine.config.to_dict(),
+        "exclude_frozen_parameters": exclude_frozen,  # the frozen parameters are not in the checkpoint
     }
     meta["pickled"] = sorted(pickled)
     problem = st.pickle_needed(meta)
@@ -117,7 +119,7 @@ def _write_rank_files(
         raise ValueError(f"the engine's checkpoint metadata holds objects that need pickle ({problem})")
     if pickled:
         files[PICKLED] = save_object(pickled, os.path.join(tmp, PICKLED))
-    model_states = {**meta, "module": st.module_state(engine)}
+    model_states = {**meta, "module": st.module_state(engine, exclude_frozen)}
     files["model_states.pt"] = save_object(model_states, os.path.join(tmp, "model_states.pt"))
     crash_point("after_model")
     return files
@@ -186,8 +188,13 @@ def save_checkpoint(
     save_dir: str,
     tag: Optional[str] = None,
     client_state: Optional[Dict[str, Any]] = None,
+    exclude_frozen_parameters: bool = False,
 ) -> str:
     """Write a checkpoint of `engine` to `save_dir/tag` atomically; returns its path. All ranks call this.
+
+    `exclude_frozen_parameters` (DeepSpeed's): the parameters with requires_grad False are left out (at
+    stage 3, the partitions of the units that hold only frozen parameters); loading it keeps the module's
+    own values of them, so the model must be built with them first (the base model of an adapter).
 
     A failure on any rank raises on every rank (no rank is left waiting), removes `.<tag>.tmp` and leaves
     the previous checkpoint and `latest` as they were.
@@ -202,7 +209,7 @@ def save_checkpoint(
     _, err = attempt(lambda: _make_tmp(save_dir, tmp) if rank0 else None)
     try:
         agree(engine, err, f"creating {tmp}")
-        files, err = attempt(lambda: _write_rank_files(engine, tmp, client_state))
+        files, err = attempt(lambda: _write_rank_files(engine, tmp, client_state, exclude_frozen_parameters))
         agree(engine, err, f"writing the checkpoint files into {tmp}")
         merged: Dict[str, Entry] = {}
         for part in all_gather_json(engine, files):

@@ -509,11 +509,11 @@ def _rebind_scheduler(scheduler: Any, client: Optimizer, optimizer: Optimizer) -
     only lent its hyperparameters; the keys the scheduler added (initial_lr) come along."""
     if getattr(scheduler, "optimizer", None) is not client:
         raise ValueError("the LR scheduler is not attached to the optimizer configure_optimizers returned")
-    group = optimizer.param_groups[0]
-    for key, value in client.param_groups[0].items():
-        if key != "params" and key not in group:
-            group[key] = value
-    group["lr"] = client.param_groups[0]["lr"]
+    for group, lent in zip(optimizer.param_groups, client.param_groups):  # the engine keeps its groups
+        for key, value in lent.items():
+            if key != "params" and key not in group:
+                group[key] = value
+        group["lr"] = lent["lr"]
     scheduler.optimizer = optimizer
     step = optimizer.step  # torch's schedulers check that optimizer.step is their wrapper: mark the engine's
 

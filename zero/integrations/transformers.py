@@ -7,7 +7,8 @@ and the model as transformers fills them for DeepSpeed (`fill_zero_config`); a v
 arguments is an error naming both. The engine is built when `train()` starts:
 
 * optimizer: the config's `optimizer` block, else the Trainer's own (`create_optimizer`: AdamW from the
-  arguments) as the client optimizer - the engine takes its type and hyperparameters;
+  arguments, biases and norms in a group without weight decay) as the client optimizer - the engine takes
+  its type and each param group's hyperparameters;
 * scheduler: the config's `scheduler` block, else the Trainer's (`create_scheduler`, `lr_scheduler_type`),
   built over the engine's optimizer and stepped by the engine after each optimizer step it takes;
 * each micro-batch: forward through the engine, the loss divided over the accumulation window by the
@@ -300,12 +301,6 @@ def _trainer_class() -> type:
                 refused.append("optimizers=(..., lr_scheduler): give a scheduler block or lr_scheduler_type")
             if str(getattr(a.lr_scheduler_type, "value", a.lr_scheduler_type)) == "reduce_lr_on_plateau":
                 refused.append("lr_scheduler_type 'reduce_lr_on_plateau' (the engine steps without metrics)")
-            if "optimizer" not in self._zero_raw and self.optimizer is None and a.weight_decay:
-                refused.append(
-                    f"weight_decay={a.weight_decay} without an optimizer block: the Trainer exempts biases "
-                    "and norms from decay (two parameter groups), the engine has one set of hyperparameters;"
-                    " add an optimizer block (it decays every parameter, as DeepSpeed's does)"
-                )
             if refused:
                 raise ValueError("ZeroTrainer does not support " + "; ".join(refused))
 

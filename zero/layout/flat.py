@@ -125,6 +125,16 @@ class FlatLayout:
             )
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook(i)) for i, p in enumerate(params)]
 
+    def param_spans(self) -> List[Tuple[int, int, nn.Parameter]]:
+        """[start, end) of each trainable parameter's elements in the rank's partition, with the parameter
+        (those with no element in it are left out)."""
+        out = []
+        for p, off, n in zip(self.flat.params, self.flat.offsets, self.flat.numels):
+            a, z = max(off, self.lo), min(off + n, self.hi)
+            if a < z:
+                out.append((a - self.lo, z - self.lo, p))
+        return out
+
     def _final_grad(self, index: int) -> None:
         if self._on_grad is not None:
             self._on_grad(index)

@@ -156,6 +156,15 @@ class UnitLayout:
                 yield u, a, z
             i += 1
 
+    def param_spans(self) -> List[Tuple[int, int, nn.Parameter]]:
+        """[start, end) of each parameter's elements in the rank's partition, with the parameter (frozen
+        slices of a mixed unit too: the optimizer never writes them back)."""
+        return [
+            (self.offsets[u.index] + s.part_lo, self.offsets[u.index] + s.part_hi, s.param)
+            for u in self.units
+            for s in u.slices()
+        ]
+
     def trainable_ranges(self, unit: Unit) -> List[Tuple[int, int]]:
         return self._ranges.get(unit.index, [(0, unit.part_numel)])
 

@@ -109,6 +109,29 @@ class Stage3Hooks:
         for u in frame:
             self.p.fetch(u, encoded=self.fused.owns(module, u))
         self.stack.append((module, frame))
+        if torch.is_grad_enabled():
+            frozen = [u for u in frame if not u.trainable]
+            if frozen:
+                self._free_after_input_grads(frozen, args)
+
+    def _free_after_input_grads(self, units: List[Unit], args: Any) -> None:
+        """Units with no trainable parameter get no gradient, so nothing frees them when their module's
+        backward ends: free them once the gradients of the module's inputs are computed (its backward, and
+        that of every other module reading the same inputs, has then run). A module called again later
+        gathers them again in its own backward."""
+        leaves, _ = tree_flatten(args)
+        inputs = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not inputs:
+            return  # no gradient flows through this call: its backward never reads the weights
+        pending = [len(inputs)]
+
+        def input_grad_done(grad: torch.Tensor) -> None:
+            pending[0] -= 1
+            if pending[0] == 0:
+                self.p.release_backward_hold(units)
+
+        for t in inputs:
+            t.register_hook(input_grad_done)
 
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         """Forward hook: release the module's units; with grad enabled, route its outputs through

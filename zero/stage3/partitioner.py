@@ -397,6 +397,14 @@ class Stage3Partitioner:
             self._gather(unit)
         self._use(unit)
 
+    def release_backward_hold(self, units: List[Unit]) -> None:
+        """Units without trainable parameters whose module's backward has run (zero.stage3.hooks): free
+        them as a gradient would free a trainable unit."""
+        for u in units:
+            if u.bwd_hold and not u.trainable:
+                u.bwd_hold = False
+                self._maybe_free(u)
+
     def release_all(self) -> None:
         """Free every gathered, non-persistent unit (after an exception, or to drop all full weights)."""
         for u in self.units:
@@ -406,7 +414,11 @@ class Stage3Partitioner:
 
     # ------------------------------------------------------------------------------------------- backward
     def install_grad_hooks(self) -> None:
-        """Per-parameter post-accumulate-grad hooks that reduce each unit's gradient (see `grads`)."""
+        """Per-parameter post-accumulate-grad hooks that reduce each unit's gradient (see `grads`). Which
+        parameters are trainable is read now: a parameter frozen after `zero.Init` partitioned it (PEFT's
+        LoRA freezes the base model that way) is gathered for forward and backward but gets no gradient."""
+        for u in self.units:
+            u.trainable = [i for i, p in enumerate(u.params) if p.requires_grad]
         self.grads.install(self.units)
 
     def begin_backward(self) -> None:
