@@ -71,6 +71,10 @@ def __getattr__(name: str) -> Any:
         import zero.checkpointing as checkpointing
 
         return checkpointing
+    if name == "utils":  # DeepSpeed's `deepspeed.utils`: the safe_get_* / safe_set_* state accessors
+        import zero.utils as utils
+
+        return utils
     if name == "consolidated_state_dict":
         from zero.engine import consolidated_state_dict
 

@@ -55,6 +55,7 @@ from zero.optimizer_state import FusedDeviceStep, OptimizerState, StateInfo, bui
 from zero.overlap import OverlapPass
 from zero.report import InferenceReport, PhaseClock, StepReport
 from zero.split_state import SplitTier
+from zero.state_access import StateAccess
 from zero.unused import UnusedParameterCheck
 from zero.update import UpdatePass
 
@@ -198,6 +199,7 @@ class ZeroEngine:
             self.layout.take_param_io()  # building and initialising are not part of the first step's report
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
         self.loss_scaler = self._make_loss_scaler()
+        self._state_access = StateAccess(self)  # zero.utils' safe_get_* / safe_set_* find it per parameter
 
     def _build_inference(
         self, model: nn.Module, params: List[nn.Parameter], place: Placement, pool: PinnedPool, sched: Any
@@ -773,6 +775,8 @@ class ZeroEngine:
         self._closed = True
         overlap, unused = getattr(self, "overlap", None), getattr(self, "_unused", None)
         opt, layout = getattr(self, "_opt", None), getattr(self, "layout", None)
+        if getattr(self, "_state_access", None) is not None:
+            self._state_access.detach()
         if getattr(self, "_checkpointing", None) is not None:
             checkpointing.close(self._checkpointing)  # its scratch files and pinned buffers
         if overlap is not None:
