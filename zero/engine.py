@@ -41,6 +41,7 @@ from zero import checkpointing, inference
 from zero.accelerator import compute_device
 from zero.deepspeed_api import init_distributed  # noqa: F401 - its old home; zero.initialize uses it
 from zero.device_part import TorchDevicePart, wants_torch_part
+from zero.engine_api import EngineAPI
 from zero.integrity import StateGuard
 from zero.layout.base import GradMemory, Layout, Placement, allocate_pinned, trainable_params
 from zero.layout.flat import FlatLayout
@@ -64,8 +65,9 @@ __all__ = ["PINNED_BUDGET_ENV", "ZeroEngine", "consolidated_state_dict", "init_d
 logger = logging.getLogger("zero")
 
 
-class ZeroEngine:
-    """What `zero.initialize` returns. Method names and semantics follow DeepSpeed's DeepSpeedEngine.
+class ZeroEngine(EngineAPI):
+    """What `zero.initialize` returns. Method names and semantics follow DeepSpeed's DeepSpeedEngine (its
+    configuration accessors, `offload_states`, `empty_partition_cache`, `destroy`: zero.engine_api).
 
     `device_part`: what steps the device share of a Twin-Flow split (`offload_optimizer.ratio` below 1.0):
     "auto" (torch's fused Adam/AdamW on CUDA, the CPU kernels on a CPU-only machine), "torch"
@@ -722,12 +724,18 @@ class ZeroEngine:
         return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
     def save_checkpoint(
-        self, save_dir: str, tag: Optional[str] = None, client_state: Optional[Dict[str, Any]] = None
+        self,
+        save_dir: str,
+        tag: Optional[str] = None,
+        client_state: Optional[Dict[str, Any]] = None,
+        save_latest: bool = True,
     ) -> str:
+        """DeepSpeed's: every rank calls it; tag None: `global_step<N>`; `save_latest=False` leaves the
+        `latest` file as it was (zero.checkpoint.save_checkpoint). Returns the checkpoint's directory."""
         from zero.checkpoint import save_checkpoint
 
         self._require_optimizer("save_checkpoint() (training state; save_16bit_model exports the weights)")
-        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state)
+        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
 
     def load_checkpoint(
         self,

@@ -31,6 +31,7 @@ _MODELLED = (
     "zero_offload",
     "activation_checkpointing",
     "weight_quantization",
+    "checkpoint",
 )
 
 # Legacy spellings DeepSpeed still reads.
@@ -55,7 +56,6 @@ IGNORED_TOP_LEVEL: Dict[str, str] = {
     "zero_force_ds_cpu_optimizer": "zero-offload always steps offloaded states with its own CPU optimizer",
     "vocabulary_size": "a hint for DeepSpeed's sparse-embedding path",
     "seq_parallel_communication_data_type": "only used by DeepSpeed's sequence parallelism",
-    "checkpoint": "checkpoint tag validation is not implemented",
 }
 
 
@@ -114,6 +114,14 @@ _CHECKPOINT_OFF_ONLY = {
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    """The `checkpoint` section: `tag_validation` ("Ignore", "Warn" or "Fail"), what `save_checkpoint` does
+    when ranks give different tags. DeepSpeed's default is "Warn"."""
+
+    tag_validation: str = "Warn"
+
+
+@dataclass(frozen=True)
 class ZeroOffloadSection:
     """Our own keys (DeepSpeed has none of them): the per-step report, the pinned-memory cap, and int8
     activations for the products of quantized weights."""
@@ -149,6 +157,7 @@ class ZeroOffloadConfig:
         default_factory=ActivationCheckpointingConfig
     )
     weight_quantization: WeightQuantizationConfig = field(default_factory=WeightQuantizationConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def to_dict(self) -> Dict[str, Any]:
         """Every modelled key with its resolved value, as JSON-ready dicts and lists; loads back equal."""
@@ -205,8 +214,7 @@ def _parse(raw: Any, ctx: Context, world_size: int) -> ZeroOffloadConfig:
         top.off_only(name, is_off, what)
     for name, reason in IGNORED_TOP_LEVEL.items():
         top.ignored(name, reason)
-    if top.has("checkpoint"):
-        _check_checkpoint_section(top.get("checkpoint"), ctx)
+    checkpoint = _parse_checkpoint(top.get("checkpoint"), ctx)
 
     if top.has("bf16") and top.has("bfloat16"):
         raise top.fail("bfloat16", "is the old spelling of 'bf16'; give only one of them")
@@ -254,6 +262,7 @@ def _parse(raw: Any, ctx: Context, world_size: int) -> ZeroOffloadConfig:
         zero_offload=zero_offload,
         activation_checkpointing=parse_activation_checkpointing(top.get("activation_checkpointing"), ctx),
         weight_quantization=weight_quantization,
+        checkpoint=checkpoint,
     )
 
 
@@ -269,14 +278,14 @@ def _parse_zero_offload(raw: Any, ctx: Context) -> ZeroOffloadSection:
     )
 
 
-def _check_checkpoint_section(raw: Any, ctx: Context) -> None:
+def _parse_checkpoint(raw: Any, ctx: Context) -> CheckpointConfig:
     s = Section(
         raw,
         "checkpoint",
         ctx,
         ("tag_validation", "load_universal", "use_node_local_storage", "parallel_write", "writer"),
     )
-    s.choice("tag_validation", "Warn", ("Ignore", "Warn", "Fail"))
+    tag_validation = s.choice("tag_validation", CheckpointConfig.tag_validation, ("Ignore", "Warn", "Fail"))
     for name, what in _CHECKPOINT_OFF_ONLY.items():
         s.bool(name, False)
         s.off_only(name, lambda v: v is False, what)
@@ -285,6 +294,7 @@ def _check_checkpoint_section(raw: Any, ctx: Context) -> None:
         pw = Section(s.get("parallel_write"), "checkpoint.parallel_write", ctx, ("pipeline_stage",))
         pw.bool("pipeline_stage", False)
         pw.off_only("pipeline_stage", lambda v: v is False, "pipeline-stage parallel checkpoint writes")
+    return CheckpointConfig(tag_validation=tag_validation)
 
 
 def _resolve_batch(top: Section, world_size: int) -> Tuple[int, int, int]:

@@ -41,6 +41,7 @@ __all__ = [
     "safe_set_local_grad",
     "safe_set_local_optimizer_state",
     "safe_update_full_grad_vectorized",
+    "see_memory_usage",
 ]
 
 
@@ -148,3 +149,41 @@ def safe_set_local_grad(param: Any, value: torch.Tensor) -> None:
     acc = access_of(param)
     if acc is not None:
         acc.write_local_grad(param, acc.check_local(param, value))
+
+
+# ------------------------------------------------------------------------------------------ diagnostics
+def see_memory_usage(message: str, force: bool = False) -> None:
+    """DeepSpeed's `see_memory_usage`: with `force=True`, log (logger "zero", INFO, on rank 0) `message`
+    with the accelerator's allocated / reserved memory and their peaks (CUDA), this process's resident
+    host memory and the pinned bytes the engine's pools hold. Without `force` nothing happens, as in
+    DeepSpeed (its callers pass force=True to print)."""
+    import logging
+
+    import torch.distributed as dist
+
+    from offload.pinned import pinned_bytes_in_use
+
+    if not force or (dist.is_initialized() and dist.get_rank() != 0):
+        return
+    gib = 1 << 30
+    parts = [message]
+    if torch.cuda.is_available():
+        c = torch.cuda
+        parts.append(
+            f"MA {c.memory_allocated() / gib:.2f} GB, Max_MA {c.max_memory_allocated() / gib:.2f} GB, "
+            f"CA {c.memory_reserved() / gib:.2f} GB, Max_CA {c.max_memory_reserved() / gib:.2f} GB"
+        )
+        torch.cuda.reset_peak_memory_stats()
+    parts.append(f"host RSS {_rss_bytes() / gib:.2f} GB, pinned {pinned_bytes_in_use() / gib:.2f} GB")
+    logging.getLogger("zero").info(" | ".join(parts))
+
+
+def _rss_bytes() -> int:
+    """This process's resident set size (Linux /proc; 0 where it cannot be read)."""
+    import os
+
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
