@@ -500,9 +500,8 @@ def test_bad_config_argument_type() -> None:
             "zero_optimization.offload_optimizer.super_offload",
         ),
         ({"checkpoint": {"load_universal": True}}, "checkpoint.load_universal"),
-        ({"data_types": {"grad_accum_dtype": "fp32"}}, "data_types"),
-        ({"data_types": {"buffer_dtype": "fp32"}}, "data_types"),
-        ({"data_types": {"param_dtype": "bf16"}}, "data_types"),
+        ({"data_types": {"buffer_dtype": "fp32"}}, "data_types.buffer_dtype"),
+        ({"data_types": {"param_dtype": "bf16"}}, "data_types.param_dtype"),
         ({"optimizer": {"type": "Adagrad", "params": {"lr_decay": 0.1}}}, "optimizer.params.lr_decay"),
     ],
 )

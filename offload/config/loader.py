@@ -10,6 +10,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple, Union
 from ._reader import ConfigError, Context, Section, is_off_value, read_json_file
 from .activation import ActivationCheckpointingConfig, parse_activation_checkpointing
 from .aio import AioConfig, parse_aio
+from .data_types import DataTypesConfig, parse_allreduce_op, parse_data_types
 from .optimizer import OptimizerConfig, SchedulerConfig, parse_optimizer, parse_scheduler
 from .precision import BF16Config, FP16Config, parse_bf16, parse_fp16
 from .quantization import WeightQuantizationConfig, parse_weight_quantization
@@ -32,6 +33,8 @@ _MODELLED = (
     "activation_checkpointing",
     "weight_quantization",
     "checkpoint",
+    "data_types",
+    "gradient_allreduce_op",
 )
 
 # Legacy spellings DeepSpeed still reads.
@@ -95,12 +98,6 @@ OFF_ONLY_TOP_LEVEL: Dict[str, Tuple[Any, str]] = {
         lambda v: v is None or (isinstance(v, Mapping) and v.get("autotp_size", 0) in (0, 1)),
         "automatic tensor parallelism (tensor_parallel.autotp_size > 1)",
     ),
-    "data_types": (
-        lambda v: v is None or (isinstance(v, Mapping) and all(x is None for x in v.values())),
-        "data types other than the precision section's (data_types.grad_accum_dtype, param_dtype, "
-        "buffer_dtype, keep_in_fp32_modules: gradients accumulate in the compute dtype, parameters are cast "
-        "to it and buffers keep their dtype)",
-    ),
     "use_data_before_expert_parallelism": (lambda v: v is False, "mixture-of-experts topology options"),
 }
 
@@ -158,6 +155,8 @@ class ZeroOffloadConfig:
     )
     weight_quantization: WeightQuantizationConfig = field(default_factory=WeightQuantizationConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    data_types: DataTypesConfig = field(default_factory=DataTypesConfig)
+    gradient_allreduce_op: str = "mean"
 
     def to_dict(self) -> Dict[str, Any]:
         """Every modelled key with its resolved value, as JSON-ready dicts and lists; loads back equal."""
@@ -236,6 +235,10 @@ def _parse(raw: Any, ctx: Context, world_size: int) -> ZeroOffloadConfig:
     zero = parse_zero(top.get("zero_optimization"), ctx, legacy_allgather_size=top.get("allgather_size"))
 
     train, micro, acc = _resolve_batch(top, world_size)
+    model_dtype = "fp16" if fp16.enabled else "bf16" if bf16.enabled else "fp32"
+    off = zero.offload_optimizer.device if zero.offload_optimizer is not None else "none"
+    data_types = parse_data_types(top.get("data_types"), ctx, model_dtype, zero.stage, off)
+    allreduce_op = parse_allreduce_op(top.get("gradient_allreduce_op", "mean"), ctx, world_size)
     zero_offload = _parse_zero_offload(top.get("zero_offload"), ctx)
     weight_quantization = parse_weight_quantization(top.get("weight_quantization"), ctx)
     if zero_offload.int8_activations and not weight_quantization.enabled:
@@ -263,6 +266,8 @@ def _parse(raw: Any, ctx: Context, world_size: int) -> ZeroOffloadConfig:
         activation_checkpointing=parse_activation_checkpointing(top.get("activation_checkpointing"), ctx),
         weight_quantization=weight_quantization,
         checkpoint=checkpoint,
+        data_types=data_types,
+        gradient_allreduce_op=allreduce_op,
     )
 
 
