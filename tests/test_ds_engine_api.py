@@ -250,3 +250,29 @@ def test_see_memory_usage_logs_only_when_forced(caplog):
         ds_utils.see_memory_usage("after init", force=True)
     assert "quiet" not in caplog.text
     assert "after init" in caplog.text and "host RSS" in caplog.text
+
+
+# ---------------------------------------------------------------------------- attribute forwarding
+def test_unknown_attributes_come_from_the_module(tmp_path):
+    """DeepSpeed's engine forwards names it does not define to the wrapped module."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2)
+    plain = transformers.GPT2LMHeadModel(cfg).eval()
+    torch.manual_seed(0)
+    engine, *_ = zero.initialize(
+        model=transformers.GPT2LMHeadModel(cfg), config=s3_config("nvme", "cpu", tmp_path)
+    )
+    engine.eval()
+    prompt = torch.tensor([[3, 17, 5]])
+    kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(engine.generate(prompt, **kw), plain.generate(prompt, **kw))
+    assert engine.get_input_embeddings() is engine.module.transformer.wte
+    assert engine.generation_config is engine.module.generation_config
+    assert engine.config is not engine.module.config  # the engine's config, as DeepSpeed's engine.config
+    assert engine.zero_optimization_stage() == 3  # the engine's own names win
+    with pytest.raises(AttributeError, match="nor has its module, a GPT2LMHeadModel"):
+        getattr(engine, "no_such_attribute")  # noqa: B009
+    with pytest.raises(AttributeError):
+        getattr(engine, "__no_such_dunder__")  # noqa: B009
+    engine.close()

@@ -6,7 +6,11 @@ growing further; every method here only reads the engine's config and parts, or 
 * the configuration accessors (`fp16_enabled()`, `bfloat16_enabled()`, `zero_optimization_stage()`,
   `zero_offload_optimizer()`, `zero_offload_param()`, `get_batch_info()`, ...);
 * `offload_states()` / `reload_states()` (DeepSpeed's `OffloadDeviceEnum` / `OffloadStateTypeEnum`);
-* `empty_partition_cache()` (stage 3: free every gathered partition nothing holds) and `destroy()`.
+* `empty_partition_cache()` (stage 3: free every gathered partition nothing holds) and `destroy()`;
+* attribute forwarding, as DeepSpeed's engine: a name the engine does not define is looked up on the
+  wrapped module (`engine.generate(...)`, `engine.get_input_embeddings()`, `engine.name_or_path` of a
+  Hugging Face model). `engine.config` is the engine's config, as in DeepSpeed (the model's is
+  `engine.module.config`).
 """
 
 from __future__ import annotations
@@ -180,6 +184,21 @@ class EngineAPI:
             g = layout.early_grads(False)
             return g is not None and g.device.type != "cpu"
         return True  # lp_params: the model-dtype weights are on the device
+
+    # ------------------------------------------------------------------------------------ the module
+    def __getattr__(self, name: str) -> Any:
+        # Only reached when normal lookup failed. Dunder names are never forwarded (copy, pickle and
+        # friends probe them), nor anything before the module is set (a construction that failed).
+        module = self.__dict__.get("module")
+        if module is None or (name.startswith("__") and name.endswith("__")):
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+        try:
+            return getattr(module, name)
+        except AttributeError:
+            raise AttributeError(
+                f"'{type(self).__name__}' object has no attribute '{name}' (nor has its module, a "
+                f"{type(module).__name__})"
+            ) from None
 
     # ---------------------------------------------------------------------------------------- lifetime
     def destroy(self) -> None:
