@@ -3,6 +3,7 @@ the value and the allowed range, instead of part way through training."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Dict
 
 import pytest
@@ -97,10 +98,15 @@ def test_every_limited_aio_key_is_a_config_key() -> None:
 
 
 @pytest.mark.parametrize("value", [0, 1, 100, MIN_SUB_GROUP_SIZE - 1])
-def test_sub_group_size_below_the_minimum_is_refused_with_the_reason(value: int) -> None:
-    msg = errmsg({"zero_optimization": {"stage": 2, "sub_group_size": value}})
-    assert f"zero_optimization.sub_group_size in <dict>: must be >= {MIN_SUB_GROUP_SIZE}, got {value}" in msg
-    assert "4 KiB" in msg and "1e9" in msg
+def test_sub_group_size_below_the_minimum_is_rounded_up_with_a_warning(value: int, caplog) -> None:
+    """DeepSpeed accepts any size >= 0; the engine uses its minimum and says so, with the reason."""
+    with caplog.at_level(logging.WARNING, logger="offload.config"):
+        cfg = load_config({"zero_optimization": {"stage": 2, "sub_group_size": value}})
+    assert cfg.zero_optimization.sub_group_size == MIN_SUB_GROUP_SIZE
+    msg = caplog.text
+    assert f"'zero_optimization.sub_group_size' = {value} is below {MIN_SUB_GROUP_SIZE}" in msg
+    assert f"{MIN_SUB_GROUP_SIZE} is used" in msg and "4 KiB" in msg and "1e9" in msg
+    assert "must be >= 0" in errmsg({"zero_optimization": {"sub_group_size": -1}})
 
 
 @pytest.mark.parametrize("value", [MIN_SUB_GROUP_SIZE, 4000, 1e6, 1e9, 1e12])

@@ -27,6 +27,9 @@ READ_VIA: Dict[str, str] = {
     "zero_optimization.offload_optimizer.ratio": "",  # any value but 1.0 is refused while parsing
     "aio.use_gds": "",  # true is refused while parsing
     "activation_checkpointing.cpu_checkpointing": "",  # resolved into offload_device while parsing
+    "data_types": "",  # checked against the placement while parsing
+    "data_types.grad_accum_dtype": "",  # the layouts' accumulation dtype; other values refused
+    "gradient_allreduce_op": "",  # "mean" is what the engine does; "sum" with several ranks refused
 }
 
 

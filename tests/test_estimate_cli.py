@@ -335,15 +335,13 @@ def test_param_max_in_cpu_flag_moves_parameters_between_host_and_nvme():
     assert bad.returncode != 0 and "--param-max-in-cpu" in bad.stderr
 
 
-def test_config_sub_group_below_the_engines_minimum_is_refused(tmp_path):
-    """The estimator applies the engine's config bounds: what the engine refuses is not estimated."""
+def test_config_sub_group_below_the_engines_minimum_is_rounded_up(tmp_path):
+    """The estimator applies the engine's config rule: a sub_group_size below the minimum is the minimum."""
     from offload.config import MIN_SUB_GROUP_SIZE
     from offload.estimate.ds_config import read_ds_config
-    from offload.estimate.errors import EstimateInputError
 
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"zero_optimization": {"stage": 3, "sub_group_size": MIN_SUB_GROUP_SIZE - 1}}))
-    with pytest.raises(EstimateInputError, match=rf"sub_group_size must be >= {MIN_SUB_GROUP_SIZE}"):
-        read_ds_config(str(path))
+    assert read_ds_config(str(path)).buffers["sub_group_size"] == MIN_SUB_GROUP_SIZE
     path.write_text(json.dumps({"zero_optimization": {"stage": 3, "sub_group_size": MIN_SUB_GROUP_SIZE}}))
     assert read_ds_config(str(path)).buffers["sub_group_size"] == MIN_SUB_GROUP_SIZE

@@ -3,21 +3,38 @@
 
 from typing import TYPE_CHECKING, Any
 
+from offload import __version__
+from offload.config import ConfigError
 from zero.errors import (
     CheckpointError,
     CheckpointIntegrityError,
     CheckpointPickleError,
+    CheckpointTagError,
     NoOptimizerError,
     StateCorruptedError,
 )
+
+# DeepSpeed's version attributes, of this package's version (not a DeepSpeed release's)
+__version_major__, __version_minor__, __version_patch__ = (int(x) for x in __version__.split(".")[:3])
+__git_hash__ = None
+__git_branch__ = None
+
+# DeepSpeed's names for the same exceptions
+DeepSpeedConfigError = ConfigError
 
 __all__ = [
     "CheckpointError",
     "CheckpointIntegrityError",
     "CheckpointPickleError",
+    "CheckpointTagError",
+    "ConfigError",
+    "DeepSpeedConfigError",
+    "DeepSpeedEngine",
     "GatheredParameters",
     "Init",
     "NoOptimizerError",
+    "OffloadDeviceEnum",
+    "OffloadStateTypeEnum",
     "StateCorruptedError",
     "ZeroEngine",
     "ZeroParamStatus",
@@ -26,11 +43,15 @@ __all__ = [
     "from_pretrained",
     "init_distributed",
     "initialize",
+    "unwrap_model_for_generation",
 ]
 
 if TYPE_CHECKING:
     from zero.deepspeed_api import add_config_arguments, init_distributed
     from zero.engine import ZeroEngine, consolidated_state_dict
+    from zero.engine import ZeroEngine as DeepSpeedEngine
+    from zero.engine_api import OffloadDeviceEnum, OffloadStateTypeEnum
+    from zero.generation import unwrap_model_for_generation
     from zero.initialization import initialize
     from zero.pretrained import from_pretrained
     from zero.stage3 import GatheredParameters, Init, ZeroParamStatus
@@ -50,11 +71,22 @@ def __getattr__(name: str) -> Any:
 
         globals()["from_pretrained"] = from_pretrained
         return from_pretrained
-    if name == "ZeroEngine":
+    if name in ("ZeroEngine", "DeepSpeedEngine"):  # DeepSpeed's class name, for isinstance checks
         from zero.engine import ZeroEngine
 
-        globals()["ZeroEngine"] = ZeroEngine
+        globals()[name] = ZeroEngine
         return ZeroEngine
+    if name in ("OffloadDeviceEnum", "OffloadStateTypeEnum"):
+        import zero.engine_api as engine_api
+
+        value = getattr(engine_api, name)
+        globals()[name] = value
+        return value
+    if name == "unwrap_model_for_generation":  # TRL's context manager, for an engine of ours
+        from zero.generation import unwrap_model_for_generation
+
+        globals()[name] = unwrap_model_for_generation
+        return unwrap_model_for_generation
     if name in ("Init", "GatheredParameters", "ZeroParamStatus"):
         import zero.stage3 as stage3
 
@@ -71,6 +103,10 @@ def __getattr__(name: str) -> Any:
         import zero.checkpointing as checkpointing
 
         return checkpointing
+    if name == "utils":  # DeepSpeed's `deepspeed.utils`: the safe_get_* / safe_set_* state accessors
+        import zero.utils as utils
+
+        return utils
     if name == "consolidated_state_dict":
         from zero.engine import consolidated_state_dict
 

@@ -42,6 +42,7 @@ from zero.accelerator import compute_device
 from zero.checkpointing.apply import why_nothing_checkpointed
 from zero.deepspeed_api import init_distributed  # noqa: F401 - its old home; zero.initialize uses it
 from zero.device_part import TorchDevicePart, wants_torch_part
+from zero.engine_api import EngineAPI
 from zero.integrity import StateGuard
 from zero.layout.base import GradMemory, Layout, Placement, allocate_pinned, trainable_params
 from zero.layout.flat import FlatLayout
@@ -57,6 +58,7 @@ from zero.overlap import OverlapPass
 from zero.param_groups import build_groups, check_quantized_groups, group_spans
 from zero.report import InferenceReport, PhaseClock, StepReport
 from zero.split_state import SplitTier
+from zero.state_access import StateAccess
 from zero.unused import UnusedParameterCheck
 from zero.update import UpdatePass
 
@@ -65,8 +67,9 @@ __all__ = ["PINNED_BUDGET_ENV", "ZeroEngine", "consolidated_state_dict", "init_d
 logger = logging.getLogger("zero")
 
 
-class ZeroEngine:
-    """What `zero.initialize` returns. Method names and semantics follow DeepSpeed's DeepSpeedEngine.
+class ZeroEngine(EngineAPI):
+    """What `zero.initialize` returns. Method names and semantics follow DeepSpeed's DeepSpeedEngine (its
+    configuration accessors, `offload_states`, `empty_partition_cache`, `destroy`: zero.engine_api).
 
     `device_part`: what steps the device share of a Twin-Flow split (`offload_optimizer.ratio` below 1.0):
     "auto" (torch's fused Adam/AdamW on CUDA, the CPU kernels on a CPU-only machine), "torch"
@@ -207,6 +210,7 @@ class ZeroEngine:
             self.layout.take_param_io()  # building and initialising are not part of the first step's report
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
         self.loss_scaler = self._make_loss_scaler()
+        self._state_access = StateAccess(self)  # zero.utils' safe_get_* / safe_set_* find it per parameter
 
     def _build_inference(
         self, model: nn.Module, params: List[nn.Parameter], place: Placement, pool: PinnedPool, sched: Any
@@ -739,11 +743,13 @@ class ZeroEngine:
         save_dir: str,
         tag: Optional[str] = None,
         client_state: Optional[Dict[str, Any]] = None,
-        *,
+        save_latest: bool = True,
         exclude_frozen_parameters: bool = False,
     ) -> str:
-        """DeepSpeed's save_checkpoint (zero.checkpoint.save_checkpoint); `exclude_frozen_parameters`
-        leaves out the parameters with requires_grad False (an adapter's base model)."""
+        """DeepSpeed's: every rank calls it; tag None: `global_step<N>`; `save_latest=False` leaves the
+        `latest` file as it was; `exclude_frozen_parameters` leaves out the parameters with requires_grad
+        False (an adapter's base model). Returns the checkpoint's directory
+        (zero.checkpoint.save_checkpoint)."""
         from zero.checkpoint import save_checkpoint
 
         self._require_optimizer("save_checkpoint() (training state; save_16bit_model exports the weights)")
@@ -752,6 +758,7 @@ class ZeroEngine:
             save_dir,
             tag=tag,
             client_state=client_state,
+            save_latest=save_latest,
             exclude_frozen_parameters=exclude_frozen_parameters,
         )
 
@@ -801,6 +808,8 @@ class ZeroEngine:
         self._closed = True
         overlap, unused = getattr(self, "overlap", None), getattr(self, "_unused", None)
         opt, layout = getattr(self, "_opt", None), getattr(self, "layout", None)
+        if getattr(self, "_state_access", None) is not None:
+            self._state_access.detach()
         if getattr(self, "_checkpointing", None) is not None:
             checkpointing.close(self._checkpointing)  # its scratch files and pinned buffers
         if overlap is not None:

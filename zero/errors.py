@@ -8,6 +8,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointIntegrityError",
     "CheckpointPickleError",
+    "CheckpointTagError",
     "NoOptimizerError",
     "StateCorruptedError",
 ]
@@ -39,6 +40,11 @@ class CheckpointIntegrityError(CheckpointError):
 
 class CheckpointPickleError(CheckpointError):
     """Loading would need to unpickle arbitrary Python objects, and `allow_pickle=True` was not given."""
+
+
+class CheckpointTagError(CheckpointError, AssertionError):
+    """Ranks gave `save_checkpoint` different tags under `checkpoint.tag_validation: Fail` (nothing was
+    written). An AssertionError as well: DeepSpeed asserts there."""
 
 
 class NoOptimizerError(RuntimeError):

@@ -10,6 +10,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple, Union
 from ._reader import ConfigError, Context, Section, is_off_value, read_json_file
 from .activation import ActivationCheckpointingConfig, parse_activation_checkpointing
 from .aio import AioConfig, parse_aio
+from .data_types import DataTypesConfig, parse_allreduce_op, parse_data_types
 from .optimizer import OptimizerConfig, SchedulerConfig, parse_optimizer, parse_scheduler
 from .precision import BF16Config, FP16Config, parse_bf16, parse_fp16
 from .quantization import WeightQuantizationConfig, parse_weight_quantization
@@ -31,6 +32,9 @@ _MODELLED = (
     "zero_offload",
     "activation_checkpointing",
     "weight_quantization",
+    "checkpoint",
+    "data_types",
+    "gradient_allreduce_op",
 )
 
 # Legacy spellings DeepSpeed still reads.
@@ -55,7 +59,6 @@ IGNORED_TOP_LEVEL: Dict[str, str] = {
     "zero_force_ds_cpu_optimizer": "zero-offload always steps offloaded states with its own CPU optimizer",
     "vocabulary_size": "a hint for DeepSpeed's sparse-embedding path",
     "seq_parallel_communication_data_type": "only used by DeepSpeed's sequence parallelism",
-    "checkpoint": "checkpoint tag validation is not implemented",
 }
 
 
@@ -95,12 +98,6 @@ OFF_ONLY_TOP_LEVEL: Dict[str, Tuple[Any, str]] = {
         lambda v: v is None or (isinstance(v, Mapping) and v.get("autotp_size", 0) in (0, 1)),
         "automatic tensor parallelism (tensor_parallel.autotp_size > 1)",
     ),
-    "data_types": (
-        lambda v: v is None or (isinstance(v, Mapping) and all(x is None for x in v.values())),
-        "data types other than the precision section's (data_types.grad_accum_dtype, param_dtype, "
-        "buffer_dtype, keep_in_fp32_modules: gradients accumulate in the compute dtype, parameters are cast "
-        "to it and buffers keep their dtype)",
-    ),
     "use_data_before_expert_parallelism": (lambda v: v is False, "mixture-of-experts topology options"),
 }
 
@@ -111,6 +108,14 @@ _CHECKPOINT_OFF_ONLY = {
     "load_universal": "loading universal checkpoints (load_universal: true)",
     "use_node_local_storage": "node-local checkpoint storage (use_node_local_storage: true)",
 }
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """The `checkpoint` section: `tag_validation` ("Ignore", "Warn" or "Fail"), what `save_checkpoint` does
+    when ranks give different tags. DeepSpeed's default is "Warn"."""
+
+    tag_validation: str = "Warn"
 
 
 @dataclass(frozen=True)
@@ -149,6 +154,9 @@ class ZeroOffloadConfig:
         default_factory=ActivationCheckpointingConfig
     )
     weight_quantization: WeightQuantizationConfig = field(default_factory=WeightQuantizationConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    data_types: DataTypesConfig = field(default_factory=DataTypesConfig)
+    gradient_allreduce_op: str = "mean"
 
     def to_dict(self) -> Dict[str, Any]:
         """Every modelled key with its resolved value, as JSON-ready dicts and lists; loads back equal."""
@@ -205,8 +213,7 @@ def _parse(raw: Any, ctx: Context, world_size: int) -> ZeroOffloadConfig:
         top.off_only(name, is_off, what)
     for name, reason in IGNORED_TOP_LEVEL.items():
         top.ignored(name, reason)
-    if top.has("checkpoint"):
-        _check_checkpoint_section(top.get("checkpoint"), ctx)
+    checkpoint = _parse_checkpoint(top.get("checkpoint"), ctx)
 
     if top.has("bf16") and top.has("bfloat16"):
         raise top.fail("bfloat16", "is the old spelling of 'bf16'; give only one of them")
@@ -228,6 +235,10 @@ def _parse(raw: Any, ctx: Context, world_size: int) -> ZeroOffloadConfig:
     zero = parse_zero(top.get("zero_optimization"), ctx, legacy_allgather_size=top.get("allgather_size"))
 
     train, micro, acc = _resolve_batch(top, world_size)
+    model_dtype = "fp16" if fp16.enabled else "bf16" if bf16.enabled else "fp32"
+    off = zero.offload_optimizer.device if zero.offload_optimizer is not None else "none"
+    data_types = parse_data_types(top.get("data_types"), ctx, model_dtype, zero.stage, off)
+    allreduce_op = parse_allreduce_op(top.get("gradient_allreduce_op", "mean"), ctx, world_size)
     zero_offload = _parse_zero_offload(top.get("zero_offload"), ctx)
     weight_quantization = parse_weight_quantization(top.get("weight_quantization"), ctx)
     if zero_offload.int8_activations and not weight_quantization.enabled:
@@ -254,6 +265,9 @@ def _parse(raw: Any, ctx: Context, world_size: int) -> ZeroOffloadConfig:
         zero_offload=zero_offload,
         activation_checkpointing=parse_activation_checkpointing(top.get("activation_checkpointing"), ctx),
         weight_quantization=weight_quantization,
+        checkpoint=checkpoint,
+        data_types=data_types,
+        gradient_allreduce_op=allreduce_op,
     )
 
 
@@ -269,14 +283,14 @@ def _parse_zero_offload(raw: Any, ctx: Context) -> ZeroOffloadSection:
     )
 
 
-def _check_checkpoint_section(raw: Any, ctx: Context) -> None:
+def _parse_checkpoint(raw: Any, ctx: Context) -> CheckpointConfig:
     s = Section(
         raw,
         "checkpoint",
         ctx,
         ("tag_validation", "load_universal", "use_node_local_storage", "parallel_write", "writer"),
     )
-    s.choice("tag_validation", "Warn", ("Ignore", "Warn", "Fail"))
+    tag_validation = s.choice("tag_validation", CheckpointConfig.tag_validation, ("Ignore", "Warn", "Fail"))
     for name, what in _CHECKPOINT_OFF_ONLY.items():
         s.bool(name, False)
         s.off_only(name, lambda v: v is False, what)
@@ -285,6 +299,7 @@ def _check_checkpoint_section(raw: Any, ctx: Context) -> None:
         pw = Section(s.get("parallel_write"), "checkpoint.parallel_write", ctx, ("pipeline_stage",))
         pw.bool("pipeline_stage", False)
         pw.off_only("pipeline_stage", lambda v: v is False, "pipeline-stage parallel checkpoint writes")
+    return CheckpointConfig(tag_validation=tag_validation)
 
 
 def _resolve_batch(top: Section, world_size: int) -> Tuple[int, int, int]:

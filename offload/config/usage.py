@@ -154,6 +154,13 @@ FIELD_USAGE: Dict[str, Usage] = {
     "zero_offload.report_every": _r("zero/engine.py"),
     "zero_offload.pinned_budget_bytes": _r("zero/engine.py, zero/stage3 (pinned pool cap)"),
     "zero_offload.int8_activations": _r("zero/stage3/fused.py (integer products of quantized Linears)"),
+    "checkpoint": _r("zero/checkpoint/save.py (section)"),
+    "data_types": _r("offload/config/data_types.py (section)"),
+    "data_types.grad_accum_dtype": _r(
+        "offload/config/data_types.py (honoured where the layouts accumulate in that dtype, else refused)"
+    ),
+    "gradient_allreduce_op": _r("offload/config/data_types.py ('mean' is what zero/update.py does)"),
+    "checkpoint.tag_validation": _r("zero/checkpoint/save.py (tags compared across ranks before a save)"),
     "weight_quantization": _r("zero/inference.py (stage 3 without an optimizer; refused with one)"),
     _WQ + "quantized_initialization": _r("zero/stage3/quant.py (every Linear/Embedding/Conv1D weight)"),
     _WQ + "quantized_initialization.num_bits": _r("zero/stage3/quant.py (int8 or int4 codes)"),

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, Mapping, Optional, Union
 
-from ._reader import Context, Section, is_off_value
+from ._reader import ConfigError, Context, Section, is_off_value
 from .usage import warn_ignored
 
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
@@ -101,8 +101,27 @@ _OFF_ONLY = {
     "mics_hierarchical_params_gather": (lambda v: v is False, "MiCS hierarchical gather (true)"),
     "pipeline_loading_checkpoint": (lambda v: v is False, "pipelined checkpoint loading (true)"),
     "save_muon_momentum_buffer_in_memory": (lambda v: v is False, "the Muon optimizer's buffers (true)"),
-    "zenflow": (is_off_value, "ZenFlow (zenflow section)"),
 }
+
+# DeepSpeed's pydantic model names these fields without the "stage3_" prefix and accepts both spellings.
+STAGE3_SHORT_NAMES = (
+    "prefetch_bucket_size",
+    "param_persistence_threshold",
+    "model_persistence_threshold",
+    "max_live_parameters",
+    "max_reuse_distance",
+    "gather_16bit_weights_on_model_save",
+    "module_granularity_threshold",
+    "use_all_reduce_for_fetch_params",
+    "allgather_sequential",
+)
+
+_ZENFLOW_INSTEAD = (
+    "ZenFlow (the zenflow section) is not supported; what zero-offload offers for the same goal - keeping"
+    " the GPU busy while the CPU steps the optimizer - is offload_optimizer.ratio below 1.0 (Twin-Flow: that"
+    " share of the optimizer state stepped on the device) and offload_optimizer.pipeline_read /"
+    " pipeline_write (NVMe sub-groups stepped while backward runs); remove the zenflow section"
+)
 
 # Keys that only tune logging, debugging or zero.Init memory use: accepted, warned about, not acted on.
 _IGNORED = {
@@ -112,7 +131,7 @@ _IGNORED = {
     "leaf_module": "DeepSpeed's stage-3 leaf-module hook grouping",
 }
 
-ZERO_KEYS = _ZERO_FIELDS + _LEGACY + tuple(_OFF_ONLY) + tuple(_IGNORED)
+ZERO_KEYS = _ZERO_FIELDS + _LEGACY + tuple(_OFF_ONLY) + tuple(_IGNORED) + STAGE3_SHORT_NAMES + ("zenflow",)
 
 
 @dataclass(frozen=True)
@@ -291,7 +310,10 @@ def parse_zero(raw: Any, ctx: Context, *, legacy_allgather_size: Any = None) -> 
         raw = {"stage": 1 if raw else 0}
         if raw["stage"] and legacy_allgather_size is not None:
             raw["allgather_bucket_size"] = legacy_allgather_size
+    raw = _short_names_mapped(raw, ctx)
     s = Section(raw, "zero_optimization", ctx, ZERO_KEYS)
+    if s.has("zenflow") and not is_off_value(s.get("zenflow")):
+        raise s.fail("zenflow", _ZENFLOW_INSTEAD)
 
     for name, (is_off, what) in _OFF_ONLY.items():
         s.off_only(name, is_off, what)
@@ -347,9 +369,7 @@ def parse_zero(raw: Any, ctx: Context, *, legacy_allgather_size: Any = None) -> 
         load_from_fp32_weights=s.bool("load_from_fp32_weights", ZeroConfig.load_from_fp32_weights),
         ignore_unused_parameters=s.bool("ignore_unused_parameters", ZeroConfig.ignore_unused_parameters),
         round_robin_gradients=s.bool("round_robin_gradients", ZeroConfig.round_robin_gradients),
-        sub_group_size=s.int(
-            "sub_group_size", ZeroConfig.sub_group_size, min=MIN_SUB_GROUP_SIZE, why=_SUB_GROUP_WHY
-        ),
+        sub_group_size=_sub_group_size(s),
         offload_optimizer=offload_optimizer,
         offload_param=offload_param,
         stage3_prefetch_bucket_size=s.int(
@@ -399,3 +419,35 @@ def _offload_section(s: Section, name: str, legacy: str, legacy_pin: Optional[bo
     if raw_section is None:
         return None
     return parse(raw_section, s.ctx, s.key(name))
+
+
+def _short_names_mapped(raw: Any, ctx: Context) -> Any:
+    """`raw` with DeepSpeed's prefix-less field names (`param_persistence_threshold`, ...) under their
+    `stage3_` keys; both spellings of one field: ConfigError."""
+    if not isinstance(raw, Mapping) or not any(k in raw for k in STAGE3_SHORT_NAMES):
+        return raw
+    out = dict(raw)
+    for short in STAGE3_SHORT_NAMES:
+        if short in out:
+            long = "stage3_" + short
+            if long in out:
+                raise ConfigError(
+                    f"zero_optimization.{short} and zero_optimization.{long} in {ctx.source}: both name the"
+                    " same setting (DeepSpeed accepts either spelling); give only one"
+                )
+            out[long] = out.pop(short)
+    return out
+
+
+def _sub_group_size(s: Section) -> int:
+    """DeepSpeed accepts any size >= 0; below MIN_SUB_GROUP_SIZE the engine uses MIN_SUB_GROUP_SIZE, with a
+    warning naming it (see _SUB_GROUP_WHY)."""
+    size = s.int("sub_group_size", ZeroConfig.sub_group_size, min=0)
+    if size < MIN_SUB_GROUP_SIZE:
+        s.ctx.warn_once(
+            s.key("sub_group_size"),
+            f"config key '{s.key('sub_group_size')}' = {size} is below {MIN_SUB_GROUP_SIZE}:"
+            f" {MIN_SUB_GROUP_SIZE} is used (a sub-group is {_SUB_GROUP_WHY})",
+        )
+        size = MIN_SUB_GROUP_SIZE
+    return size

@@ -135,12 +135,8 @@ def read_ds_config(path: str) -> ConfigChoices:
 
     sub_group = _positive_int(zero, "sub_group_size", where, "zero_optimization.")
     if sub_group is not None:
-        if sub_group < MIN_SUB_GROUP_SIZE:  # the engine's config refuses it with the same bound
-            raise EstimateInputError(
-                f"{where}: zero_optimization.sub_group_size must be >= {MIN_SUB_GROUP_SIZE} (the engine's "
-                f"minimum: a sub-group is at least one I/O request and whole 4 KiB blocks), got {sub_group}"
-            )
-        buffers["sub_group_size"] = sub_group
+        # the engine's config rounds a smaller size up to its minimum (with a warning): estimate that
+        buffers["sub_group_size"] = max(sub_group, MIN_SUB_GROUP_SIZE)
 
     # stage 2's gradient buckets on the GPU
     bucket = zero.get("reduce_bucket_size")

@@ -24,6 +24,7 @@ from zero.checkpoint._files import (
     save_object,
     write_bytes,
 )
+from zero.errors import CheckpointTagError
 
 
 def _make_tmp(save_dir: str, tmp: str) -> None:
@@ -141,8 +142,11 @@ def _write_latest(save_dir: str, tag: str) -> None:
         raise
 
 
-def _publish(engine: CheckpointEngine, save_dir: str, tag: str, files: Dict[str, Entry]) -> None:
-    """Rank 0: manifest last, then `.<tag>.tmp` -> `<tag>` and `latest`; rolled back if that fails."""
+def _publish(
+    engine: CheckpointEngine, save_dir: str, tag: str, files: Dict[str, Entry], save_latest: bool = True
+) -> None:
+    """Rank 0: manifest last, then `.<tag>.tmp` -> `<tag>` and (`save_latest`) `latest`; rolled back if
+    that fails."""
     tmp, final, old = (os.path.join(save_dir, n) for n in (f".{tag}.tmp", tag, f".{tag}.old"))
     body = {
         "format_version": FORMAT_VERSION,
@@ -167,7 +171,8 @@ def _publish(engine: CheckpointEngine, save_dir: str, tag: str, files: Dict[str,
         renamed = True
         fsync_path(save_dir, directory=True)
         crash_point("before_latest")
-        _write_latest(save_dir, tag)
+        if save_latest:
+            _write_latest(save_dir, tag)
     except BaseException:
         # back to where the save started; the caller removes `tmp`
         try:
@@ -183,15 +188,40 @@ def _publish(engine: CheckpointEngine, save_dir: str, tag: str, files: Dict[str,
     shutil.rmtree(old, ignore_errors=True)
 
 
+def agreed_tag(engine: CheckpointEngine, tag: Optional[Any]) -> str:
+    """The tag every rank saves under (DeepSpeed's rules): `global_step<N>` when None, else `str(tag)`.
+    Ranks that give different tags (a collective compares them) save under rank 0's, with a warning under
+    `checkpoint.tag_validation` "Warn" (the default), silently under "Ignore"; under "Fail" every rank raises
+    CheckpointTagError (an AssertionError too, as DeepSpeed's)."""
+    tag = st.check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
+    tags = all_gather_json(engine, tag)
+    if all(t == tag for t in tags):
+        return tag
+    mode = engine.config.checkpoint.tag_validation
+    msg = (
+        f"checkpoint tags differ across ranks ({', '.join(f'rank {r}: {t!r}' for r, t in enumerate(tags))}):"
+        " a tag must be the same on every rank (rank-specific tags cannot be restored with another world"
+        " size)"
+    )
+    if mode == "Fail":
+        raise CheckpointTagError(f"{msg}; checkpoint.tag_validation is 'Fail'")
+    if mode == "Warn":
+        warnings.warn(f"{msg}; saved under rank 0's tag {tags[0]!r}", RuntimeWarning, stacklevel=3)
+    return st.check_tag(tags[0])
+
+
 def save_checkpoint(
     engine: CheckpointEngine,
-    save_dir: str,
-    tag: Optional[str] = None,
+    save_dir: Any,
+    tag: Optional[Any] = None,
     client_state: Optional[Dict[str, Any]] = None,
+    save_latest: bool = True,
     exclude_frozen_parameters: bool = False,
 ) -> str:
     """Write a checkpoint of `engine` to `save_dir/tag` atomically; returns its path. All ranks call this.
 
+    `save_dir`: a non-empty path (str or os.PathLike; ValueError otherwise, as DeepSpeed); the tag: see
+    `agreed_tag`. `save_latest=False`: the `latest` file is left as it was.
     `exclude_frozen_parameters` (DeepSpeed's): the parameters with requires_grad False are left out (at
     stage 3, the partitions of the units that hold only frozen parameters); loading it keeps the module's
     own values of them, so the model must be built with them first (the base model of an adapter).
@@ -199,9 +229,11 @@ def save_checkpoint(
     A failure on any rank raises on every rank (no rank is left waiting), removes `.<tag>.tmp` and leaves
     the previous checkpoint and `latest` as they were.
     """
+    if not isinstance(save_dir, (str, os.PathLike)) or not os.fspath(save_dir):
+        raise ValueError(f"save_dir must be a non-empty path, got {save_dir!r}")
     engine.check_open()
-    tag = st.check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
-    save_dir = os.path.abspath(save_dir)
+    tag = agreed_tag(engine, tag)
+    save_dir = os.path.abspath(os.fspath(save_dir))
     tmp = os.path.join(save_dir, f".{tag}.tmp")
     rank0 = engine.rank == 0
     _, err = attempt(engine.prepare_checkpoint_save)
@@ -214,7 +246,7 @@ def save_checkpoint(
         merged: Dict[str, Entry] = {}
         for part in all_gather_json(engine, files):
             merged.update(part)
-        _, err = attempt(lambda: _publish(engine, save_dir, tag, merged) if rank0 else None)
+        _, err = attempt(lambda: _publish(engine, save_dir, tag, merged, save_latest) if rank0 else None)
         agree(engine, err, f"publishing {os.path.join(save_dir, tag)}")
     except BaseException:
         if rank0:  # every rank has stopped writing into it: the vote above came after their writes

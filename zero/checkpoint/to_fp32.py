@@ -44,6 +44,7 @@ __all__ = [
     "DTYPES",
     "convert_zero_checkpoint_to_fp32_state_dict",
     "get_fp32_state_dict_from_zero_checkpoint",
+    "load_state_dict_from_zero_checkpoint",
     "parse_size",
     "resolve_checkpoint",
 ]
@@ -57,9 +58,10 @@ _UNITS.update({"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40})
 Pieces = List[Tuple[str, int, int, int, torch.dtype]]  # (file, byte offset, element lo, hi, dtype in file)
 
 
-def resolve_checkpoint(checkpoint_dir: str, tag: Optional[str] = None) -> str:
+def resolve_checkpoint(checkpoint_dir: Union[str, os.PathLike], tag: Optional[str] = None) -> str:
     """The directory of checkpoint `tag` in `checkpoint_dir`; `tag=None`: the one the `latest` file names
     (or `checkpoint_dir` itself when it is a checkpoint, holding a manifest and no `latest`)."""
+    checkpoint_dir = os.fspath(checkpoint_dir)
     if not os.path.isdir(checkpoint_dir):
         raise FileNotFoundError(f"checkpoint directory {checkpoint_dir} does not exist")
     if tag is None:
@@ -266,7 +268,7 @@ def _dtype(dtype: Union[torch.dtype, str]) -> torch.dtype:
 
 
 def get_fp32_state_dict_from_zero_checkpoint(
-    checkpoint_dir: str,
+    checkpoint_dir: Union[str, os.PathLike],
     tag: Optional[str] = None,
     dtype: Union[torch.dtype, str] = torch.float32,
     exclude_frozen_parameters: bool = False,
@@ -351,8 +353,8 @@ def _write(sd: Dict[str, torch.Tensor], file: str, safe: bool) -> None:
 
 
 def convert_zero_checkpoint_to_fp32_state_dict(
-    checkpoint_dir: str,
-    output_path: str,
+    checkpoint_dir: Union[str, os.PathLike],
+    output_path: Union[str, os.PathLike],
     tag: Optional[str] = None,
     dtype: Union[torch.dtype, str] = torch.float32,
     safe_serialization: bool = True,
@@ -364,6 +366,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(
     pytorch_model.bin in it) or a file name ending in .safetensors / .bin. Above `max_shard_size` the state
     dict is split into `<stem>-0000k-of-0000n<ext>` shards plus `<name>.index.json`, as transformers does."""
     limit = parse_size(max_shard_size)
+    output_path = os.fspath(output_path)
     ext = ".safetensors" if safe_serialization else ".bin"
     if output_path.endswith((".safetensors", ".bin")):
         if not output_path.endswith(ext):
@@ -396,3 +399,15 @@ def convert_zero_checkpoint_to_fp32_state_dict(
 
 if __name__ == "__main__":  # python -m zero.checkpoint.to_fp32 ...: the zero-to-fp32 command (which imports
     runpy.run_module("zero.cli_to_fp32", run_name="__main__")  # this module: run, not imported back)
+
+
+def load_state_dict_from_zero_checkpoint(
+    model: torch.nn.Module, checkpoint_dir: Union[str, os.PathLike], tag: Optional[str] = None
+) -> torch.nn.Module:
+    """DeepSpeed's: load the checkpoint's consolidated fp32 weights into `model`, moved to the CPU first
+    (non-strict: keys the checkpoint lacks keep their values); returns `model`. The weights are read
+    entirely before the model changes, so a bad checkpoint leaves it as it was."""
+    state_dict = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
+    model = model.cpu()
+    model.load_state_dict(state_dict, strict=False)
+    return model
