@@ -36,6 +36,7 @@ from torch import nn
 
 from offload.config import AioConfig
 from offload.pinned import PINNED_BUDGET_ENV, PinnedPool
+from offload.progress import progress
 from offload.swap.optimizer_swapper import STATE_TORCH_DTYPES, OptimizerSwapper, SwapStats
 from offload.swap.slots import QUANT_BLOCK, StateFormat, plan_slot_numel
 from offload.swap.space import SwapSpace, check_nvme_path
@@ -279,11 +280,14 @@ def _nvme_tier(
         space.close()  # no half-built swap directory left behind
         raise
 
+    bar = progress("zero: writing the optimizer state to NVMe", fmt.whole_bytes(numel), rank=rank)
+
     def fill(start: int, n: int, master: torch.Tensor, states: List[torch.Tensor]) -> None:
         if callable(init):
             init(start, n, master)
         else:
             master.copy_(init[start : start + n])
+        bar.update(fmt.whole_bytes(n))
 
     try:
         swapper.load(fill, states_zero=True)
@@ -291,6 +295,8 @@ def _nvme_tier(
         swapper.close()
         space.close()
         raise
+    finally:
+        bar.close()
     swapper.stats.reset()  # the initial write is not part of any step's report
     return swapper, space
 
