@@ -238,9 +238,13 @@ class ZeroEngine:
         staging = 0  # pinned bytes the GPU copy-back needs besides the NVMe slots
         if self.device.type == "cuda":
             staging = 2 * min(sub_group, part) * torch.empty((), dtype=self.dtype).element_size()
-        copies, state_dtype = 2, self.rule.state_dtype
+        state_dtype = self.rule.state_dtype
+
+        def copies(swapped: int) -> int:  # decided for the swapped share (max_in_cpu keeps the rest in RAM)
+            return swap_copies(off.nvme_path, swapped, n_states, state_dtype, off.nvme_copies)
+
         if self.offload_device == "nvme":
-            copies = swap_copies(off.nvme_path, part, n_states, state_dtype, off.nvme_copies)
+            swap_copies(off.nvme_path, 0, n_states, state_dtype, off.nvme_copies)  # a bad nvme_path: now
         tier, space = build_tier(
             part,
             n_states,

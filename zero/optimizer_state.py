@@ -61,6 +61,8 @@ SQ_PIECE = 1 << 18
 FP32_BYTES = 4
 # Two copies of the NVMe optimizer state are kept when the disk has this much more room than they need.
 DISK_HEADROOM = 1.05
+OPTIMIZER_PATH_KEY = "zero_optimization.offload_optimizer.nvme_path"
+Copies = Union[int, Callable[[int], int]]  # NVMe copies, or copies(numel) for the `numel` elements swapped
 
 
 class StateTier(Protocol):
@@ -118,7 +120,7 @@ def swap_copies(
     the disk at `nvme_path` has room for two copies of the state, else 1 (in place, with a warning: a step
     that fails half way cannot be rolled back then). 1: in place, as chosen. 2: ValueError with the sizes
     when the disk cannot hold them."""
-    nvme_path = check_nvme_path(nvme_path or "")  # a clear error for a missing or unusable path first
+    nvme_path = check_nvme_path(nvme_path or "", OPTIMIZER_PATH_KEY)  # a clear error for a bad path first
     if choice == 1:
         return 1
     one = StateFormat(n_states, state_dtype).whole_bytes(numel)
@@ -156,7 +158,7 @@ def build_tier(
     rank: int,
     alias: Optional[torch.Tensor] = None,
     device_staging_bytes: int = 0,
-    swap_copies: int = 2,
+    swap_copies: Copies = 2,
     state_dtype: str = "fp32",
 ) -> tuple[StateTier, Optional[SwapSpace]]:
     """The tier for `offload_optimizer.device` = `tier`, filled with the initial master (`init`: the values,
@@ -205,7 +207,7 @@ def _one_tier(
     rank: int,
     alias: Optional[torch.Tensor],
     device_staging_bytes: int,
-    swap_copies: int,
+    swap_copies: Copies,
 ) -> tuple[StateTier, Optional[SwapSpace]]:
     if callable(init) and tier != "nvme" and alias is None:
         values = torch.empty(numel, dtype=torch.float32)
@@ -246,9 +248,10 @@ def _nvme_tier(
     aio: AioConfig,
     rank: int,
     device_staging_bytes: int,
-    copies: int,
+    copies: Copies,
 ) -> tuple[StateTier, Optional[SwapSpace]]:
-    nvme_path = check_nvme_path(off.nvme_path or "")
+    nvme_path = check_nvme_path(off.nvme_path or "", OPTIMIZER_PATH_KEY)
+    copies = copies(numel) if callable(copies) else copies  # decided for the swapped share only
     buffer_count = max(1, int(off.buffer_count))
     chunk = plan_slot_numel(
         sub_group,
