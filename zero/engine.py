@@ -51,7 +51,14 @@ from zero.optimizer_offload import (
     rule_from_client_optimizer,
     rule_from_config,
 )
-from zero.optimizer_state import FusedDeviceStep, OptimizerState, StateInfo, build_tier, swap_copies
+from zero.optimizer_state import (
+    FusedDeviceStep,
+    OptimizerState,
+    StateInfo,
+    build_tier,
+    describe_placement,
+    swap_copies,
+)
 from zero.overlap import OverlapPass
 from zero.report import InferenceReport, PhaseClock, StepReport
 from zero.split_state import SplitTier
@@ -180,6 +187,9 @@ class ZeroEngine:
         self.optimizer = ZeroOptimizer(params, self.rule, hyper)
         self.optimizer.engine = self
         self._opt = self._optimizer_state(off, int(zcfg.sub_group_size))
+        if self.rank == 0:
+            info = self.optimizer_state_info()
+            logger.info("%s", describe_placement(info, self.rule.n_states, off, self.pool.cap_bytes))
         self._enable_overlap(off)
         self._update = UpdatePass(
             self.layout,

@@ -44,11 +44,19 @@ from zero.device_part import TorchDevicePart
 from zero.integrity import StateGuard
 from zero.optimizer_offload import DeviceState, UpdateRule, ZeroOptimizer
 from zero.param_writer import ParamWriter
-from zero.report import StepReport
+from zero.report import StepReport, format_bytes
 from zero.split_state import SplitTier, build_split, plan_split
 from zero.state_convert import convert_states, format_of, warn_if_lossy
 
-__all__ = ["FusedDeviceStep", "OptimizerState", "StateInfo", "StateTier", "build_tier", "sum_of_squares"]
+__all__ = [
+    "FusedDeviceStep",
+    "OptimizerState",
+    "StateInfo",
+    "StateTier",
+    "build_tier",
+    "describe_placement",
+    "sum_of_squares",
+]
 
 # (start, n, master view, state views): what read_all / load / rewrite hand to the caller
 VisitFn = Callable[[int, int, torch.Tensor, List[torch.Tensor]], None]
@@ -107,6 +115,33 @@ class StateInfo:
     swapped_numel: int = 0  # elements whose state is in swap files
     device_numel: int = 0  # of the resident ones, elements on the training device (offload_optimizer.ratio)
     device_part: str = ""  # what steps a split's device share: "torch" (zero.device_part) or "kernels"
+
+
+def describe_placement(info: StateInfo, n_states: int, offload: Any, budget_bytes: int) -> str:
+    """One line for the log: where the optimizer state went, bytes per tier, and why (the offload settings
+    and, for `max_in_cpu: "auto"`, the pinned budget it was sized against)."""
+    fmt = StateFormat(n_states, info.state_dtype)
+    device = fmt.whole_bytes(info.device_numel)
+    host = fmt.whole_bytes(info.resident_numel - info.device_numel)
+    if info.tier == "device":
+        return (
+            f"optimizer state: {format_bytes(device)} on the training device (offload_optimizer.device=none)"
+        )
+    parts = [f"{format_bytes(device)} on the training device (ratio={offload.ratio})"] if device else []
+    if info.tier == "cpu":
+        parts.append(f"{format_bytes(host)} in pinned RAM (offload_optimizer.device=cpu)")
+        return "optimizer state: " + ", ".join(parts)
+    swapped = fmt.whole_bytes(info.swapped_numel)
+    copies = f" ({info.copies} cop{'ies' if info.copies > 1 else 'y'} on disk)" if swapped else ""
+    parts += [f"{format_bytes(host)} in pinned RAM", f"{format_bytes(swapped)} on NVMe{copies}"]
+    want = offload.max_in_cpu
+    if want != "auto":
+        why = f"max_in_cpu={want}"
+    elif info.swapped_numel == 0:
+        why = f"max_in_cpu=auto: fits in the pinned budget of {format_bytes(budget_bytes)}"
+    else:
+        why = f"max_in_cpu=auto: what fits in the pinned budget of {format_bytes(budget_bytes)} stays in RAM"
+    return "optimizer state: " + ", ".join(parts) + f" ({why})"
 
 
 def _disk_free(path: str) -> int:
