@@ -239,7 +239,7 @@ def test_defaults_are_deepspeeds() -> None:
 def test_offload_section_defaults() -> None:
     cfg = load_config({"zero_optimization": {"stage": 3, "offload_optimizer": {}, "offload_param": {}}})
     o, p = cfg.zero_optimization.offload_optimizer, cfg.zero_optimization.offload_param
-    assert (o.device, o.nvme_path, o.pin_memory, o.buffer_count) == ("none", None, False, 4)
+    assert (o.device, o.nvme_path, o.pin_memory, o.buffer_count) == ("none", None, True, 4)  # always pinned
     assert (o.pipeline_read, o.pipeline_write, o.fast_init, o.ratio) == (False, False, False, 1.0)
     assert (p.device, p.nvme_path, p.pin_memory, p.buffer_count) == ("none", None, False, 5)
     assert (p.buffer_size, p.max_in_cpu) == (10**8, 10**9)
@@ -666,7 +666,7 @@ def test_scheduler_validation() -> None:
 
 def test_cpu_offload_legacy_flags() -> None:
     z = load_config({"zero_optimization": {"stage": 2, "cpu_offload": True}}).zero_optimization
-    assert z.offload_optimizer == OffloadOptimizerConfig(device="cpu", pin_memory=False)
+    assert z.offload_optimizer == OffloadOptimizerConfig(device="cpu")
     z = load_config(
         {
             "zero_optimization": {

@@ -106,7 +106,7 @@ def test_config_supplies_stage_offload_buffers_precision_and_batch(tmp_path):
          "bf16": {"enabled": true},
          "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
          "zero_optimization": {"stage": 3, "sub_group_size": 1e6,
-            "offload_optimizer": {"device": "nvme", "pin_memory": false, "buffer_count": 2},
+            "offload_optimizer": {"device": "nvme", "pin_memory": false, "buffer_count": 2, "max_in_cpu": 0},
             "offload_param": {"device": "cpu", "pin_memory": true}}}
         """,
     )
@@ -165,6 +165,8 @@ def test_fit_with_machine_profile_recommends_least_offload_and_predicts_io(tmp_p
         "131M",
         "--sub-group-size",
         "1e8",
+        "--max-in-cpu",
+        "0",  # every sub-group on NVMe (the default, auto, keeps what the 32 GiB pinned budget holds)
         "--machine-profile",
         profile,
     ]
@@ -196,11 +198,13 @@ def test_machine_profile_without_a_gpu_leaves_the_gpu_to_detection(tmp_path):
     out = json.loads(run(["--params", "1M", "--largest-layer", "1k", "--machine-profile", profile, "--json"]))
     assert "machine profile" not in out["machine"]["sources"].get("gpu_bytes", "")
     assert out["machine"]["ram_bytes"] == 1024
-    # 1 KiB of RAM: every offloaded row fails on the host; the GPU is unknown here (no CUDA), not 0 bytes
+    # 1 KiB of RAM: every offloaded row fails on the host; the GPU is detected, not 0 bytes
     offloaded = [r for r in out["rows"] if r["offload_optimizer"] != "none" or r["offload_param"] != "none"]
     assert offloaded and all(r["fit"]["cpu"] is False for r in offloaded)
-    if out["machine"]["gpu_bytes"] is None:
-        assert out["recommended"]["stage"] == 0
+    if out["machine"]["gpu_bytes"] is None:  # no GPU here either: the device is the 1 KiB of host memory
+        assert out["machine"]["cpu_only"] is True
+        assert all(r["fit"]["cpu"] is False and r["fit"]["device"] == "cpu" for r in out["rows"])
+        assert out["recommended"] is None
 
 
 def test_fit_detects_this_machine(tmp_path):

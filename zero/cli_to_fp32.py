@@ -14,6 +14,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
+from offload.cli.pipe import quiet_broken_pipe
 from zero.checkpoint.to_fp32 import DTYPES, convert_zero_checkpoint_to_fp32_state_dict
 from zero.errors import CheckpointError
 
@@ -54,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+@quiet_broken_pipe
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run `zero-to-fp32` with `argv`; returns the process exit code."""
     args = build_parser().parse_args(argv)

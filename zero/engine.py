@@ -53,7 +53,14 @@ from zero.optimizer_offload import (
     rule_from_client_optimizer,
     rule_from_config,
 )
-from zero.optimizer_state import FusedDeviceStep, OptimizerState, StateInfo, build_tier, swap_copies
+from zero.optimizer_state import (
+    FusedDeviceStep,
+    OptimizerState,
+    StateInfo,
+    build_tier,
+    describe_placement,
+    swap_copies,
+)
 from zero.overlap import OverlapPass
 from zero.param_groups import build_groups, check_quantized_groups, group_spans
 from zero.report import InferenceReport, PhaseClock, StepReport
@@ -192,6 +199,9 @@ class ZeroEngine(EngineAPI):
         self.optimizer = ZeroOptimizer(groups, self.rule, hyper)
         self.optimizer.engine = self
         self._opt = self._optimizer_state(off, int(zcfg.sub_group_size))
+        if self.rank == 0:
+            info = self.optimizer_state_info()
+            logger.info("%s", describe_placement(info, self.rule.n_states, off, self.pool.cap_bytes))
         self._enable_overlap(off)
         self._update = UpdatePass(
             self.layout,
@@ -255,9 +265,13 @@ class ZeroEngine(EngineAPI):
         staging = 0  # pinned bytes the GPU copy-back needs besides the NVMe slots
         if self.device.type == "cuda":
             staging = 2 * min(sub_group, part) * torch.empty((), dtype=self.dtype).element_size()
-        copies, state_dtype = 2, self.rule.state_dtype
+        state_dtype = self.rule.state_dtype
+
+        def copies(swapped: int) -> int:  # decided for the swapped share (max_in_cpu keeps the rest in RAM)
+            return swap_copies(off.nvme_path, swapped, n_states, state_dtype, off.nvme_copies)
+
         if self.offload_device == "nvme":
-            copies = swap_copies(off.nvme_path, part, n_states, state_dtype, off.nvme_copies)
+            swap_copies(off.nvme_path, 0, n_states, state_dtype, off.nvme_copies)  # a bad nvme_path: now
         tier, space = build_tier(
             part,
             n_states,

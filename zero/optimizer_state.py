@@ -35,6 +35,7 @@ import torch
 
 from offload.config import AioConfig
 from offload.pinned import PINNED_BUDGET_ENV, PinnedPool
+from offload.progress import progress
 from offload.swap.optimizer_swapper import STATE_TORCH_DTYPES, OptimizerSwapper, SwapStats
 from offload.swap.slots import QUANT_BLOCK, StateFormat, plan_slot_numel
 from offload.swap.space import SwapSpace, check_nvme_path
@@ -43,11 +44,19 @@ from zero.integrity import StateGuard
 from zero.optimizer_offload import DeviceState, UpdateRule, ZeroOptimizer
 from zero.param_groups import groups_differ, pieces
 from zero.param_writer import ParamWriter
-from zero.report import StepReport
+from zero.report import StepReport, format_bytes
 from zero.split_state import SplitTier, build_split, plan_split
 from zero.state_convert import convert_states, format_of, warn_if_lossy
 
-__all__ = ["FusedDeviceStep", "OptimizerState", "StateInfo", "StateTier", "build_tier", "sum_of_squares"]
+__all__ = [
+    "FusedDeviceStep",
+    "OptimizerState",
+    "StateInfo",
+    "StateTier",
+    "build_tier",
+    "describe_placement",
+    "sum_of_squares",
+]
 
 # (start, n, master view, state views): what read_all / load / rewrite hand to the caller
 VisitFn = Callable[[int, int, torch.Tensor, List[torch.Tensor]], None]
@@ -60,6 +69,8 @@ SQ_PIECE = 1 << 18
 FP32_BYTES = 4
 # Two copies of the NVMe optimizer state are kept when the disk has this much more room than they need.
 DISK_HEADROOM = 1.05
+OPTIMIZER_PATH_KEY = "zero_optimization.offload_optimizer.nvme_path"
+Copies = Union[int, Callable[[int], int]]  # NVMe copies, or copies(numel) for the `numel` elements swapped
 
 
 class StateTier(Protocol):
@@ -106,6 +117,33 @@ class StateInfo:
     device_part: str = ""  # what steps a split's device share: "torch" (zero.device_part) or "kernels"
 
 
+def describe_placement(info: StateInfo, n_states: int, offload: Any, budget_bytes: int) -> str:
+    """One line for the log: where the optimizer state went, bytes per tier, and why (the offload settings
+    and, for `max_in_cpu: "auto"`, the pinned budget it was sized against)."""
+    fmt = StateFormat(n_states, info.state_dtype)
+    device = fmt.whole_bytes(info.device_numel)
+    host = fmt.whole_bytes(info.resident_numel - info.device_numel)
+    if info.tier == "device":
+        return (
+            f"optimizer state: {format_bytes(device)} on the training device (offload_optimizer.device=none)"
+        )
+    parts = [f"{format_bytes(device)} on the training device (ratio={offload.ratio})"] if device else []
+    if info.tier == "cpu":
+        parts.append(f"{format_bytes(host)} in pinned RAM (offload_optimizer.device=cpu)")
+        return "optimizer state: " + ", ".join(parts)
+    swapped = fmt.whole_bytes(info.swapped_numel)
+    copies = f" ({info.copies} cop{'ies' if info.copies > 1 else 'y'} on disk)" if swapped else ""
+    parts += [f"{format_bytes(host)} in pinned RAM", f"{format_bytes(swapped)} on NVMe{copies}"]
+    want = offload.max_in_cpu
+    if want != "auto":
+        why = f"max_in_cpu={want}"
+    elif info.swapped_numel == 0:
+        why = f"max_in_cpu=auto: fits in the pinned budget of {format_bytes(budget_bytes)}"
+    else:
+        why = f"max_in_cpu=auto: what fits in the pinned budget of {format_bytes(budget_bytes)} stays in RAM"
+    return "optimizer state: " + ", ".join(parts) + f" ({why})"
+
+
 def _disk_free(path: str) -> int:
     return shutil.disk_usage(path).free
 
@@ -117,7 +155,7 @@ def swap_copies(
     the disk at `nvme_path` has room for two copies of the state, else 1 (in place, with a warning: a step
     that fails half way cannot be rolled back then). 1: in place, as chosen. 2: ValueError with the sizes
     when the disk cannot hold them."""
-    nvme_path = check_nvme_path(nvme_path or "")  # a clear error for a missing or unusable path first
+    nvme_path = check_nvme_path(nvme_path or "", OPTIMIZER_PATH_KEY)  # a clear error for a bad path first
     if choice == 1:
         return 1
     one = StateFormat(n_states, state_dtype).whole_bytes(numel)
@@ -155,7 +193,7 @@ def build_tier(
     rank: int,
     alias: Optional[torch.Tensor] = None,
     device_staging_bytes: int = 0,
-    swap_copies: int = 2,
+    swap_copies: Copies = 2,
     state_dtype: str = "fp32",
 ) -> tuple[StateTier, Optional[SwapSpace]]:
     """The tier for `offload_optimizer.device` = `tier`, filled with the initial master (`init`: the values,
@@ -204,7 +242,7 @@ def _one_tier(
     rank: int,
     alias: Optional[torch.Tensor],
     device_staging_bytes: int,
-    swap_copies: int,
+    swap_copies: Copies,
 ) -> tuple[StateTier, Optional[SwapSpace]]:
     if callable(init) and tier != "nvme" and alias is None:
         values = torch.empty(numel, dtype=torch.float32)
@@ -245,9 +283,10 @@ def _nvme_tier(
     aio: AioConfig,
     rank: int,
     device_staging_bytes: int,
-    copies: int,
+    copies: Copies,
 ) -> tuple[StateTier, Optional[SwapSpace]]:
-    nvme_path = check_nvme_path(off.nvme_path or "")
+    nvme_path = check_nvme_path(off.nvme_path or "", OPTIMIZER_PATH_KEY)
+    copies = copies(numel) if callable(copies) else copies  # decided for the swapped share only
     buffer_count = max(1, int(off.buffer_count))
     chunk = plan_slot_numel(
         sub_group,
@@ -279,11 +318,14 @@ def _nvme_tier(
         space.close()  # no half-built swap directory left behind
         raise
 
+    bar = progress("zero: writing the optimizer state to NVMe", fmt.whole_bytes(numel), rank=rank)
+
     def fill(start: int, n: int, master: torch.Tensor, states: List[torch.Tensor]) -> None:
         if callable(init):
             init(start, n, master)
         else:
             master.copy_(init[start : start + n])
+        bar.update(fmt.whole_bytes(n))
 
     try:
         swapper.load(fill, states_zero=True)
@@ -291,6 +333,8 @@ def _nvme_tier(
         swapper.close()
         space.close()
         raise
+    finally:
+        bar.close()
     swapper.stats.reset()  # the initial write is not part of any step's report
     return swapper, space
 

@@ -26,6 +26,7 @@ import copy
 import errno
 import json
 import logging
+import math
 import os
 import re
 import time
@@ -35,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Mapping, 
 import torch
 from torch import nn
 
+from offload.progress import progress
 from zero.hub import HUB_KWARGS, checkpoint_dir
 
 if TYPE_CHECKING:
@@ -54,6 +56,18 @@ _FLOAT_TENSORS = ("F64", "F32", "F16", "BF16")
 # from_pretrained arguments about placement or quantization: the config's offload_param places the weights
 _REFUSED_KWARGS = ("device_map", "max_memory", "offload_folder", "quantization_config", "tp_plan")
 _SHOWN = 10  # names listed in an error or warning before "and N more"
+_ITEMSIZE = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+}
 
 
 class PretrainedCheckpointError(ValueError):
@@ -412,10 +426,18 @@ def _plan(model: nn.Module, tensors: Dict[str, _Tensor], rename: Callable[[str],
 
 # ------------------------------------------------------------------------------------------- streaming
 def _stream(
-    part: Stage3Partitioner, model: nn.Module, plan: _Plan, skip: Optional[Callable[[Any], bool]] = None
+    part: Stage3Partitioner,
+    model: nn.Module,
+    plan: _Plan,
+    skip: Optional[Callable[[Any], bool]] = None,
+    *,
+    tensors: Mapping[str, _Tensor],
+    desc: str,
+    rank: int,
 ) -> int:
     """Copy every planned tensor into its partition (or buffer), file by file, except those of the units
-    `skip(unit)` is true for (their partitions hold their values already); returns bytes read."""
+    `skip(unit)` is true for (their partitions hold their values already); returns bytes read. A progress
+    bar `desc` (offload.progress) counts the bytes read against the headers' `tensors`."""
     from safetensors import safe_open
 
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -424,6 +446,7 @@ def _stream(
     files = sorted({f for f, _ in wanted.values()} | {f for f, _ in plan.buffers.values()})
     written: set = set()  # units whose partition already holds some values (the rest start as zeros)
     nbytes = 0
+    bar = progress(desc, _planned_bytes(tensors, [*wanted, *plan.buffers]), rank=rank)
     for file in files:
         by_unit: Dict[int, List[Tuple[str, int]]] = {}
         for key, (f, name) in wanted.items():
@@ -449,6 +472,7 @@ def _stream(
                         if lo < hi:
                             values[lo - unit.lo : hi - unit.lo].copy_(flat[lo - a : hi - a])
                         nbytes += flat.numel() * flat.element_size()
+                        bar.update(flat.numel() * flat.element_size())
                         del flat
                     if part.store.codec(unit) is not None and index in written:
                         # quantized: encode only this file's parameters (the others are not rounded twice)
@@ -463,12 +487,21 @@ def _stream(
                             t = f.get_tensor(key)
                             buffers[name].copy_(t)
                             nbytes += t.numel() * t.element_size()
+                            bar.update(t.numel() * t.element_size())
         except (OSError, MemoryError):
+            bar.close()
             raise
         except Exception as e:
+            bar.close()
             what = f"reading tensor {key!r}" if key is not None else "opening it"
             raise PretrainedCheckpointError(f"{file}: {what} failed: {e}") from e
+    bar.close()
     return nbytes
+
+
+def _planned_bytes(tensors: Mapping[str, _Tensor], keys: Any) -> int:
+    """Bytes of the checkpoint tensors `keys` (the progress bar's total), from the headers' shapes."""
+    return sum(math.prod(tensors[k].shape) * _ITEMSIZE.get(tensors[k].dtype, 0) for k in keys if k in tensors)
 
 
 # ---------------------------------------------------------------------------------------------- public
@@ -580,7 +613,11 @@ def _load(
             if cache is not None and reused:
                 cache.check_complete()
             # reusing: the swap files hold their units' values; only the partitions in memory are read
-            nbytes = _stream(part, model, plan, skip=part.store.on_nvme if reused else None)
+            desc = "zero.from_pretrained: " + (
+                "building the swap cache" if cache is not None and not reused else "loading"
+            )
+            skip = part.store.on_nvme if reused else None
+            nbytes = _stream(part, model, plan, skip, tensors=tensors, desc=desc, rank=rank)
             if cache is not None:
                 cache.seal()  # every file fsync'd, then the manifest: complete from here on
             break

@@ -7,11 +7,15 @@ Bad input prints one line on stderr and exits with status 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
+import os
 import sys
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
+from offload.cli.pipe import quiet_broken_pipe
+from offload.config.zero import OffloadOptimizerConfig
 from offload.estimate.activations import ActivationSettings
 from offload.estimate.counting import (
     count_parameters,
@@ -52,8 +56,9 @@ from offload.estimate.machine import (
     recommend,
 )
 from offload.estimate.report import deepspeed_json, estimates_json, render_deepspeed, render_estimates
-from offload.estimate.split import apply_split
-from offload.estimate.units import format_count, parse_count
+from offload.estimate.split import apply_split, resolve_max_in_cpu
+from offload.estimate.units import format_bytes, format_count, parse_count
+from offload.pinned import PINNED_BUDGET_ENV, automatic_pinned_budget, default_pinned_budget
 
 PROG = "ds-estimate-memory"
 HEURISTIC_SOURCE = "heuristic; pass --largest-layer for the exact value"
@@ -75,6 +80,13 @@ def _count_or_zero(what: str):
         return 0 if text.strip() in ("0", "0.0", "0e0") else count(text)
 
     return parse
+
+
+def _auto_or(parse):
+    def auto_or(text: str):
+        return "auto" if text.strip().lower() == "auto" else parse(text)
+
+    return auto_or
 
 
 def _count(what: str):
@@ -154,8 +166,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     hw = parser.add_argument_group("hardware")
-    hw.add_argument("--gpus-per-node", type=_positive_int("--gpus-per-node"), default=1)
-    hw.add_argument("--nodes", type=_positive_int("--nodes"), default=1)
+    hw.add_argument(
+        "--gpus-per-node",
+        type=_positive_int("--gpus-per-node"),
+        default=1,
+        help="ranks (GPUs) per node, sharing its host memory and NVMe (default 1; on a machine without a "
+        "GPU: training processes per node)",
+    )
+    hw.add_argument(
+        "--nodes",
+        type=_positive_int("--nodes"),
+        default=1,
+        help="nodes; ZeRO partitions over all gpus-per-node x nodes ranks (default 1)",
+    )
 
     zero = parser.add_argument_group("ZeRO (omitted: every valid choice)")
     zero.add_argument("--stage", type=_stage, help="0, 1, 2 or 3")
@@ -182,11 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     zero.add_argument(
         "--max-in-cpu",
-        type=_count_or_zero("--max-in-cpu"),
-        default=0,
+        type=_auto_or(_count_or_zero("--max-in-cpu")),
         help="offload_optimizer.max_in_cpu: optimizer-state elements per rank kept in pinned host "
-        "memory with offload_optimizer nvme (default 0: every sub-group on NVMe; the engine's default, "
-        "auto, depends on the machine's pinned budget)",
+        f"memory with offload_optimizer nvme; 0: every sub-group on NVMe (default: the --config's, else "
+        f"the engine's {OffloadOptimizerConfig.max_in_cpu!r}: what fits in this machine's pinned budget, "
+        "as the engine resolves it)",
     )
     zero.add_argument(
         "--ratio",
@@ -395,6 +418,41 @@ def _machine(args: argparse.Namespace) -> MachineProfile:
     return detected
 
 
+def _max_in_cpu(args: argparse.Namespace, config: Optional[ConfigChoices]) -> Union[int, str]:
+    """--max-in-cpu, else the --config's offload_optimizer.max_in_cpu, else the engine's default."""
+    if args.max_in_cpu is not None:
+        return args.max_in_cpu
+    if config is not None and config.optimizer_max_in_cpu is not None:
+        return config.optimizer_max_in_cpu
+    return OffloadOptimizerConfig.max_in_cpu
+
+
+def _pinned_budget(
+    args: argparse.Namespace, config: Optional[ConfigChoices], machine: Optional[MachineProfile]
+) -> int:
+    """One rank's pinned budget, as the engine sets it (offload.pinned.default_pinned_budget): the config's
+    zero_offload.pinned_budget_bytes, else $ZERO_OFFLOAD_PINNED_BUDGET, else half of this machine's memory
+    (or the --machine-profile's ram_bytes) over --gpus-per-node ranks."""
+    if (config is not None and config.pinned_budget_bytes is not None) or os.environ.get(PINNED_BUDGET_ENV):
+        return default_pinned_budget(config.pinned_budget_bytes if config is not None else None)
+    given = machine is not None and "ram_bytes" in machine.sources and args.machine_profile
+    return automatic_pinned_budget(
+        physical=machine.ram_bytes if given and machine is not None else None,
+        environ={"LOCAL_WORLD_SIZE": str(args.gpus_per_node)},
+    )
+
+
+def _with_note(est: MemoryEstimate, max_in_cpu: Union[int, str], kept: int, budget: int) -> MemoryEstimate:
+    if max_in_cpu != "auto" or est.offload_optimizer != "nvme":
+        return est
+    note = (
+        f"max_in_cpu=auto: {format_count(kept)} optimizer-state elements per rank in pinned host memory, "
+        f"the rest on NVMe: what fits in a pinned budget of {format_bytes(budget)} per rank after the other "
+        "pinned buffers, as the engine places it (--max-in-cpu 0: all on NVMe)"
+    )
+    return dataclasses.replace(est, notes=(*est.notes, note))
+
+
 def run(argv: Optional[Sequence[str]] = None) -> str:
     """Parse argv and return the text to print; raises EstimateInputError on bad input."""
     args = build_parser().parse_args(argv)
@@ -448,14 +506,20 @@ def run(argv: Optional[Sequence[str]] = None) -> str:
         activations=_activation_settings(args, config),
     )
     estimates: List[MemoryEstimate] = estimate_all(setup, stages, opts, pars)
-    estimates = [apply_split(e, setup, args.ratio, args.max_in_cpu) for e in estimates]
     if not estimates:
         raise EstimateInputError(_first_reason(stages, opts, pars))
-
     checks = machine = recommended = None
     if args.fit or args.machine_profile:
         machine = _machine(args)
-        checks = [check_fit(est, machine) for est in estimates]
+    max_in_cpu = _max_in_cpu(args, config)
+    budget = _pinned_budget(args, config, machine) if max_in_cpu == "auto" else 0
+    split = []
+    for e in estimates:
+        kept = resolve_max_in_cpu(e, setup, args.ratio, max_in_cpu, budget)
+        split.append(_with_note(apply_split(e, setup, args.ratio, kept), max_in_cpu, kept, budget))
+    estimates = split
+    if machine is not None:
+        checks = [check_fit(est, machine, args.gpus_per_node) for est in estimates]
         recommended = recommend(estimates, checks)
     if args.json:
         return json.dumps(estimates_json(setup, estimates, source, checks, machine, recommended), indent=2)
@@ -548,6 +612,7 @@ def _run_inference(args: argparse.Namespace, config: Optional[ConfigChoices]) ->
     return render_inference(estimates, header)
 
 
+@quiet_broken_pipe
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run `ds-estimate-memory` with `argv`; returns the process exit code."""
     try:

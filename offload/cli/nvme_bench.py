@@ -30,6 +30,7 @@ from offload.bench.grid import (
     quick_grid,
     read_grid_argument,
 )
+from offload.cli.pipe import quiet_broken_pipe
 
 PROG = "ds-nvme-bench"
 DEFAULT_SIZE = 1 * GiB
@@ -399,6 +400,7 @@ def run_fio_comparisons(
     return comparisons
 
 
+@quiet_broken_pipe
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run `ds-nvme-bench` with `argv`; returns the process exit code."""
     args = build_parser().parse_args(argv)

@@ -140,7 +140,7 @@ class OffloadOptimizerConfig:
 
     device: str = "none"
     nvme_path: Optional[str] = None
-    pin_memory: bool = False
+    pin_memory: bool = True  # DeepSpeed's default is false; the engine always pins (usage.py: ignored)
     buffer_count: int = 4
     pipeline_read: bool = False
     pipeline_write: bool = False

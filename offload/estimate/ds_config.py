@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Dict, Optional, Union
 
 from offload.config.zero import MIN_SUB_GROUP_SIZE
 
@@ -33,6 +33,8 @@ class ConfigChoices:
     micro_batch_size: Optional[int] = None
     checkpoint_device: Optional[str] = None  # activation_checkpointing: "none", "cpu" or "nvme"
     buffers: Dict[str, object] = field(default_factory=dict)  # SwapBufferSettings keyword arguments
+    optimizer_max_in_cpu: Union[int, str, None] = None  # offload_optimizer.max_in_cpu: a count or "auto"
+    pinned_budget_bytes: Optional[int] = None  # zero_offload.pinned_budget_bytes
 
 
 def _is_auto(value: object) -> bool:
@@ -111,6 +113,17 @@ def read_ds_config(path: str) -> ConfigChoices:
             raise EstimateInputError(f'{where}: {prefix}nvme_copies must be "auto", 1 or 2, got {copies!r}')
         buffers["optimizer_nvme_copies"] = copies
 
+    opt_max_in_cpu = opt_section.get("max_in_cpu")
+    if opt_max_in_cpu is not None and not _is_auto(opt_max_in_cpu):
+        if isinstance(opt_max_in_cpu, float) and opt_max_in_cpu.is_integer():
+            opt_max_in_cpu = int(opt_max_in_cpu)
+        if isinstance(opt_max_in_cpu, bool) or not isinstance(opt_max_in_cpu, int) or opt_max_in_cpu < 0:
+            raise EstimateInputError(
+                f'{where}: {prefix}max_in_cpu must be "auto" or an integer >= 0, got {opt_max_in_cpu!r}'
+            )
+    elif opt_max_in_cpu is not None:
+        opt_max_in_cpu = "auto"
+
     par_section = _section(zero, "offload_param", where, "zero_optimization.")
     prefix = "zero_optimization.offload_param."
     offload_param = _device(par_section, where, prefix)
@@ -179,6 +192,11 @@ def read_ds_config(path: str) -> ConfigChoices:
             f'{where}: optimizer.params.state_dtype must be "fp32", "bf16" or "int8", got {state_dtype!r}'
         )
 
+    budget = _section(config, "zero_offload", where).get("pinned_budget_bytes")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+        raise EstimateInputError(
+            f"{where}: zero_offload.pinned_budget_bytes must be an integer >= 0, got {budget!r}"
+        )
     micro_batch = _positive_int(config, "train_micro_batch_size_per_gpu", where, "")
     act = _section(config, "activation_checkpointing", where)
     checkpoint_device = act.get("offload_device")
@@ -202,4 +220,6 @@ def read_ds_config(path: str) -> ConfigChoices:
         micro_batch_size=micro_batch,
         checkpoint_device=checkpoint_device,
         buffers=buffers,
+        optimizer_max_in_cpu=opt_max_in_cpu,
+        pinned_budget_bytes=budget,
     )

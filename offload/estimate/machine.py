@@ -31,6 +31,8 @@ class MachineProfile:
     nvme_read_gbps: Optional[float] = None  # GB/s (1e9 bytes/s)
     nvme_write_gbps: Optional[float] = None
     sources: Dict[str, str] = field(default_factory=dict, compare=False)  # field -> where it came from
+    # no GPU: the training device is the CPU, and what the estimate puts "per GPU" lives in host memory
+    cpu_only: bool = False
 
     def merged_over(self, base: MachineProfile) -> MachineProfile:
         """This profile's fields, falling back to base's where this one has none."""
@@ -41,7 +43,9 @@ class MachineProfile:
             values[name] = mine if mine is not None else getattr(base, name)
             if mine is not None:
                 sources[name] = self.sources.get(name, "given")
-        return MachineProfile(**values, sources=sources)
+        # a GPU either side found wins: a profile written without CUDA says nothing against a detected one
+        cpu_only = values["gpu_bytes"] is None and (self.cpu_only or base.cpu_only)
+        return MachineProfile(**values, sources=sources, cpu_only=cpu_only)
 
 
 def detect_machine(nvme_path: str = ".") -> MachineProfile:
@@ -62,7 +66,11 @@ def detect_machine(nvme_path: str = ".") -> MachineProfile:
     nvme_free = int(shutil.disk_usage(nvme_path).free)
     sources["nvme_free_bytes"] = f"free space of {os.path.abspath(nvme_path)}"
     return MachineProfile(
-        gpu_bytes=gpu_bytes, ram_bytes=ram_bytes, nvme_free_bytes=nvme_free, sources=sources
+        gpu_bytes=gpu_bytes,
+        ram_bytes=ram_bytes,
+        nvme_free_bytes=nvme_free,
+        sources=sources,
+        cpu_only=gpu_bytes is None,
     )
 
 
@@ -72,6 +80,7 @@ def load_machine_profile(path: str) -> MachineProfile:
     if not isinstance(data, dict):
         raise EstimateInputError(f"--machine-profile {path}: expected a JSON object")
     values = {}
+    cpu_only = False
     for name in _PROFILE_FIELDS:
         if name not in data or data[name] is None:
             continue
@@ -86,12 +95,15 @@ def load_machine_profile(path: str) -> MachineProfile:
                 f"--machine-profile {path}: {name} must be a non-negative number, got {value!r}"
             )
         if name == "gpu_bytes" and value == 0:
-            continue  # the NVMe bench writes 0 when it found no CUDA device: unknown, not a 0-byte GPU
+            cpu_only = True  # the NVMe bench writes 0 when it found no CUDA device: the CPU is the device
+            continue
         values[name] = value if name.endswith("_gbps") else int(value)
     for name in ("nvme_read_gbps", "nvme_write_gbps"):
         if values.get(name) == 0:
             raise EstimateInputError(f"--machine-profile {path}: {name} must be positive, got 0")
-    return MachineProfile(**values, sources=dict.fromkeys(values, f"machine profile {path}"))
+    return MachineProfile(
+        **values, sources=dict.fromkeys(values, f"machine profile {path}"), cpu_only=cpu_only
+    )
 
 
 @dataclass(frozen=True)
@@ -102,6 +114,7 @@ class FitCheck:
     cpu: Optional[bool]
     nvme: Optional[bool]
     nvme_io_seconds: Optional[float]
+    device: str = "gpu"  # "cpu" on a machine without a GPU: the per-GPU bytes were checked in host memory
 
     @property
     def fits(self) -> bool:
@@ -112,7 +125,8 @@ class FitCheck:
         if not self.fits:
             short = [tier for tier in ("gpu", "cpu", "nvme") if getattr(self, tier) is False]
             return "no (" + ", ".join(short) + ")"
-        unknown = [tier for tier in ("gpu", "cpu", "nvme") if getattr(self, tier) is None]
+        tiers = ("gpu", "cpu", "nvme") if self.device == "gpu" else ("cpu", "nvme")
+        unknown = [tier for tier in tiers if getattr(self, tier) is None]
         return "yes" if not unknown else "yes? (" + ", ".join(unknown) + " unknown)"
 
     def to_dict(self) -> Dict[str, object]:
@@ -122,6 +136,7 @@ class FitCheck:
             "cpu": self.cpu,
             "nvme": self.nvme,
             "nvme_io_seconds_per_step": self.nvme_io_seconds,
+            "device": self.device,
         }
 
 
@@ -143,14 +158,23 @@ def _within(need: int, have: Optional[int]) -> Optional[bool]:
     return None if have is None else need <= have
 
 
-def check_fit(estimate: MemoryEstimate, machine: MachineProfile) -> FitCheck:
-    """Whether `estimate` fits on `machine`, tier by tier, with the margin left or missing."""
+def host_bytes(estimate: MemoryEstimate, machine: MachineProfile, ranks_per_node: int = 1) -> int:
+    """Host memory one node needs: its CPU bytes and, on a machine without a GPU (the CPU is the
+    device), the per-GPU bytes of each of its `ranks_per_node` ranks as well."""
+    device = estimate.per_gpu_bytes * ranks_per_node if machine.cpu_only else 0
+    return estimate.per_cpu_bytes + device
+
+
+def check_fit(estimate: MemoryEstimate, machine: MachineProfile, ranks_per_node: int = 1) -> FitCheck:
+    """Whether `estimate` fits on `machine`, tier by tier, with the margin left or missing. Without a GPU
+    (`machine.cpu_only`) the device's bytes are host memory: checked with the CPU's (`host_bytes`)."""
     return FitCheck(
-        gpu=_within(estimate.per_gpu_bytes, machine.gpu_bytes),
-        cpu=_within(estimate.per_cpu_bytes, machine.ram_bytes),
+        gpu=None if machine.cpu_only else _within(estimate.per_gpu_bytes, machine.gpu_bytes),
+        cpu=_within(host_bytes(estimate, machine, ranks_per_node), machine.ram_bytes),
         # stage 3 runs with one copy of the NVMe optimizer state when two do not fit (nvme_min_bytes)
         nvme=_within(estimate.nvme_min_bytes, machine.nvme_free_bytes) if estimate.nvme_bytes else True,
         nvme_io_seconds=nvme_io_seconds(estimate, machine),
+        device="cpu" if machine.cpu_only else "gpu",
     )
 
 

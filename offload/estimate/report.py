@@ -95,6 +95,8 @@ def render_estimates(
                 name
             ]
             shown = "unknown" if value is None else format_bytes(value)
+            if name == "GPU memory" and machine.cpu_only:
+                shown = "none (the CPU is the device)"
             source = machine.sources.get(key, "")
             lines.append(f"  {name}: {shown}" + (f"  [{source}]" if source else ""))
         if machine.nvme_read_gbps and machine.nvme_write_gbps:
@@ -102,9 +104,14 @@ def render_estimates(
                 f"  NVMe bandwidth: read {machine.nvme_read_gbps:g} GB/s, "
                 f"write {machine.nvme_write_gbps:g} GB/s"
             )
-        if machine.gpu_bytes is None:
+        if machine.cpu_only:
             lines.append(
-                "  No CUDA GPU found: the GPU column was not checked "
+                "  No GPU: the device is this host's memory, so each rank's per-GPU bytes were checked in "
+                "host memory together with the per-CPU bytes."
+            )
+        elif machine.gpu_bytes is None:
+            lines.append(
+                "  GPU memory unknown: the GPU column was not checked "
                 "(a --machine-profile can give gpu_bytes)."
             )
     if checks is not None:
@@ -149,6 +156,7 @@ def estimates_json(
             "nvme_free_bytes": machine.nvme_free_bytes,
             "nvme_read_gbps": machine.nvme_read_gbps,
             "nvme_write_gbps": machine.nvme_write_gbps,
+            "cpu_only": machine.cpu_only,
             "sources": dict(machine.sources),
         }
     if checks is not None:

@@ -6,21 +6,21 @@ stay in pinned host memory and only the rest is swapped).
 and moves the fp32 master and optimizer states of the device and host shares out of it, with the split the
 engine makes (offload/swap/split.py: whole sub-groups, in index order device | host | NVMe): the GPU grows
 by the device share, host memory by the RAM-first share, and NVMe bytes on disk and per step shrink to the
-swapped share. `max_in_cpu: "auto"` depends on the pinned budget of the machine the engine runs on; the
-estimator takes an explicit count (0, every sub-group on NVMe, when not given).
+swapped share. `max_in_cpu: "auto"` (the engine's default, and the estimator's) depends on the pinned budget
+of the machine the engine runs on: `resolve_max_in_cpu` turns it into a count as the engine does.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict
+from typing import Dict, Union
 
-from offload.estimate.formulas import FP32_BYTES, MemoryEstimate, TrainingSetup
+from offload.estimate.formulas import FP32_BYTES, OPTIMIZER_STATES_PER_PARAM, MemoryEstimate, TrainingSetup
 from offload.swap.slots import swap_chunk
-from offload.swap.split import split_numel
+from offload.swap.split import auto_max_in_cpu, split_numel
 
-__all__ = ["apply_split"]
+__all__ = ["apply_split", "resolve_max_in_cpu"]
 
 _MASTER, _STATES, _SLOTS = "master_params_fp32", "optimizer_states", "swap_buffers"
 
@@ -30,6 +30,29 @@ def _take(row: Dict[str, int], name: str, nbytes: int) -> int:
     taken = min(row.get(name, 0), max(0, nbytes))
     row[name] = row.get(name, 0) - taken
     return taken
+
+
+def resolve_max_in_cpu(
+    est: MemoryEstimate, setup: TrainingSetup, ratio: float, max_in_cpu: Union[int, str], pinned_budget: int
+) -> int:
+    """`offload_optimizer.max_in_cpu` as an element count for `est`: a count as given; "auto" as the engine
+    resolves it (`auto_max_in_cpu`): the whole NVMe share when master + states fit in what one rank's
+    `pinned_budget` has left after the estimate's other pinned bytes, else what fits after the slots."""
+    if max_in_cpu != "auto":
+        return int(max_in_cpu)
+    if est.offload_optimizer != "nvme":
+        return 0
+    part = math.ceil(setup.params / setup.world_size) if est.stage >= 1 else setup.params
+    rest = split_numel(part, setup.buffers.sub_group_size, tier="nvme", ratio=ratio).offload
+    other = sum(v for k, v in est.cpu_pinned.items() if k not in (_MASTER, _STATES, _SLOTS))
+    return auto_max_in_cpu(
+        rest,
+        OPTIMIZER_STATES_PER_PARAM[setup.optimizer],
+        setup.buffers.sub_group_size,
+        setup.buffers.optimizer_buffer_count,
+        free_bytes=pinned_budget - other // setup.gpus_per_node,
+        state_dtype=setup.optimizer_state_dtype,
+    )
 
 
 def apply_split(

@@ -106,24 +106,23 @@ def _swap_error(err: int, message: str, path: str) -> OSError:
     return SwapSpaceError(err, message, path)
 
 
-def check_nvme_path(nvme_path: str) -> str:
+def check_nvme_path(nvme_path: str, key: str = "offload nvme_path") -> str:
     """Absolute `nvme_path` if it is an existing, writable directory that no other user can rename entries
     in (owned by this user or root; writable by others only with the sticky bit); SwapSpaceError (EPERM for
-    an unsafe one) naming it otherwise."""
+    an unsafe one) naming it and the config `key` it came from (e.g.
+    "zero_optimization.offload_optimizer.nvme_path") otherwise."""
     if not nvme_path:
-        raise SwapSpaceError(
-            errno.EINVAL, "offload nvme_path is empty: set zero_optimization.offload_*.nvme_path"
-        )
+        raise SwapSpaceError(errno.EINVAL, f"{key} is empty: set zero_optimization.offload_*.nvme_path")
     path = os.path.abspath(os.path.expanduser(nvme_path))
     if not os.path.exists(path):
-        raise SwapSpaceError(errno.ENOENT, "offload nvme_path does not exist", path)
+        raise SwapSpaceError(errno.ENOENT, f"{key} does not exist", path)
     if not os.path.isdir(path):
-        raise SwapSpaceError(errno.ENOTDIR, "offload nvme_path is not a directory", path)
+        raise SwapSpaceError(errno.ENOTDIR, f"{key} is not a directory", path)
     if not os.access(path, os.W_OK | os.X_OK):
-        raise SwapSpaceError(errno.EACCES, "offload nvme_path is not writable by this user", path)
+        raise SwapSpaceError(errno.EACCES, f"{key} is not writable by this user", path)
     reason = unsafe_reason(os.stat(path))
     if reason is not None:
-        raise SwapSpaceError(errno.EPERM, f"offload nvme_path {reason}", path)
+        raise SwapSpaceError(errno.EPERM, f"{key} {reason}", path)
     return path
 
 

@@ -145,8 +145,11 @@ def write_bytes(path: str, data: bytes) -> Entry:
     return digest.entry()
 
 
-def digest_file(path: str, segment: int, size: Optional[int] = None) -> Entry:
-    """Read `path` sequentially and digest it in segments of `segment` bytes."""
+def digest_file(
+    path: str, segment: int, size: Optional[int] = None, on_read: Optional[Callable[[int], None]] = None
+) -> Entry:
+    """Read `path` sequentially and digest it in segments of `segment` bytes; `on_read(n)` after each read
+    (a progress bar)."""
     digest = StreamDigest(segment)
     buf = bytearray(_READ_BYTES)
     view = memoryview(buf)
@@ -156,6 +159,8 @@ def digest_file(path: str, segment: int, size: Optional[int] = None) -> Entry:
             if not n:
                 break
             digest.update(view[:n])
+            if on_read is not None:
+                on_read(n)
     entry = digest.entry()
     if size is not None and entry["size"] != size:
         raise CheckpointIntegrityError(f"{path}: {entry['size']} bytes read, expected {size}")
@@ -173,10 +178,10 @@ def verify_size(path: str, want: Entry) -> None:
         )
 
 
-def verify_file(path: str, want: Entry) -> None:
+def verify_file(path: str, want: Entry, on_read: Optional[Callable[[int], None]] = None) -> None:
     """Raise CheckpointIntegrityError naming `path` unless its size and digests are those of `want`."""
     verify_size(path, want)
-    got = digest_file(path, int(want["segment_bytes"]), size=int(want["size"]))
+    got = digest_file(path, int(want["segment_bytes"]), size=int(want["size"]), on_read=on_read)
     for i, (a, b) in enumerate(zip(got["digests"], want["digests"])):
         if a != b:
             seg = int(want["segment_bytes"])

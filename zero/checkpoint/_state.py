@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from offload.progress import progress
 from offload.swap.optimizer_swapper import STATE_TORCH_DTYPES
 from offload.swap.slots import QUANT_BLOCK, StateFormat
 from zero.checkpoint._engine import CheckpointEngine
@@ -247,13 +248,17 @@ def write_optimizer(engine: CheckpointEngine, path: str) -> Entry:
                 d.update(_host_bytes(t))
         expect = start + n
         handle.wait()  # the views are only valid during this call
+        bar.update(sum(t.numel() * t.element_size() for t in tensors))
 
+    bar = progress("save_checkpoint: optimizer state", optimizer_nbytes(engine), rank=engine.rank)
     try:
         handle.register_file(path)  # one descriptor for every write, never the path again
         engine.stream_optimizer_state(put)
     except BaseException:
         _close_quietly(handle)
         raise
+    finally:
+        bar.close()
     handle.close()
     fsync_path(path)
     if not (in_order and expect == part):
@@ -298,11 +303,18 @@ def read_optimizer(engine: CheckpointEngine, path: str, state_dtype: str = "fp32
         for t, v in zip(states, convert_states(saved[1:], src, dst, engine.rule.signed)):
             t.copy_(v)
 
+    def fill_counted(start: int, n: int, master: torch.Tensor, states: List[torch.Tensor]) -> None:
+        fill(start, n, master, states)
+        bar.update(src.whole_bytes(n))
+
+    bar = progress("load_checkpoint: optimizer state", size, rank=engine.rank)
     try:
-        engine.load_optimizer_state(fill)
+        engine.load_optimizer_state(fill_counted)
     except BaseException:
         _close_quietly(handle)
         raise
+    finally:
+        bar.close()
     handle.close()
 
 
@@ -311,11 +323,14 @@ def write_params(engine: CheckpointEngine, path: str, exclude_frozen: bool = Fal
     a time."""
     part = engine.partitioner
     digest = StreamDigest()
-    with os.fdopen(create_private(path), "wb") as f:
-        for u in saved_units(engine, exclude_frozen):
+    units = saved_units(engine, exclude_frozen)
+    bar = progress("save_checkpoint: parameters", sum(u.part_nbytes for u in units), rank=engine.rank)
+    with os.fdopen(create_private(path), "wb") as f, bar:
+        for u in units:
             raw = part.read_partition(u, torch.empty(u.part_numel, dtype=u.dtype)).view(torch.uint8).numpy()
             digest.update(raw)
             f.write(raw.data)
+            bar.update(raw.nbytes)
         f.flush()
         os.fsync(f.fileno())
     return digest.entry()
@@ -323,12 +338,15 @@ def write_params(engine: CheckpointEngine, path: str, exclude_frozen: bool = Fal
 
 def read_params(engine: CheckpointEngine, path: str, exclude_frozen: bool = False) -> None:
     part = engine.partitioner
-    with open(path, "rb") as f:
-        for u in saved_units(engine, exclude_frozen):
+    units = saved_units(engine, exclude_frozen)
+    bar = progress("load_checkpoint: parameters", sum(u.part_nbytes for u in units), rank=engine.rank)
+    with open(path, "rb") as f, bar:
+        for u in units:
             values = torch.empty(u.part_numel, dtype=u.dtype)
             if f.readinto(values.view(torch.uint8).numpy()) != u.part_nbytes:  # straight into the tensor
                 raise OSError(f"{path}: ended inside unit {u.name}")
             part.write_partition(u, values)
+            bar.update(u.part_nbytes)
 
 
 def optimizer_meta(engine: CheckpointEngine) -> Dict[str, Any]:

@@ -10,6 +10,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from offload.progress import progress
 from zero.checkpoint import _state as st
 from zero.checkpoint._agree import FAILED, NOTHING, OK, agree, attempt, codes, failed_ranks
 from zero.checkpoint._engine import CheckpointEngine
@@ -197,8 +198,9 @@ def _plan(
                 f"{path}: {name} has {listed[name]['size']} bytes, this model and optimizer need "
                 f"{expected[name]}"
             )
-    for name in big:
-        verify_file(os.path.join(path, name), listed[name])
+    with progress("load_checkpoint: verifying", sum(int(listed[n]["size"]) for n in big), rank=r) as bar:
+        for name in big:
+            verify_file(os.path.join(path, name), listed[name], on_read=bar.update)
     if pickled:
         plan.pickled = torch.load(os.path.join(path, PICKLED), map_location="cpu", weights_only=False)
     return plan

@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
+from offload.progress import progress
 from zero.checkpoint._files import (
     FORMAT_VERSION,
     MANIFEST,
@@ -294,6 +295,8 @@ def get_fp32_state_dict_from_zero_checkpoint(
     for name in sorted({p[0] for _, _, pieces in jobs for p in pieces}):
         readers[name] = _Reader(ck.file(name), ck.listed[name])
     out: Dict[str, torch.Tensor] = {}
+    total = sum(torch.Size(shape).numel() for _, shape, _ in jobs) * out_dtype.itemsize
+    bar = progress("zero-to-fp32: reading", total)
     try:
         for names, shape, pieces in jobs:
             value = torch.empty(shape, dtype=out_dtype)
@@ -301,9 +304,11 @@ def get_fp32_state_dict_from_zero_checkpoint(
             for file, offset, a, z, src in pieces:
                 readers[file].read(offset, flat[a:z], src)
             out.update((n, value) for n in names)
+            bar.update(value.numel() * value.element_size())
         for r in readers.values():
             r.finish()
     finally:
+        bar.close()
         for r in readers.values():
             r.f.close()
     buffers = set(index["buffers"])

@@ -15,6 +15,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
+from offload.progress import progress
 from zero.stage3.store import PartitionStore, UnitSize
 from zero.stage3.unit import (
     Unit,
@@ -117,12 +118,24 @@ class UnitBuilder:
             own = [p for p in m._parameters.values() if p is not None and not is_partitioned(p)]
             if own:
                 pending.append((name, m))
-        self.store.reserve([self._planned_size(name, m) for name, m in pending])
+        sizes = [self._planned_size(name, m) for name, m in pending]
+        self.store.reserve(sizes)
+        # real weights bound for swap files (not meta ones, as zero.from_pretrained's): a bar of the bytes
+        on_disk = self.store.tier == "nvme" and any(
+            not p.is_meta for _, m in pending for p in m.parameters(False)
+        )
         new = []
-        for name, m in pending:
-            u = self.module(m, name)
-            if u is not None:
-                new.append(u)
+        with progress(
+            "zero: writing parameters to NVMe",
+            sum(s.part_nbytes for s in sizes),
+            rank=self.owner.rank,
+            quiet=not on_disk,
+        ) as bar:
+            for (name, m), size in zip(pending, sizes):
+                u = self.module(m, name)
+                if u is not None:
+                    new.append(u)
+                bar.update(size.part_nbytes)
         self.store.ensure_slots()
         return new
 

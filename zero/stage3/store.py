@@ -176,7 +176,11 @@ class PartitionStore:
         self._resident: Dict[str, bool] = {}
         self.stats = StoreStats()
         self._aio = aio
-        self._nvme_path = check_nvme_path(nvme_path or "") if tier == "nvme" else None
+        self._nvme_path = (
+            check_nvme_path(nvme_path or "", "zero_optimization.offload_param.nvme_path")
+            if tier == "nvme"
+            else None
+        )
         self._space: Optional[SwapSpace] = None
         self._files: Dict[int, SwapFile] = {}
         self._file_names: Dict[str, int] = {}
