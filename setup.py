@@ -7,8 +7,11 @@ library beyond libc/libpthread, or uses -march=native: ISA-specific kernels sele
 import glob
 import os
 
-from pybind11.setup_helpers import Pybind11Extension, build_ext
+from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
 from setuptools import setup
+
+# Each extension's translation units compile in parallel: ZO_BUILD_JOBS=N jobs (default: one per core).
+ParallelCompile("ZO_BUILD_JOBS", default=0).install()
 
 COMMON_ARGS = ["-O3", "-fvisibility=hidden", "-fno-strict-aliasing", "-Wall", "-Wextra", "-pthread"]
 

@@ -1,6 +1,6 @@
 // The optimizer kernels, written once against a small SIMD interface `I` and compiled once per ISA.
 //
-// Include this header only from a kernels_<isa>.cpp file, after its target pragma and after the ISA
+// Include this header only from an isa_<isa>.h file, after its target pragma and after the ISA
 // struct is defined. Everything here lives in an anonymous namespace so that each translation unit keeps
 // its own copy compiled for its own target: inline functions shared by name across units could otherwise
 // be merged by the linker into one compiled for the wrong CPU.
@@ -576,38 +576,27 @@ bool dispatch_dtypes(const Arrays& a, const Consts& c, size_t begin, size_t end)
 }  // namespace
 }  // namespace zo_optim
 
-// Defines the four entry points of one ISA; `I` is the ISA struct of the including file.
-#define ZO_DEFINE_ISA_ENTRY_POINTS(isa, I)                                                                   \
+// Define the entry points of one ISA; `I` is the ISA struct of the including file. One macro per
+// optimizer so that an ISA's kernels can be split over translation units (isa_<isa>.h).
+#define ZO_DEFINE_OPTIMIZER_ENTRY_POINT(name, Consts, isa, I)                   \
+    namespace zo_optim {                                                        \
+    namespace {                                                                 \
+    template <int PT, int GT, int ST, int CT>                                   \
+    struct name##Run_##isa {                                                    \
+        static bool run(const Arrays& a, const Consts& c, size_t b, size_t e) { \
+            return name##_impl<I, PT, GT, ST, CT>(a, c, b, e);                  \
+        }                                                                       \
+    };                                                                          \
+    }                                                                           \
+    bool name##_##isa(const Arrays& a, const Consts& c, size_t b, size_t e) {   \
+        return dispatch_dtypes<name##Run_##isa>(a, c, b, e);                    \
+    }                                                                           \
+    }
+#define ZO_DEFINE_ADAM_ENTRY_POINT(isa, I) ZO_DEFINE_OPTIMIZER_ENTRY_POINT(adam, AdamConsts, isa, I)
+#define ZO_DEFINE_ADAGRAD_ENTRY_POINT(isa, I) ZO_DEFINE_OPTIMIZER_ENTRY_POINT(adagrad, AdagradConsts, isa, I)
+#define ZO_DEFINE_LION_ENTRY_POINT(isa, I) ZO_DEFINE_OPTIMIZER_ENTRY_POINT(lion, LionConsts, isa, I)
+#define ZO_DEFINE_ALL_FINITE_ENTRY_POINT(isa, I)                                                             \
     namespace zo_optim {                                                                                     \
-    namespace {                                                                                              \
-    template <int PT, int GT, int ST, int CT>                                                                \
-    struct AdamRun_##isa {                                                                                   \
-        static bool run(const Arrays& a, const AdamConsts& c, size_t b, size_t e) {                          \
-            return adam_impl<I, PT, GT, ST, CT>(a, c, b, e);                                                 \
-        }                                                                                                    \
-    };                                                                                                       \
-    template <int PT, int GT, int ST, int CT>                                                                \
-    struct AdagradRun_##isa {                                                                                \
-        static bool run(const Arrays& a, const AdagradConsts& c, size_t b, size_t e) {                       \
-            return adagrad_impl<I, PT, GT, ST, CT>(a, c, b, e);                                              \
-        }                                                                                                    \
-    };                                                                                                       \
-    template <int PT, int GT, int ST, int CT>                                                                \
-    struct LionRun_##isa {                                                                                   \
-        static bool run(const Arrays& a, const LionConsts& c, size_t b, size_t e) {                          \
-            return lion_impl<I, PT, GT, ST, CT>(a, c, b, e);                                                 \
-        }                                                                                                    \
-    };                                                                                                       \
-    }                                                                                                        \
-    bool adam_##isa(const Arrays& a, const AdamConsts& c, size_t b, size_t e) {                              \
-        return dispatch_dtypes<AdamRun_##isa>(a, c, b, e);                                                   \
-    }                                                                                                        \
-    bool adagrad_##isa(const Arrays& a, const AdagradConsts& c, size_t b, size_t e) {                        \
-        return dispatch_dtypes<AdagradRun_##isa>(a, c, b, e);                                                \
-    }                                                                                                        \
-    bool lion_##isa(const Arrays& a, const LionConsts& c, size_t b, size_t e) {                              \
-        return dispatch_dtypes<LionRun_##isa>(a, c, b, e);                                                   \
-    }                                                                                                        \
     bool all_finite_##isa(const void* data, int dtype, size_t b, size_t e) {                                 \
         return with_value_dtype(dtype,                                                                       \
                                 [&](auto d) { return all_finite_impl<I, decltype(d)::value>(data, b, e); }); \

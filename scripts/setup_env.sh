@@ -1,28 +1,54 @@
 #!/usr/bin/env bash
 # Create (or reuse) .venv with the pinned CPU torch and build zero-offload in editable mode.
-# Sourced by scripts/test.sh and scripts/demo.sh so both work on a fresh machine.
+# Sourced by scripts/test.sh and scripts/demo.sh so both work on a fresh machine. Incremental: packages are
+# installed only when one in scripts/requirements-dev.txt is missing, and the C++ extensions are rebuilt
+# only when scripts/build_stamp.py's fingerprint (C++ sources and headers, setup.py, pyproject.toml, flags,
+# compiler, Python) differs from the one recorded in the venv after the last build. Progress goes to stderr.
+# ZO_VENV=DIR uses another venv; ZO_BUILD_JOBS=N sets the compile jobs (default: one per core).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${ZO_VENV:-$root/.venv}"
-if [ ! -x "$venv/bin/python" ]; then
-    python3 -m venv "$venv"
-fi
 py="$venv/bin/python"
-# torch==2.13.0 is pinned: this machine carries its CPU wheel, and an unpinned torch would pull a multi-GB
-# CUDA build. xxhash (checkpoint checksums) is pinned to the version the checkpoints were tested with.
-# transformers is for the tests only (Hugging Face GPT-2 / Llama built from configs, no hub); lightning and
-# accelerate (pinned) for the integration tests and the benchmarks against accelerate.
-if ! "$py" -c "import torch, pytest, hypothesis, psutil, numpy, transformers, xxhash, lightning, accelerate" \
-    >/dev/null 2>&1 \
-    || ! "$venv/bin/ruff" --version >/dev/null 2>&1; then
-    "$py" -m pip install -q --disable-pip-version-check \
-        "torch==2.13.0" numpy psutil "xxhash==4.1.0" "pytest>=7" "hypothesis>=6" "ruff>=0.5" "clang-format>=17" \
-        "transformers>=4.40" "lightning==2.6.6" "accelerate==1.15.0" \
-        "setuptools>=64" wheel "pybind11>=2.12" 2>&1 | grep -v "is ignored: it is neither" || true
+_zo_stamp="$venv/.zo-build-stamp"
+_zo_requirements="$root/scripts/requirements-dev.txt"
+
+_zo_say() { echo "setup: $*" >&2; }
+
+# Runs pip quietly (errors still show), without the constraint file's notes; returns pip's status.
+_zo_pip() {
+    local rc
+    set +e
+    "$py" -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v "is ignored: it is neither" >&2
+    rc=${PIPESTATUS[0]}
+    set -e
+    return "$rc"
+}
+
+_zo_missing=""
+if [ ! -x "$py" ]; then
+    _zo_say "creating the virtual environment $venv"
+    python3 -m venv "$venv"
+    _zo_missing="a new environment"
 fi
-"$py" -c "import torch" # fail here, clearly, if the install above did not work
-# Editable install: rebuilds the C++ extensions in place. No build isolation: the build requirements
+
+if [ -n "$_zo_missing" ] \
+    || ! _zo_missing=$("$py" -I "$root/scripts/build_stamp.py" "$root" --requirements "$_zo_requirements" 2>&1); then
+    _zo_say "installing pinned packages (${_zo_missing}; first run only, ~4 min on 2 cores)"
+    _zo_t0=$(date +%s)
+    _zo_pip -r "$_zo_requirements"
+    "$py" -c "import torch" # fail here, clearly, if the install above did not work
+    _zo_say "packages installed in $(($(date +%s) - _zo_t0)) s"
+fi
+
+# The editable install builds the C++ extensions in place. No build isolation: the build requirements
 # (setuptools, pybind11) are already in the venv, so nothing is fetched and torch is never needed.
-"$py" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e "$root" 2>&1 \
-    | grep -v "is ignored: it is neither" || true
-"$py" -c "import offload._aio, offload._cpu_optim" # the build must have produced both extensions
+if ! _zo_reason=$("$py" -I "$root/scripts/build_stamp.py" "$root" --check "$_zo_stamp" 2>&1); then
+    _zo_jobs="${ZO_BUILD_JOBS:-$(nproc 2>/dev/null || echo 1)}"
+    _zo_say "building the C++ extensions (${_zo_reason}; ${_zo_jobs} jobs, ~1-2 min on 2 cores)"
+    _zo_t0=$(date +%s)
+    rm -f "$_zo_stamp"
+    (unset ZO_BUILD_ONLY && export ZO_BUILD_JOBS="$_zo_jobs" && _zo_pip --no-build-isolation --no-deps -e "$root")
+    (cd / && "$py" -I -c "import offload._aio, offload._cpu_optim") # both extensions must have been built
+    "$py" -I "$root/scripts/build_stamp.py" "$root" --write "$_zo_stamp"
+    _zo_say "C++ extensions built in $(($(date +%s) - _zo_t0)) s"
+fi

@@ -238,7 +238,7 @@ def test_full_disk_exits_2_with_one_line(tmp_path) -> None:
 
 
 def test_plot_is_a_png(tmp_path, capsys) -> None:
-    pytest.importorskip("matplotlib")
+    # matplotlib is part of the development environment (scripts/requirements-dev.txt): no skip.
     png = tmp_path / "bw.png"
     data = tmp_path / "data"
     data.mkdir()
@@ -247,6 +247,7 @@ def test_plot_is_a_png(tmp_path, capsys) -> None:
         capsys, "--path", str(data), "--size", "2M", "--repeats", "1", "--grid", grid, "--plot", str(png)
     )
     assert rc == 0
+    assert f"wrote {png}" in stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     import matplotlib.image
 
@@ -254,7 +255,7 @@ def test_plot_is_a_png(tmp_path, capsys) -> None:
     assert width > 2 * height * 0.9  # read and write panels side by side
 
 
-def test_without_matplotlib_the_plot_is_skipped_with_one_line(tmp_path, capsys, monkeypatch) -> None:
+def test_without_matplotlib_plot_fails_before_measuring(tmp_path, capsys, monkeypatch) -> None:
     import offload.bench.plot
 
     monkeypatch.setattr(offload.bench.plot, "plot_available", lambda: False)
@@ -276,9 +277,30 @@ def test_without_matplotlib_the_plot_is_skipped_with_one_line(tmp_path, capsys, 
         "--write-config",
         str(tmp_path / "aio.json"),
     )
-    assert rc == 0 and not png.exists() and (tmp_path / "aio.json").exists()
-    (line,) = [ln for ln in err.splitlines() if "matplotlib" in ln]
-    assert "pip install matplotlib" in line
+    assert rc == 2 and stdout == ""
+    (line,) = _error_lines(err)
+    assert line.startswith("ds-nvme-bench: error: --plot") and "pip install matplotlib" in line
+    assert sorted(os.listdir(tmp_path)) == ["data"] and os.listdir(data) == []  # nothing measured or written
+
+
+def test_without_torch_the_tool_fails_before_measuring(tmp_path) -> None:
+    # tools/ds_nvme_bench.py (the source-checkout entry point) in a Python where `import torch` fails.
+    data = tmp_path / "data"
+    data.mkdir()
+    argv = ["--path", str(data), "--size", "1M", "--repeats", "1", "--grid", ONE_POINT]
+    argv += ["--json", str(tmp_path / "p.json")]
+    shim = (
+        "import runpy, sys\n"
+        "sys.modules['torch'] = None  # any import of torch raises ImportError\n"
+        f"sys.argv = [{os.path.join(REPO, 'tools', 'ds_nvme_bench.py')!r}, *{argv!r}]\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", shim], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    (line,) = _error_lines(proc.stderr)
+    assert line.startswith("ds-nvme-bench: error: torch cannot be imported"), line
+    assert proc.stdout == "" and "GB/s" not in proc.stderr  # no measurement ran
+    assert sorted(os.listdir(tmp_path)) == ["data"] and os.listdir(data) == []
 
 
 def test_fio_comparison_when_fio_is_installed(tmp_path, capsys) -> None:

@@ -224,12 +224,33 @@ def note(text: str) -> None:
     print(f"{PROG}: {text}", file=sys.stderr)
 
 
+def check_libraries(plot: Optional[str]) -> None:
+    """Fail before the first measurement when a library the end of the run needs is missing: torch (the
+    pinned host and GPU copy measurements) and, for --plot, matplotlib."""
+    from offload.bench.plot import plot_available
+
+    try:
+        import torch  # noqa: F401
+
+        import offload.pinned  # noqa: F401
+    except ImportError as e:
+        raise BenchError(
+            f"torch cannot be imported ({e}): the host and GPU copy measurements need it "
+            "(pip install torch; scripts/setup_env.sh sets up a venv with everything)"
+        ) from None
+    if plot and not plot_available():
+        raise BenchError(
+            f"--plot {plot}: matplotlib is not installed (pip install matplotlib); "
+            "run without --plot to measure without the plot"
+        )
+
+
 # -- the run --------------------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
     """The whole bench for parsed `args`; returns the exit code."""
     from offload.bench import nvme
     from offload.bench.copies import measure_copies
-    from offload.bench.plot import plot_available, plot_results
+    from offload.bench.plot import plot_results
     from offload.bench.profile import (
         aio_section,
         build_profile,
@@ -249,6 +270,7 @@ def run(args: argparse.Namespace) -> int:
         from offload import _aio
     except ImportError as e:
         raise BenchError(f"the I/O library offload._aio is not built ({e}): run setup.py build_ext") from None
+    check_libraries(args.plot)
     points = grid_points(args, list(_aio.available_backends()))
     ram = ram_bytes()
     size = choose_size(args.size, args.quick, free_bytes(directory), ram)
@@ -352,14 +374,11 @@ def run(args: argparse.Namespace) -> int:
         write_output("--json", args.json, lambda: write_json(profile, args.json, overwrite))
         print(f"wrote {args.json} (machine profile)")
     if args.plot:
-        if plot_available():
-            title = f"{PROG}: {directory}, {format_size(size)} per run, medians of {args.repeats}"
-            write_output(
-                "--plot", args.plot, lambda: plot_results(results, args.plot, title, comparisons, overwrite)
-            )
-            print(f"wrote {args.plot}")
-        else:
-            note("plot skipped: matplotlib is not installed (pip install matplotlib)")
+        title = f"{PROG}: {directory}, {format_size(size)} per run, medians of {args.repeats}"
+        write_output(
+            "--plot", args.plot, lambda: plot_results(results, args.plot, title, comparisons, overwrite)
+        )
+        print(f"wrote {args.plot}")
     return 0
 
 

@@ -1,0 +1,3 @@
+// The AVX2 Adam kernels (isa_avx2.h).
+#define ZO_ISA_ENTRY_POINTS(isa, I) ZO_DEFINE_ADAM_ENTRY_POINT(isa, I)
+#include "isa_avx2.h"
