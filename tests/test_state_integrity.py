@@ -277,7 +277,7 @@ def test_stage3_memory_tier_torn_by_a_parameter_write_error_is_poisoned(tmp_path
 @pytest.mark.parametrize("stage", [2, 3])
 def test_two_copies_write_error_keeps_the_previous_state(tmp_path, stage):
     """The same EIO with two NVMe copies: the step raises an OSError saying the previous state is kept, the
-    engine stays usable, and retrying the step gives exactly the run without the failure."""
+    engine stays usable, and redoing forward, backward and step gives exactly the run without the failure."""
     cfg = s3_config("nvme", "nvme", tmp_path) if stage == 3 else base_config("nvme", tmp_path, stage=2)
     cfg["zero_optimization"]["sub_group_size"] = 4000
     ref_losses, ref_w, ref_state = _uninterrupted(cfg, 4)
@@ -295,8 +295,12 @@ def test_two_copies_write_error_keeps_the_previous_state(tmp_path, stage):
     assert fired and info.value.errno == errno.EIO and info.value.filename == fired["path"]
     assert engine.state_error is None
     assert_same(weights(engine), before)  # the parameters are the committed state's again
-    assert engine.optimizer.step_count == 2
-    engine.step()  # the gradients are still there: the retry is exactly the failed update
+    assert engine.optimizer.step_count == 2 and engine.global_steps == 2
+    engine.step()  # the failed step's gradients were dropped: a step without a backward is skipped
+    assert engine.optimizer.step_count == 2 and engine.global_steps == 2
+    loss = engine(x, y)  # the one retry: forward, backward and step on the same batch
+    engine.backward(loss)
+    engine.step()
     losses.append(loss.item())
     losses += train(engine, 1, start=3)
     w, state = weights(engine), engine.optimizer.state_dict()
@@ -338,6 +342,8 @@ def test_two_copies_parameter_write_error_keeps_the_previous_state(tmp_path):
     assert engine.state_error is None
     assert_same(weights(engine), before)
     store._aio_write = real
+    loss = engine(x, y)  # the one retry: forward, backward and step on the same batch
+    engine.backward(loss)
     engine.step()
     losses.append(loss.item())
     losses += train(engine, 1, start=3)
