@@ -159,7 +159,8 @@ else:
                 sw.step(add)  # raises before it reads or writes anything
         except DeferredWriteError as e:
             raised += 1
-            result.update(exc=type(e).__name__, errno=e.errno, filename=e.filename, str=str(e), lost=e.steps_lost)
+            result.update(exc=type(e).__name__, errno=e.errno, filename=e.filename, str=str(e))
+            result["lost"] = e.steps_lost
     result["raised"] = raised
     resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     result["held"] = torch.equal(snapshot(), master0 + 1 + 2)  # the settle wrote the held chunks
