@@ -216,6 +216,10 @@ def _failing_run(engine, disk: LoopDisk, case: str, gas: int) -> dict:
         assert type(info.value).__name__ == "DeferredWriteError" and info.value.steps_lost == 0
         assert counters(engine) == before[0]  # nothing lost, nothing changed
         assert all(torch.equal(a, p) for a, p in zip(before[1], engine.module.parameters()))
+        ckpt = os.path.join(os.path.dirname(disk.mnt), "ckpt")
+        with pytest.raises(OSError, match="held in memory"):  # a save would pair new weights with old state
+            engine.save_checkpoint(ckpt, tag="held")
+        assert not os.path.exists(os.path.join(ckpt, "held"))
     assert info.value.errno == errno.EIO and info.value.filename == spare
     assert engine.state_error is None
     disk.heal()
