@@ -349,3 +349,36 @@ def test_config_sub_group_below_the_engines_minimum_is_rounded_up(tmp_path):
     assert read_ds_config(str(path)).buffers["sub_group_size"] == MIN_SUB_GROUP_SIZE
     path.write_text(json.dumps({"zero_optimization": {"stage": 3, "sub_group_size": MIN_SUB_GROUP_SIZE}}))
     assert read_ds_config(str(path)).buffers["sub_group_size"] == MIN_SUB_GROUP_SIZE
+
+
+def test_model_module_is_not_looked_up_in_the_current_directory(tmp_path):
+    """`--model mod:fn` imports `mod` from sys.path as it is: the current directory is not put first (a
+    file there would shadow any module imported after it). Python run with -P adds nothing for -m either;
+    a file in the current directory is named by its path."""
+    write(
+        tmp_path / "cwd_model_xyz.py",
+        """
+        import torch
+
+        def build():
+            return torch.nn.Linear(4, 4)
+        """,
+    )
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    args = ["-m", "offload.cli.estimate_memory", "--stage", "0", "--json", "--model"]
+    proc = subprocess.run(
+        [sys.executable, "-P", *args, "cwd_model_xyz:build"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert proc.returncode == 2, proc.stdout
+    assert "cannot import cwd_model_xyz: ModuleNotFoundError" in proc.stderr
+    for model, path in (("./cwd_model_xyz.py:build", ROOT), ("cwd_model_xyz:build", f"{ROOT}:{tmp_path}")):
+        proc = subprocess.run(
+            [sys.executable, "-P", *args, model], cwd=tmp_path, capture_output=True, text=True,
+            env={**env, "PYTHONPATH": path},
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout)["params"] == 20

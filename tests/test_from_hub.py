@@ -78,7 +78,7 @@ def test_hub_errors_name_the_repository(tmp_path):
         zero.from_pretrained("zo-test/absent", config=config(tmp_path), **hub)
     assert e.value.filename == "zo-test/absent"
     with pytest.raises(FileNotFoundError, match="local checkpoint directory or a Hugging Face Hub"):
-        zero.from_pretrained("not/a/repo", config=config(tmp_path))
+        zero.from_pretrained("not a repo", config=config(tmp_path))
     local = tmp_path / "local"
     llama(0).save_pretrained(local)
     with pytest.raises(ValueError, match="revision applies to a Hub repository id"):
@@ -91,3 +91,41 @@ def test_hub_errors_name_the_repository(tmp_path):
     with pytest.raises(FileNotFoundError, match="only safetensors checkpoints are read"):
         zero.from_pretrained("zo-test/bin-only", config=config(tmp_path), **hub)
     shutil.rmtree(tmp_path / "nvme")
+
+
+@pytest.mark.parametrize(
+    "name, why",
+    [
+        ("./org/model", "it starts like a path"),
+        ("/no/such/model", "it starts like a path"),
+        ("~/model", "it starts like a path"),
+        ("../model", "it starts like a path"),
+        ("models/org/model", "it has more path separators"),
+        ("present/model", "'present' exists here, so it is a path inside it"),
+        ("afile", "it exists here but is not a directory"),
+        ("PATHOBJ", "it is a PosixPath"),
+    ],
+)
+def test_a_missing_path_is_never_fetched_from_the_hub(tmp_path, monkeypatch, name, why):
+    """A name that looks like a path is a local path: missing, it is an error naming it, and the Hub is
+    not asked (snapshot_download is replaced by a recorder); an id like 'org/model' is still fetched."""
+    import huggingface_hub
+
+    asked = []
+
+    def snapshot_download(repo_id, **kwargs):
+        asked.append(repo_id)
+        raise OSError("offline")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "present").mkdir()
+    (tmp_path / "afile").write_text("")
+    arg = type(tmp_path)("org/model") if name == "PATHOBJ" else name  # a Path, shaped like an id
+    with pytest.raises(FileNotFoundError, match=f"not a Hugging Face Hub repository id: {why}") as e:
+        zero.from_pretrained(arg, config=config(tmp_path))
+    assert e.value.filename == str(arg)
+    assert asked == []
+    with pytest.raises(FileNotFoundError, match="Hub snapshot could not be had"):
+        zero.from_pretrained("org2/model", config=config(tmp_path))
+    assert asked == ["org2/model"]

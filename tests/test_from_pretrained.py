@@ -464,3 +464,35 @@ def test_two_ranks_load_their_halves_and_generate_like_transformers(tmp_path):
     assert [same for same, _ in results] == [True, True]
     numel = sum(p.numel() for p in model.parameters())
     assert results[0][1] == results[1][1] and numel / 2 <= sum(results[0][1]) < numel / 2 + 200
+
+
+def test_an_oversized_safetensors_header_is_refused_before_it_is_parsed(ckpts, tmp_path):
+    """A header of 20 MB (safetensors itself takes up to 100 MB, and parses it into many times its size)
+    is refused naming the file and the header's size, with the memory of a few reads."""
+    from zero.pretrained import MAX_HEADER_BYTES
+
+    bad = copy_ckpt(ckpts["gpt2"], tmp_path / "bad")
+    raw = (bad / "model.safetensors").read_bytes()
+    n0 = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n0])
+    for i in range(300_000):  # empty tensors: a header of some 20 MB that describes no more data
+        header[f"pad.{i}"] = {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    (bad / "model.safetensors").write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n0 :])
+    n = len(text)
+    assert n > MAX_HEADER_BYTES
+    res = run_child(
+        f"""
+        import resource, zero
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        try:
+            zero.from_pretrained({str(bad)!r}, config={config("cpu", tmp_path)!r})
+        finally:
+            result["grew_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+        """
+    )
+    assert res.get("exc") == "PretrainedCheckpointError", res
+    assert res["str"].startswith(f"{bad / 'model.safetensors'}: its safetensors header is {n} bytes;"), res
+    assert f"at most {MAX_HEADER_BYTES} bytes" in res["str"]
+    assert res["grew_kib"] < 64 << 10, res  # parsing it took some 400 MB

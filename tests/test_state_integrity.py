@@ -24,7 +24,6 @@ import torch
 from test_engine import DATA, TINY, base_config, make_model, train
 
 import zero
-from offload.swap.optimizer_swapper import DeferredWriteError
 from zero import StateCorruptedError
 from zero.models import get_batch
 
@@ -278,7 +277,7 @@ def test_stage3_memory_tier_torn_by_a_parameter_write_error_is_poisoned(tmp_path
 @pytest.mark.parametrize("stage", [2, 3])
 def test_two_copies_write_error_keeps_the_previous_state(tmp_path, stage):
     """The same EIO with two NVMe copies: the step raises an OSError saying the previous state is kept, the
-    engine stays usable, and retrying the step gives exactly the run without the failure."""
+    engine stays usable, and redoing forward, backward and step gives exactly the run without the failure."""
     cfg = s3_config("nvme", "nvme", tmp_path) if stage == 3 else base_config("nvme", tmp_path, stage=2)
     cfg["zero_optimization"]["sub_group_size"] = 4000
     ref_losses, ref_w, ref_state = _uninterrupted(cfg, 4)
@@ -296,8 +295,12 @@ def test_two_copies_write_error_keeps_the_previous_state(tmp_path, stage):
     assert fired and info.value.errno == errno.EIO and info.value.filename == fired["path"]
     assert engine.state_error is None
     assert_same(weights(engine), before)  # the parameters are the committed state's again
-    assert engine.optimizer.step_count == 2
-    engine.step()  # the gradients are still there: the retry is exactly the failed update
+    assert engine.optimizer.step_count == 2 and engine.global_steps == 2
+    engine.step()  # the failed step's gradients were dropped: a step without a backward is skipped
+    assert engine.optimizer.step_count == 2 and engine.global_steps == 2
+    loss = engine(x, y)  # the one retry: forward, backward and step on the same batch
+    engine.backward(loss)
+    engine.step()
     losses.append(loss.item())
     losses += train(engine, 1, start=3)
     w, state = weights(engine), engine.optimizer.state_dict()
@@ -339,6 +342,8 @@ def test_two_copies_parameter_write_error_keeps_the_previous_state(tmp_path):
     assert engine.state_error is None
     assert_same(weights(engine), before)
     store._aio_write = real
+    loss = engine(x, y)  # the one retry: forward, backward and step on the same batch
+    engine.backward(loss)
     engine.step()
     losses.append(loss.item())
     losses += train(engine, 1, start=3)
@@ -379,13 +384,14 @@ def test_failed_restore_read_poisons_instead_of_being_ignored(tmp_path, stage):
 
 
 # ------------------------------------------------------------------------ deferred write-back and saves
-def test_save_after_a_lost_write_back_never_pairs_new_weights_with_old_state(tmp_path):
-    """Step 3's last write fails after the step returned. The save that finds out raises it and undoes step
-    3 on the engine's side too; a retried save then holds step 2's weights with step 2's optimizer state."""
+def test_save_after_a_failed_write_back_writes_it_again_and_saves_that_step(tmp_path):
+    """Step 3's last write fails (once) after the step returned. The save settles the writes: the chunk is
+    written again from its staging slot, so nothing is lost, and the checkpoint holds step 3's weights with
+    step 3's optimizer state."""
     nvme, ckpt = tmp_path / "nvme", tmp_path / "ckpt"
     nvme.mkdir()
     cfg = base_config("nvme", nvme, stage=2)
-    _, ref_w, ref_state = _uninterrupted(cfg, 2)
+    _, ref_w, ref_state = _uninterrupted(cfg, 3)
     engine, *_ = zero.initialize(model=make_model(), config=cfg)
     sw = engine.optimizer_state
     train(engine, 2)
@@ -394,12 +400,10 @@ def test_save_after_a_lost_write_back_never_pairs_new_weights_with_old_state(tmp
     fire_at = len(sw.chunks)  # the step's last write, left in flight when step() returns
     fired = fail_nth_write(sw, fire_at)
     engine.step()
-    assert fired and sw.writes_in_flight
-    with pytest.raises(DeferredWriteError):
-        engine.save_checkpoint(str(ckpt), tag="after")
-    assert engine.optimizer.step_count == 2
+    assert sw.writes_in_flight
+    engine.save_checkpoint(str(ckpt), tag="after")
+    assert fired and engine.optimizer.step_count == 3
     assert_same(weights(engine), ref_w)
-    engine.save_checkpoint(str(ckpt), tag="after")  # the retry
     engine.close()
 
     fresh, *_ = zero.initialize(model=make_model(seed=1), config=cfg)
@@ -407,7 +411,7 @@ def test_save_after_a_lost_write_back_never_pairs_new_weights_with_old_state(tmp
     state = fresh.optimizer.state_dict()
     got = weights(fresh)
     fresh.close()
-    assert state["step"] == 2 and torch.equal(state["master"], ref_state["master"])
+    assert state["step"] == 3 and torch.equal(state["master"], ref_state["master"])
     assert all(torch.equal(a, b) for a, b in zip(state["states"], ref_state["states"]))
     assert_same(got, ref_w)
 
@@ -429,12 +433,12 @@ def test_prepare_checkpoint_save_discards_an_overlapped_pass(tmp_path):
     engine.close()
 
 
-def test_save_between_backward_and_step_still_reports_a_lost_write_back(tmp_path):
-    """With steps during backward, the overlapped pass is the first to meet the last step's lost write-back;
-    discarding that pass for a save must not drop the failure: the save raises it and undoes the step."""
+def test_save_between_backward_and_step_after_a_failed_write_back(tmp_path):
+    """With steps during backward, the next backward's prefetch is the first to meet the last step's failed
+    write-back and writes it again; discarding the overlapped pass for a save then saves step 3 whole."""
     cfg = base_config("nvme", tmp_path, stage=2)
     cfg["zero_optimization"]["offload_optimizer"]["pipeline_read"] = True
-    _, ref_w, ref_state = _uninterrupted(cfg, 2)
+    _, ref_w, ref_state = _uninterrupted(cfg, 3)
     engine, *_ = zero.initialize(model=make_model(), config=cfg)
     sw = engine.optimizer_state
     train(engine, 2)
@@ -444,12 +448,10 @@ def test_save_between_backward_and_step_still_reports_a_lost_write_back(tmp_path
     engine.step()
     assert fired and sw.writes_in_flight
     x, y = get_batch(DATA, 4, TINY.seq_len, 3)
-    engine.backward(engine(x, y))  # settles the writes; the overlapped pass takes the failure
-    with pytest.raises(DeferredWriteError):
-        engine.prepare_checkpoint_save()
-    assert engine.optimizer.step_count == 2
+    engine.backward(engine(x, y))  # settles the writes: the failed chunk is written again
+    engine.prepare_checkpoint_save()
+    assert engine.optimizer.step_count == 3
     assert_same(weights(engine), ref_w)
-    engine.prepare_checkpoint_save()  # settled now: nothing more to report
     state = engine.optimizer.state_dict()
     assert torch.equal(state["master"], ref_state["master"])
     engine.close()

@@ -251,7 +251,8 @@ _DISK_FULL_CHILD = ENGINE_CHILD_PRELUDE + textwrap.dedent(
         and all(torch.equal(a, p.detach()) for a, p in zip(params, e.module.parameters()))
         and after["step"] == state["step"] == 2 and e.global_steps == 2
     )
-    e.step()  # retry the same update once there is room again
+    fwd_bwd(e, 2)  # once there is room again, the one retry: forward, backward and step on the same batch
+    e.step()
     got.append(fwd_bwd(e, 3))
     e.step()
     swap_dir = e.swap_dir

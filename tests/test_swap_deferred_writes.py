@@ -2,8 +2,9 @@
 
 What must hold: the trajectory is bit-identical to draining every write inside the step; whatever reads the
 state next (prefetch, the next step, read_all, a checkpoint) sees the written data; a write that fails after
-the step returned is reported, typed and naming the file, at the next step (or read_all / close), and the
-state goes back to the intact previous copy so that no later step builds on the lost one.
+the step returned is written again from the staging slot that still holds it; if that fails too the step is
+held (in memory, the live copy not read) and reported, typed and naming the file, by every next step,
+read_all or checkpoint until a write succeeds - nothing lost, nothing changed - and at close as lost.
 """
 
 from __future__ import annotations
@@ -139,31 +140,33 @@ settled_in_flight = None
 result.update(returned=returned, in_flight=in_flight, spare=spare)
 # The limit stays until the write has surely run: the backend may only submit it when it is waited for.
 if MODE == "prefetch_then_step":
-    sw.prefetch()  # settles: the failure is kept for the step, prefetch itself does not raise
+    sw.prefetch()  # settles: the step is held, prefetch itself does not raise (nor read)
     result["settled_in_flight"] = sw.writes_in_flight
-    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
 if MODE == "close":
-    sw.close()
-else:
     try:
-        if MODE == "read_all":
-            snapshot()
-        else:
-            sw.step(add)  # raises before it writes anything
+        sw.close()  # the held step goes with the slots: reported as lost
     except DeferredWriteError as e:
-        result.update(exc=type(e).__name__, errno=e.errno, filename=e.filename, str=str(e))
+        result.update(exc=type(e).__name__, errno=e.errno, filename=e.filename, str=str(e), lost=e.steps_lost)
     resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-    result["rolled_back"] = torch.equal(snapshot(), after_one)
-    if MODE == "read_all":
-        # The step still raises it: the engine must undo its side of the lost step (weights, count).
+    space.close()
+else:
+    raised = 0
+    for _ in range(2):  # while the write keeps failing, every use of the state raises and changes nothing
         try:
-            sw.step(add)
-            result["step_raised_too"] = False
-        except DeferredWriteError:
-            result["step_raised_too"] = True
-    assert sw.step(add)  # the lost step again, from the state before it
+            if MODE == "read_all":
+                snapshot()
+            else:
+                sw.step(add)  # raises before it reads or writes anything
+        except DeferredWriteError as e:
+            raised += 1
+            result.update(exc=type(e).__name__, errno=e.errno, filename=e.filename, str=str(e))
+            result["lost"] = e.steps_lost
+    result["raised"] = raised
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    result["held"] = torch.equal(snapshot(), master0 + 1 + 2)  # the settle wrote the held chunks
+    assert sw.step(add)  # and the run goes on from the held step
     sw.commit()
-    result["retried"] = torch.equal(snapshot(), (master0 + 1) + 2)
+    result["went_on"] = torch.equal(snapshot(), master0 + 1 + 2 + 4)
     sw.close()
     space.close()
 """
@@ -172,7 +175,7 @@ else:
 @pytest.mark.parametrize(
     "mode,buffers", [("step", 3), ("prefetch_then_step", 1), ("read_all", 2), ("close", 3)]
 )
-def test_failed_deferred_write_surfaces_typed_and_rolls_back(tmp_path, mode, buffers):
+def test_failed_deferred_write_is_held_and_written_again(tmp_path, mode, buffers):
     from tests.aio_helpers import run_child
 
     res = run_child(
@@ -185,13 +188,15 @@ def test_failed_deferred_write_surfaces_typed_and_rolls_back(tmp_path, mode, buf
         assert res["settled_in_flight"] is False
     assert res["exc"] == "DeferredWriteError", res
     assert res["errno"] in (errno.EFBIG, errno.ENOSPC), res
-    assert res["filename"] == res["spare"], res  # names the copy whose write was lost
-    assert "not durable" in res["str"] and res["spare"] in res["str"]
-    if mode != "close":
-        assert res["rolled_back"] is True  # reads after the error see the intact previous copy
-        assert res["retried"] is True
-    if mode == "read_all":
-        assert res["step_raised_too"] is True
+    assert res["filename"] == res["spare"], res  # names the copy whose write failed
+    assert res["spare"] in res["str"]
+    if mode == "close":
+        assert res["lost"] == 1 and "lost" in res["str"], res
+        return
+    assert res["lost"] == 0 and "held in memory" in res["str"] and "changed nothing" in res["str"], res
+    assert res["raised"] == 2  # every try while the write keeps failing
+    assert res["held"] is True  # once it can be written, the state is the last step's
+    assert res["went_on"] is True
 
 
 _ENGINE_FAILURE_CHILD = ENGINE_CHILD_PRELUDE + textwrap.dedent(
@@ -202,27 +207,25 @@ _ENGINE_FAILURE_CHILD = ENGINE_CHILD_PRELUDE + textwrap.dedent(
     for s in range(2):
         got.append(fwd_bwd(e, s))
         e.step()
-    params_before = [p.detach().clone() for p in e.module.parameters()]
     sw = e.optimizer_state
-    fwd_bwd(e, 2)
+    got.append(fwd_bwd(e, 2))
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     last = sw.step_order[-1]
     resource.setrlimit(resource.RLIMIT_FSIZE, (last * sw.region_bytes, hard))  # the last chunk's write fails
     e.step()  # returns: that write is still in flight
     in_flight = sw.writes_in_flight
-    fwd_bwd(e, 3)  # forward and backward run on the lost step's weights; prefetch keeps the error
-    # Lifted only now: the backend may submit the write only when it is waited for (in the prefetch).
-    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    params_after = [p.detach().clone() for p in e.module.parameters()]
+    fwd_bwd(e, 3)  # the prefetch settles: the write fails again, the step is held
     err = None
     try:
         e.step()
     except OSError as exc:
         err = exc
-    restored = all(torch.equal(a, p.detach()) for a, p in zip(params_before, e.module.parameters()))
+    kept = all(torch.equal(a, p.detach()) for a, p in zip(params_after, e.module.parameters()))
     step_after_error = e.optimizer.step_count
-    got.append(fwd_bwd(e, 2))  # redo the lost step, then go on
-    e.step()
-    got.append(fwd_bwd(e, 3))
+    counters = [e.global_steps, e.global_samples, e.micro_steps]
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    got.append(fwd_bwd(e, 3))  # the one retry: forward, backward and step on the same batch
     e.step()
     state = e.optimizer.state_dict()
     same = (
@@ -236,22 +239,26 @@ _ENGINE_FAILURE_CHILD = ENGINE_CHILD_PRELUDE + textwrap.dedent(
     print(json.dumps({
         "type": type(err).__name__, "errno": getattr(err, "errno", None),
         "filename": getattr(err, "filename", None), "message": str(err), "swap_dir": swap_dir,
-        "in_flight": in_flight, "restored": restored, "step_after_error": step_after_error,
-        "same": same, "got": got, "want": want,
+        "in_flight": in_flight, "kept": kept, "step_after_error": step_after_error, "counters": counters,
+        "lost": getattr(err, "steps_lost", None), "same": same, "got": got, "want": want,
     }))
     """
 )
 
 
-def test_engine_reports_lost_write_back_at_next_step_and_recovers(tmp_path):
+def test_engine_holds_a_failing_write_back_and_the_one_retry_is_exact(tmp_path):
+    """The last step's write fails after it returned, and again when written anew: the next step raises
+    (nothing lost, nothing changed: weights, step counts as after the held step); once the disk takes the
+    write, redoing forward, backward and step on the same batch gives the undisturbed run bit for bit."""
     res = run_child(_ENGINE_FAILURE_CHILD, str(tmp_path))
     assert res["in_flight"] is True  # the failing write really was deferred past the step
-    assert res["type"] == "DeferredWriteError", res
+    assert res["type"] == "DeferredWriteError" and res["lost"] == 0, res
     assert res["errno"] in (errno.EFBIG, errno.ENOSPC), res["message"]
     assert res["filename"] and res["filename"].startswith(res["swap_dir"] + os.sep), res
-    assert res["restored"] is True  # weights back to the step before the lost one
-    assert res["step_after_error"] == 2
-    assert res["same"] is True  # no later step used the lost state: identical to an undisturbed run
+    assert res["kept"] is True  # the held step's weights stay
+    assert res["step_after_error"] == 3
+    assert res["counters"] == [3, 6, 3]  # global_steps, global_samples (2 a step), micro_steps
+    assert res["same"] is True  # identical to an undisturbed run
     assert res["got"] == res["want"]
     assert os.listdir(tmp_path) == []
 
@@ -305,21 +312,27 @@ def test_checkpoint_right_after_step_sees_written_state(tmp_path):
     assert all(torch.equal(x, y) for x, y in zip(got["states"], b["state"]["states"]))
 
 
-def _fail_last_write_once(sw) -> None:
-    """The next wait on the slot of the step's last write reports EIO once (after the write finished)."""
+def _fail_last_write(sw, times: int) -> list:
+    """The next `times` waits on the slot of the step's last write report EIO (after the write finished);
+    the returned list records each firing."""
     handle = sw._handles[(len(sw.step_order) - 1) % sw.buffer_count]
     real_wait = handle.wait
+    fired: list = []
 
     def failing_wait():
         real_wait()
-        del handle.wait  # once
+        fired.append(True)
+        if len(fired) == times:
+            del handle.wait
         raise OSError(errno.EIO, "injected write failure", sw._files[sw._live].path)
 
     handle.wait = failing_wait
+    return fired
 
 
-def test_lost_write_back_with_steps_during_backward_is_undone(tmp_path):
-    """The overlapped pass (pipeline_read/write) meets the kept failure on its worker thread: same recovery.
+def test_write_back_failing_once_with_steps_during_backward_is_written_again(tmp_path):
+    """The overlapped pass (pipeline_read/write): a write-back that fails once is written again from its
+    slot when the next backward's prefetch settles it: no error, and the run is the undisturbed one.
 
     The failure is injected at the wait of the slot that holds the last write of the step (chunk 0 in the
     reversed order of that pass, so a file size limit cannot single it out).
@@ -340,23 +353,14 @@ def test_lost_write_back_with_steps_during_backward_is_undone(tmp_path):
     e.step()
     got[1] = fwd_bwd(e, 1)
     e.step()
-    before = [p.detach().clone() for p in e.module.parameters()]
-    fwd_bwd(e, 2)
+    got.append(fwd_bwd(e, 2))
     e.step()
     sw = e.optimizer_state
     assert sw.writes_in_flight
-    _fail_last_write_once(sw)
-    fwd_bwd(e, 3)  # on the lost step's weights
-    with pytest.raises(OSError) as info:
-        e.step()
-    assert type(info.value).__name__ == "DeferredWriteError"
-    assert info.value.errno == errno.EIO and info.value.filename.startswith(e.swap_dir)
-    assert e.optimizer.step_count == 2
-    assert all(torch.equal(a, p.detach()) for a, p in zip(before, e.module.parameters()))
-    got += [fwd_bwd(e, 2), None]
+    fired = _fail_last_write(sw, times=1)
+    got.append(fwd_bwd(e, 3))
     e.step()
-    got[3] = fwd_bwd(e, 3)
-    e.step()
+    assert fired == [True]
     state = e.optimizer.state_dict()
     params = torch.cat([p.detach().reshape(-1) for p in e.module.parameters()])
     e.close()
@@ -373,7 +377,7 @@ def test_engine_close_reports_lost_write_back_and_still_removes_swap_files(tmp_p
     e.step()
     sw = e.optimizer_state
     assert sw.writes_in_flight
-    _fail_last_write_once(sw)
+    _fail_last_write(sw, times=1_000_000)  # the write again from its slot fails too
     swap_dir = e.swap_dir
     with pytest.raises(OSError) as info:
         e.close()  # nothing else has settled the writes: close is where the loss is reported

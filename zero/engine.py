@@ -95,6 +95,7 @@ class ZeroEngine(EngineAPI):
         local_rank: Optional[int] = None,
         device_part: str = "auto",
     ) -> None:
+        _refuse_meta_tensors(model)
         self.config = cfg
         self._device_part = device_part
         self.rank, self.world_size = rank, world_size
@@ -131,6 +132,8 @@ class ZeroEngine(EngineAPI):
         self.micro_steps = 0
         self._boundary: Optional[bool] = None  # set_gradient_accumulation_boundary; None: from micro_steps
         self._window_backwards = 0  # backward calls since the last optimizer step
+        self._window_start = 0  # micro_steps when the current accumulation window began
+        self._backward_since_step = False  # a backward completed since the last step() call
         self.skipped_steps = 0
         self.last_report: Optional[StepReport] = None
         self.last_param_io: Optional[Dict[str, int]] = None  # stage 3: parameter I/O of the last step
@@ -460,27 +463,55 @@ class ZeroEngine(EngineAPI):
             with self._clock.phase("backward_s"):
                 scaled = loss.float() * scale if scale != 1.0 else loss
                 scaled.backward(retain_graph=retain_graph)
+            if reducing:
+                with self._clock.phase("comm_s"):
+                    reducer.finish()  # before the overlapped pass may read what no hook reported
         except BaseException:
             if early:
                 self._update.drop_overlapped()
+            self._drop_window()  # its gradients are partial: none is left for a later step
             raise
-        if reducing:
-            with self._clock.phase("comm_s"):
-                reducer.finish()  # before the overlapped pass may read what no hook reported
         if early:
             self.overlap.backward_done()
         if self._unused is not None and boundary:
             self._unused.check()
         self._clock.current.micro_batches += 1
+        self._backward_since_step = True
         return loss
+
+    def _drop_window(self) -> None:
+        """A backward or step failed: forget the accumulation window - every gradient in it (a failed
+        backward's partial ones too) and its micro-batch count - so that redoing the window's micro-batches
+        (forward, backward, step) continues exactly as a run without the failure."""
+        self.micro_steps = self._window_start
+        self._window_backwards = 0
+        self._backward_since_step = False
+        if self.layout.grad_host is None:
+            return
+        for p in self.module.parameters():  # a failed backward's gradients no hook moved yet
+            p.grad = None
+        self.zero_grad()  # stages 0-1 point the .grads at the zeroed flat buffer again
 
     def step(self, lr_kwargs: Optional[Dict[str, Any]] = None) -> None:
         """Count the micro-batch; at the end of an accumulation window, update the weights."""
         self._require_optimizer("engine.step()")
         self.check_open()
         self.check_state_usable()
+        if not self._backward_since_step:
+            logger.warning(
+                "engine.step() without an engine.backward() since the last step(): skipped (weights, "
+                "optimizer state, learning-rate schedule and step counters unchanged)"
+            )
+            return
+        self._backward_since_step = False
         if self.is_gradient_accumulation_boundary():
-            self._take_model_step(lr_kwargs)
+            try:
+                self._take_model_step(lr_kwargs)
+            except OSError:
+                # The previous state is kept: the window's gradients go, so that redoing its micro-batches
+                # (forward, backward, step) is the one retry, whatever failed.
+                self._drop_window()
+                raise
             self.global_steps += 1
             self.global_samples += self.train_batch_size_
             report = self._finish_report()
@@ -494,6 +525,7 @@ class ZeroEngine(EngineAPI):
                     self.get_lr(),
                     self.loss_scale,
                 )
+            self._window_start = self.micro_steps + 1
         self.micro_steps += 1
 
     # -------------------------------------------------------------------------------------- the update
@@ -868,6 +900,23 @@ def _refuse_partitioned(model: nn.Module, stage: int) -> None:
                 f"its parameters for stage 3 (parameter {name!r} is partitioned); use stage 3 with it, or "
                 "build the model without zero.Init for stages 0-2"
             )
+
+
+def _refuse_meta_tensors(model: nn.Module) -> None:
+    """A parameter or buffer on the meta device has no values: an engine built on it would compute with
+    zeros (stage 3 gives such parameters zero partitions). zero.Init and zero.from_pretrained partition
+    their meta-built parameters before the engine sees them, so none is left here."""
+    named = list(model.named_parameters(remove_duplicate=True)) + list(model.named_buffers())
+    meta = [name for name, t in named if t is not None and t.is_meta]
+    if not meta:
+        return
+    more = f" (and {len(meta) - 1} more)" if len(meta) > 1 else ""
+    raise ValueError(
+        f"zero.initialize: {meta[0]!r}{more} is on the meta device, so it holds no values (the engine would "
+        "run with zeros). Build the model inside `zero.Init()` (its parameters are partitioned as they are "
+        "created), load a Hugging Face checkpoint with `zero.from_pretrained`, or give the model real "
+        "tensors first (`model.to_empty(device=...)`, then load its weights)"
+    )
 
 
 def _cast_floats(value: Any, dtype: torch.dtype) -> Any:

@@ -384,6 +384,12 @@ class FusedDeviceStep:
         self.torch.step(grad, step, self.optimizer.param_groups)
 
 
+def _held(err: Optional[BaseException]) -> bool:
+    """Whether `err` says the last step is held in memory because its write-back keeps failing
+    (offload.swap.optimizer_swapper.DeferredWriteError with `steps_lost` 0): nothing was lost or changed."""
+    return isinstance(err, OSError) and getattr(err, "steps_lost", None) == 0
+
+
 class OptimizerState:
     """Passes over one rank's optimizer state, and the state's way into and out of checkpoints.
 
@@ -566,6 +572,9 @@ class OptimizerState:
         self.pass_updates = 0
         self.torn = False
         if self.device_part is not None:
+            held = self.tier.take_lost()  # the last step's write-back first: nothing is updated before it
+            if held is not None:
+                raise held
             self._launch_device_part()
         if ready is None:
             return self.tier.step(update)
@@ -623,8 +632,11 @@ class OptimizerState:
     def fail_pass(self, err: BaseException, step: int) -> NoReturn:
         """A pass failed part way. Two NVMe copies: the committed state is intact, so the parameters are
         put back from it and the error raised (a retry redoes the update). In-place state (memory tiers, one
-        NVMe copy) that the pass already changed is torn: the guard is poisoned."""
+        NVMe copy) that the pass already changed is torn: the guard is poisoned. The last step's write-back
+        still failing (`_held`) stopped the pass before it changed anything: raised as it is."""
         self.tier.abort()
+        if _held(err):
+            raise err
         if self.torn:
             self.writer.finish()
             self.guard.poison(
@@ -650,8 +662,10 @@ class OptimizerState:
     def drop_pass(self, result_error: Optional[BaseException]) -> None:
         """Undo a pass that will not be committed (stopped during backward): parameters back to the master."""
         self.tier.abort()
-        self.restore_params()
         self.tier.stats.reset()
+        if _held(result_error):
+            return  # it stopped the pass before any chunk: the parameters are the committed state's
+        self.restore_params()
         if getattr(result_error, "steps_lost", 0):
             # The pass found the last step's write-back lost: the next step (or save) undoes that step,
             # exactly as without the overlapped pass.
@@ -677,6 +691,8 @@ class OptimizerState:
         err = self.tier.take_lost()
         if err is None:
             return
+        if _held(err):
+            raise err  # the last step is held and its write is still failing: nothing to undo
         self.restore_params()
         self.optimizer.step_count -= err.steps_lost
         self._on_step_lost()

@@ -142,13 +142,36 @@ def _weight_files(root: str) -> Tuple[List[str], Optional[Dict[str, str]]]:
     raise FileNotFoundError(errno.ENOENT, f"{root}: neither {SINGLE_FILE} nor {INDEX_FILE}{hint}", root)
 
 
+# The largest safetensors header read (the JSON between the 8-byte length and the tensor data). safetensors
+# itself accepts up to 100 MB, and parsing one that size takes some 1.8 GB; real checkpoints' headers are
+# about 150 bytes a tensor, so this allows some 100,000 tensors in one file.
+MAX_HEADER_BYTES = 16 << 20
+
+
+def _check_header_size(file: str) -> None:
+    """Refuse a file whose header length is more than MAX_HEADER_BYTES or than the file holds, having read
+    only its first 8 bytes."""
+    size = os.path.getsize(file)
+    with open(file, "rb") as f:
+        head = f.read(8)
+    n = int.from_bytes(head, "little") if len(head) == 8 else -1
+    if n < 0 or n > size - 8:
+        raise PretrainedCheckpointError(f"{file}: not a complete safetensors file ({_size_note(file)})")
+    if n > MAX_HEADER_BYTES:
+        raise PretrainedCheckpointError(
+            f"{file}: its safetensors header is {n} bytes; zero.from_pretrained reads headers of at most "
+            f"{MAX_HEADER_BYTES} bytes (some 100,000 tensors: parsing a header takes about 20 times its "
+            "size in memory). Save the checkpoint in shards (save_pretrained's max_shard_size)"
+        )
+
+
 def _size_note(file: str) -> str:
     """What the file's own header says its size should be, against its size on disk."""
     size = os.path.getsize(file)
     try:
         with open(file, "rb") as f:
             n = int.from_bytes(f.read(8), "little")
-            if n > size:
+            if n > min(size, MAX_HEADER_BYTES):
                 return f"its header claims {n} bytes of metadata, the file has {size} bytes"
             header = json.loads(f.read(n))
         end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
@@ -163,6 +186,7 @@ def _scan(files: List[str], index_map: Optional[Dict[str, str]]) -> Dict[str, _T
 
     tensors: Dict[str, _Tensor] = {}
     for file in files:
+        _check_header_size(file)
         try:
             with safe_open(file, framework="pt") as f:
                 for key in f.keys():

@@ -15,6 +15,9 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 
 logger = logging.getLogger("offload.config")
 
+# The integers a config value may hold: a signed 64-bit integer, what torch and the I/O core take.
+INT_MIN, INT_MAX = -(2**63), 2**63 - 1
+
 _HF_AUTO_HINT = (
     " ('auto' is filled in by the HuggingFace Trainer's DeepSpeed integration before DeepSpeed sees the"
     " config; pass the resolved value)"
@@ -54,10 +57,33 @@ def describe(value: Any) -> str:
     kind = names.get(type(value), type(value).__name__)
     if value is None:
         return "null"
-    text = repr(value)
+    text = _repr(value)
     if len(text) > 60:
         text = text[:57] + "..."
     return f"{kind} {text}"
+
+
+def _repr(value: Any) -> str:
+    """repr(value), or for an integer too long to print (Python's digit limit) its digit count."""
+    try:
+        return repr(value)
+    except ValueError:
+        return f"<an integer of about {int(value.bit_length() * 0.30103) + 1} digits>"
+
+
+def _number(value: Any) -> str:
+    """A number for an error message, clipped to 40 characters (a huge integer is not echoed whole)."""
+    text = _repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _as_float(value: Any) -> Optional[float]:
+    """float(value) for an int or float; None when it is not finite or too large for a float."""
+    try:
+        out = float(value)
+    except OverflowError:
+        return None
+    return out if math.isfinite(out) else None
 
 
 def join(path: str, key: str) -> str:
@@ -147,6 +173,8 @@ class Section:
             if not math.isfinite(value) or value != int(value):
                 raise self._type_error(name, "an integer", value)
             value = int(value)
+        if not INT_MIN <= value <= INT_MAX:  # nothing downstream (torch, the I/O core) takes more
+            raise self.fail(name, f"must be a 64-bit integer, got {_number(value)}")
         self._check_range(name, value, min, max, why)
         return value
 
@@ -166,9 +194,10 @@ class Section:
             return None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise self._type_error(name, "a number", value)
-        value = float(value)
-        if not math.isfinite(value):
-            raise self.fail(name, f"must be a finite number, got {value}")
+        number = _as_float(value)
+        if number is None:
+            raise self.fail(name, f"must be a finite number, got {_number(value)}")
+        value = number
         if min is not None and (value < min or (min_exclusive and value == min)):
             raise self.fail(name, f"must be {'>' if min_exclusive else '>='} {min}, got {value}")
         if max is not None and (value > max or (max_exclusive and value == max)):
@@ -218,7 +247,7 @@ class Section:
             raise self._type_error(name, "an array of two numbers", value)
         out = []
         for item in value:
-            if isinstance(item, bool) or not isinstance(item, (int, float)) or not math.isfinite(item):
+            if isinstance(item, bool) or not isinstance(item, (int, float)) or _as_float(item) is None:
                 raise self._type_error(name, "an array of two finite numbers", value)
             if not lo <= item < hi:
                 raise self.fail(name, f"each value must be in [{lo}, {hi}), got {list(value)}")
@@ -298,3 +327,10 @@ def read_json_file(path: str) -> Any:
         raise ConfigError(
             f"config file {path} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
         ) from None
+    except RecursionError:
+        raise ConfigError(
+            f"config file {path} nests arrays or objects too deeply to be a config (Python's recursion "
+            "limit was reached while parsing it)"
+        ) from None
+    except ValueError as e:  # an integer longer than Python converts (sys.get_int_max_str_digits)
+        raise ConfigError(f"config file {path} holds a number that cannot be read: {e}") from None

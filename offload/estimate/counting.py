@@ -9,7 +9,6 @@ import importlib
 import importlib.util
 import json
 import os
-import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Dict, Optional, Tuple
 
@@ -80,9 +79,7 @@ def _load_callable(spec: str) -> Callable[[], object]:
                 raise EstimateInputError(f"--model {spec}: cannot import {path}")
             module = importlib.util.module_from_spec(file_spec)
             file_spec.loader.exec_module(module)
-        else:
-            if os.getcwd() not in sys.path:
-                sys.path.insert(0, os.getcwd())  # let "mymodels:build" find ./mymodels.py
+        else:  # an importable module, found on sys.path as it is (a file in the current directory: ./x.py)
             module = importlib.import_module(module_part)
     except EstimateInputError:
         raise

@@ -21,14 +21,17 @@ chunk is updated: the writes of the last `buffer_count` chunks are still in flig
 that touches the files or the slots next - `prefetch`, `step`, `read_all`, `load`, `close` - first settles
 them (`settle()`). A step committed with writes in flight is live-pending: if one of them fails, the copy
 it wrote is not the state, so the swapper goes back to the previous copy (intact: a step never writes the
-live copy, and nothing writes the old one before the settle) and reports a `DeferredWriteError` naming the
-file. `step` always raises it (the engine then undoes its side of the lost step); `read_all` and `close`
-raise it unless it was already raised; `prefetch` keeps it for the next `step` (it runs inside backward,
-where the engine could not undo anything); `load` replaces the state and drops it. In-place steps
-(`copies=1`) always drain: a failed write there would have nothing to go back to. `take_lost` settles and
-hands a kept failure to a caller that undoes the lost step itself (the engine, before a checkpoint reads
-the state); `keep_lost` puts back one a discarded step had taken. `rewrite` changes every chunk in place
-through the pipeline (the engine rebuilds the master from the module's weights with it).
+live copy, and nothing writes the old one before the settle). The chunks whose writes were in flight are
+still in their slots, so the settle first writes them again; only if that fails too is the step *held*:
+its chunks stay in the slots (nothing else uses them), the live copy is not read, and every later settle
+writes them again until it succeeds. While held, `step`, `read_all`, `rewrite` and `take_lost` raise (or
+hand over) a `DeferredWriteError` naming the file with `steps_lost` 0 - nothing was lost, the state is the
+last step's and the failed call changed nothing; `prefetch` reads nothing; `load` replaces the state and
+drops the held chunks; `close` raises it with `steps_lost` 1 (the held step goes with the slots). A
+failure before `commit()` loses that uncommitted step (`steps_lost` 1: `commit` raises it). In-place steps
+(`copies=1`) always drain: a failed write there would have nothing to go back to. `keep_lost` puts back a
+failure a discarded step had taken. `rewrite` changes every chunk in place through the pipeline (the
+engine rebuilds the master from the module's weights with it).
 
 The module is long because the pipeline, the two-copy commit and the deferred write-back share one set
 of slots and files; splitting them would spread that state over several owners.
@@ -80,11 +83,16 @@ class SwapStats:
 class DeferredWriteError(OSError):
     """A write a step left in flight failed after the step returned: that step's state is lost.
 
-    The swapper is back on the state before it (`steps_lost` steps earlier); errno and filename are those of
-    the failed write.
+    `steps_lost` 1: the swapper is back on the state before that step. `steps_lost` 0: the step is held -
+    its chunks wait in the staging slots and are written again at the next settle, so nothing is lost and
+    the call that raised changed nothing. errno and filename are those of the failed write.
     """
 
     steps_lost = 1
+
+    def __init__(self, *args: Any, steps_lost: int = 1) -> None:
+        super().__init__(*args)
+        self.steps_lost = steps_lost
 
 
 class OptimizerSwapper:
@@ -144,6 +152,10 @@ class OptimizerSwapper:
         self._fallback: Optional[int] = None
         self._lost: Optional[DeferredWriteError] = None
         self._lost_raised = False
+        # (chunk, slot) of the writes a step left in flight; `_held`: their second write failed too, so
+        # the chunks wait in the slots (the live copy lacks them) until a settle writes them
+        self._deferred: List[Tuple[int, int]] = []
+        self._held = False
         self._prefetched = 0  # chunks at positions 0..n-1 of _prefetch_order queued into slots 0..n-1
         self._prefetch_order: List[int] = []
         # The order `step` (and `prefetch`) visit chunks in. The engine reverses it when it steps
@@ -305,6 +317,9 @@ class OptimizerSwapper:
                     self._write(i, slot, dst)
             if defer and dst is not None:
                 self._in_flight = True
+                self._deferred = [
+                    (order[p], p % n_slots) for p in range(max(0, n_chunks - n_slots), n_chunks)
+                ]
             else:
                 self._drain()
         except BaseException:
@@ -327,6 +342,9 @@ class OptimizerSwapper:
         Does not raise: the failure is kept as a `DeferredWriteError` for the caller's next step (see the
         module docstring for who raises it when). Idempotent and cheap when nothing is in flight.
         """
+        if self._held:
+            self._write_held()
+            return
         if not self._in_flight:
             return
         self._in_flight = False
@@ -334,11 +352,39 @@ class OptimizerSwapper:
         try:
             self._drain()
         except OSError as e:
-            self._lose_step(e)
+            if self._fallback is not None:  # committed: write the chunks again from their slots
+                self._held = True
+                self._write_held(e)
+            else:
+                self._lose_step(e)
         finally:
             self.stats.write_back_wait_s += time.perf_counter() - t0
-            if not self._pending:
+            if not self._pending and not self._held:
                 self._fallback = None  # committed and durable (or aborted): nothing to go back to
+
+    def _write_held(self, first: Optional[OSError] = None) -> None:
+        """Write the held chunks (the last step's, still in their slots) to the live copy again, and wait.
+        Success: the step is durable. Failure: it stays held, with a `DeferredWriteError` (steps_lost 0)."""
+        dst = self._files[self._live]
+        try:
+            for i, slot in self._deferred:
+                self._write(i, slot, dst)
+            self._drain()
+        except OSError as e:
+            path = getattr(e, "filename", None) or dst.path
+            err = DeferredWriteError(
+                e.errno or 0,
+                f"writing back the optimizer state of the last step to {path} failed after the step returned "
+                f"({e.strerror or e}), and again when retried; that step is held in memory and written again "
+                "before the state is next used: nothing is lost, and this call changed nothing",
+                path,
+                steps_lost=0,
+            )
+            err.__cause__ = first if first is not None else e
+            self._lost, self._lost_raised = err, False
+            return
+        self._held, self._deferred, self._fallback = False, [], None
+        self._lost, self._lost_raised = None, False
 
     def _lose_step(self, e: OSError) -> None:
         if self._fallback is not None:
@@ -359,10 +405,13 @@ class OptimizerSwapper:
         self._lost, self._lost_raised = err, False
 
     def _raise_lost(self, always: bool) -> None:
-        """Raise a kept deferred failure: `always` (a step) consumes it, otherwise only once."""
+        """Raise a kept deferred failure: `always` (a step) consumes it, otherwise only once. A held step's
+        failure is raised every time and stays until a settle writes the step."""
         err = self._lost
         if err is None:
             return
+        if self._held:
+            raise err
         if always:
             self._lost = None
             raise err
@@ -427,6 +476,8 @@ class OptimizerSwapper:
         """
         self._check_open()
         self.settle()
+        if self._held:  # not forgotten: the step is still held and its writes still due
+            return self._lost
         err, self._lost, self._lost_raised = self._lost, None, False
         return err
 
@@ -502,7 +553,7 @@ class OptimizerSwapper:
         """
         self._check_open()
         self.settle()
-        self._lost = None
+        self._lost, self._held, self._deferred = None, False, []
         self._pending = False
         master_only = states_zero and self._fresh[self._spare]
 
@@ -545,4 +596,14 @@ class OptimizerSwapper:
         for s in self._slots:
             self._pool.free(s)
         self._slots.clear()
+        if self._held and self._lost is not None:  # the held step goes with the slots
+            held, self._held = self._lost, False
+            reason = getattr(held.__cause__, "strerror", None) or held.__cause__
+            self._lost = DeferredWriteError(
+                held.errno or 0,
+                f"writing back the optimizer state of the last step to {held.filename} kept failing "
+                f"({reason}) until the swapper was closed: that step is lost",
+                held.filename,
+            )
+            self._lost.__cause__ = held.__cause__
         self._raise_lost(always=False)
