@@ -18,7 +18,7 @@ import torch
 from offload.swap.optimizer_swapper import STATE_TORCH_DTYPES
 from offload.swap.slots import QUANT_BLOCK, StateFormat
 from zero.checkpoint._engine import CheckpointEngine
-from zero.checkpoint._files import Entry, StreamDigest, create_private, digest_file, fsync_path
+from zero.checkpoint._files import Entry, StreamDigest, create_private, digest_fd, plain_name
 from zero.state_convert import convert_states, warn_if_lossy
 
 
@@ -31,9 +31,16 @@ def trainable_numel(engine: CheckpointEngine) -> int:
 
 
 def check_tag(tag: Any) -> str:
+    """`tag` as a checkpoint's directory name: one printable path component without surrounding whitespace
+    (it would not survive the `latest` file, whose content is stripped), not hidden, not `latest`."""
     tag = str(tag)
-    if not tag or os.sep in tag or tag.startswith(".") or tag == "latest":
-        raise ValueError(f"checkpoint tag must be a plain name not starting with '.', got {tag!r}")
+    if tag != tag.strip():
+        raise ValueError(f"checkpoint tag {tag!r} has leading or trailing whitespace: pass {tag.strip()!r}")
+    if not plain_name(tag) or tag == "latest":
+        raise ValueError(
+            f"checkpoint tag must be a plain printable name (one path component of at most 255 bytes, not "
+            f"starting with '.', not 'latest'), got {tag!r}"
+        )
     return tag
 
 
@@ -124,6 +131,9 @@ def expected_module_state(engine: CheckpointEngine) -> Dict[str, Optional[torch.
 
 def check_module_state(engine: CheckpointEngine, saved: Dict[str, Any], strict: bool, where: str) -> None:
     mine = expected_module_state(engine)
+    not_tensor = [k for k, v in saved.items() if k in mine and not isinstance(v, torch.Tensor)]
+    if not_tensor:
+        raise ValueError(f"{where}: module state {not_tensor[0]!r} is not a tensor")
     missing = [k for k, shape in mine.items() if k not in saved and shape is not None]
     unexpected = [k for k in saved if k not in mine]
     if strict and (missing or unexpected):
@@ -206,38 +216,44 @@ def optimizer_nbytes(engine: CheckpointEngine, state_dtype: Optional[str] = None
     return state_format(engine, state_dtype).whole_bytes(engine.part_numel)
 
 
-def write_optimizer(engine: CheckpointEngine, path: str) -> Entry:
-    """Stream master + states (in the dtype they live in) into `path`, tensor after tensor, hashing each
-    region on the way (fp32 states: equal regions; otherwise the file is digested after it is written)."""
+def write_optimizer(engine: CheckpointEngine, name: str, dir_fd: int) -> Entry:
+    """Stream master + states (in the dtype they live in) into new file `name` in directory `dir_fd`,
+    tensor after tensor, hashing each region on the way (fp32 states: equal regions; otherwise the file is
+    digested after it is written). The aio writes go to the descriptor created here, never to a path."""
     part = engine.part_numel
     fmt = state_format(engine)
-    os.close(create_private(path))  # 0600 from the start; the aio handle writes into it, never truncating
+    fd = create_private(name, dir_fd, read=True)  # 0600 from the start
     digests = [StreamDigest() for _ in range(fmt.n_tensors)]
-    handle = _aio_handle(engine)
     expect, in_order = 0, fmt.dtype == "fp32"
-
-    def put(start: int, n: int, master: torch.Tensor, states: List[torch.Tensor]) -> None:
-        nonlocal expect, in_order
-        tensors = [master, *states]
-        for t, off in zip(tensors, _chunk_offsets(fmt, part, start)):
-            handle.async_pwrite(t, path, off)
-        in_order = in_order and start == expect
-        if in_order:  # hash while the writes run
-            for d, t in zip(digests, tensors):
-                d.update(_host_bytes(t))
-        expect = start + n
-        handle.wait()  # the views are only valid during this call
-
     try:
-        handle.register_file(path)  # one descriptor for every write, never the path again
-        engine.stream_optimizer_state(put)
-    except BaseException:
-        _close_quietly(handle)
-        raise
-    handle.close()
-    fsync_path(path)
-    if not (in_order and expect == part):
-        return digest_file(path, part * 4)
+        handle = _aio_handle(engine)
+
+        def put(start: int, n: int, master: torch.Tensor, states: List[torch.Tensor]) -> None:
+            nonlocal expect, in_order
+            tensors = [master, *states]
+            for t, off in zip(tensors, _chunk_offsets(fmt, part, start)):
+                handle.async_pwrite(t, fd, off)
+            in_order = in_order and start == expect
+            if in_order:  # hash while the writes run
+                for d, t in zip(digests, tensors):
+                    d.update(_host_bytes(t))
+            expect = start + n
+            handle.wait()  # the views are only valid during this call
+
+        try:
+            engine.stream_optimizer_state(put)
+        except OSError as e:
+            _close_quietly(handle)
+            raise OSError(e.errno, f"writing {name}: {e}") from e
+        except BaseException:
+            _close_quietly(handle)
+            raise
+        handle.close()
+        os.fsync(fd)
+        if not (in_order and expect == part):
+            return digest_fd(fd, part * 4, os.fstat(fd).st_size, name)
+    finally:
+        os.close(fd)
     return {
         "size": optimizer_nbytes(engine),
         "segment_bytes": part * 4,
@@ -245,34 +261,29 @@ def write_optimizer(engine: CheckpointEngine, path: str) -> Entry:
     }
 
 
-def read_optimizer(engine: CheckpointEngine, path: str, state_dtype: str = "fp32") -> None:
-    """Fill the engine's optimizer state from `path`, saved with states in `state_dtype`: straight into the
-    tier's buffers when that is the engine's dtype, else converted chunk by chunk (a warning when that
-    rounds them)."""
+def read_optimizer(engine: CheckpointEngine, fd: int, path: str, state_dtype: str = "fp32") -> None:
+    """Fill the engine's optimizer state from open file `fd` (`path`, for messages), saved with states in
+    `state_dtype`: straight into the tier's buffers when that is the engine's dtype, else converted chunk by
+    chunk (a warning when that rounds them)."""
     part = engine.part_numel
-    size = os.path.getsize(path)
+    size = os.fstat(fd).st_size
     if size != optimizer_nbytes(engine, state_dtype):
         raise ValueError(f"{path}: {size} bytes, expected {optimizer_nbytes(engine, state_dtype)}")
     src, dst = state_format(engine, state_dtype), state_format(engine)
     if src != dst:
         warn_if_lossy(src.dtype, dst.dtype, path)
     handle = _aio_handle(engine)
-    try:
-        handle.register_file(path, writable=False)  # one descriptor for every read
-    except BaseException:
-        _close_quietly(handle)
-        raise
 
     def fill(start: int, n: int, master: torch.Tensor, states: List[torch.Tensor]) -> None:
         offsets = _chunk_offsets(src, part, start)
         if src == dst:
             for t, off in zip([master, *states], offsets):
-                handle.async_pread(t, path, off)
+                handle.async_pread(t, fd, off)
             handle.wait()
             return
         saved = [torch.empty(k, dtype=STATE_TORCH_DTYPES[d]) for d, k, _ in src.parts(n)]
         for t, off in zip(saved, offsets):
-            handle.async_pread(t, path, off)
+            handle.async_pread(t, fd, off)
         handle.wait()
         master.copy_(saved[0])
         for t, v in zip(states, convert_states(saved[1:], src, dst, engine.rule.signed)):
@@ -280,17 +291,21 @@ def read_optimizer(engine: CheckpointEngine, path: str, state_dtype: str = "fp32
 
     try:
         engine.load_optimizer_state(fill)
+    except OSError as e:
+        _close_quietly(handle)
+        raise OSError(e.errno, f"reading {path}: {e}") from e
     except BaseException:
         _close_quietly(handle)
         raise
     handle.close()
 
 
-def write_params(engine: CheckpointEngine, path: str) -> Entry:
-    """Stage 3: every unit's partition, back to back in unit order, one unit in memory at a time."""
+def write_params(engine: CheckpointEngine, name: str, dir_fd: int) -> Entry:
+    """Stage 3: every unit's partition into new file `name` in directory `dir_fd`, back to back in unit
+    order, one unit in memory at a time."""
     part = engine.partitioner
     digest = StreamDigest()
-    with os.fdopen(create_private(path), "wb") as f:
+    with os.fdopen(create_private(name, dir_fd), "wb") as f:
         for u in part.units:
             raw = part.read_partition(u, torch.empty(u.part_numel, dtype=u.dtype)).view(torch.uint8).numpy()
             digest.update(raw)
@@ -300,14 +315,21 @@ def write_params(engine: CheckpointEngine, path: str) -> Entry:
     return digest.entry()
 
 
-def read_params(engine: CheckpointEngine, path: str) -> None:
+def read_params(engine: CheckpointEngine, fd: int, path: str) -> None:
+    """Stage 3: the partitions from open file `fd` (`path`, for messages)."""
     part = engine.partitioner
-    with open(path, "rb") as f:
-        for u in part.units:
-            values = torch.empty(u.part_numel, dtype=u.dtype)
-            if f.readinto(values.view(torch.uint8).numpy()) != u.part_nbytes:  # straight into the tensor
+    pos = 0
+    for u in part.units:
+        values = torch.empty(u.part_numel, dtype=u.dtype)
+        view = memoryview(values.view(torch.uint8).numpy()).cast("B")  # read straight into the tensor
+        done = 0
+        while done < len(view):
+            n = os.preadv(fd, [view[done:]], pos + done)
+            if not n:
                 raise OSError(f"{path}: ended inside unit {u.name}")
-            part.write_partition(u, values)
+            done += n
+        pos += done
+        part.write_partition(u, values)
 
 
 def optimizer_meta(engine: CheckpointEngine) -> Dict[str, Any]:
