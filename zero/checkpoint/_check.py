@@ -124,8 +124,10 @@ def _params(index: Any) -> Optional[List[Tuple[str, Tuple[int, ...]]]]:
     """(name, shape) of each parameter in a `master_index`, or None if it is not one."""
     try:
         if index["kind"] == "flat":
-            return [(str(names[0]), tuple(int(d) for d in shape)) for names, shape in index["params"]]
-        return [(str(p[0][0]), tuple(int(d) for d in p[1])) for unit in index["units"] for p in unit]
+            return [
+                (str(names[0]), tuple(int(d) for d in shape)) for names, shape in index["params"] if names
+            ]
+        return [(str(p[0][0]), tuple(int(d) for d in p[1])) for unit in index["units"] for p in unit if p[0]]
     except (KeyError, TypeError, IndexError, ValueError):
         return None
 
