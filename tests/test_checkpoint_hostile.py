@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import shutil
+import stat
 import threading
 
 import pytest
@@ -294,3 +295,34 @@ def test_shape_mismatch_names_the_parameter_and_both_shapes(tmp_path, original):
     with pytest.raises(ValueError, match=r"parameter \S+: shape \(\d+(, \d+)*\) in the checkpoint, \(\d+"):
         other.load_checkpoint(str(original))
     other.close()
+
+
+# ------------------------------------------------------------------------------------------- exports
+def test_save_16bit_model_never_writes_through_a_planted_temporary(tmp_path):
+    """A symlink at the fixed name `<file>.tmp` would have its target overwritten; another user's 0666
+    file there would become the output. Neither is touched; the output is this user's, mode 0644 under
+    umask 022, and holds the model's state dict."""
+    engine = new_engine("cpu", tmp_path)
+    out, victim = tmp_path / "out", tmp_path / "victim"
+    out.mkdir()
+    victim.write_bytes(b"keep")
+    os.symlink(victim, out / "pytorch_model.bin.tmp")
+    planted = out / "m.bin.tmp"
+    planted.write_bytes(b"theirs")
+    os.chmod(planted, 0o666)
+    if os.geteuid() == 0:
+        os.chown(planted, 65534, 65534)
+    old = os.umask(0o022)
+    try:
+        assert engine.save_16bit_model(str(out)) is True
+        assert engine.save_16bit_model(str(out), "m.bin") is True
+    finally:
+        os.umask(old)
+    assert victim.read_bytes() == b"keep" and planted.read_bytes() == b"theirs"
+    want = engine.module.state_dict()
+    for name in ("pytorch_model.bin", "m.bin"):
+        st = os.lstat(out / name)
+        assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o644 and st.st_uid == os.geteuid()
+        got = torch.load(out / name, weights_only=True)
+        assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    engine.close()
