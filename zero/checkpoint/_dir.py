@@ -111,7 +111,11 @@ class OpenDir:
         return fd
 
     def held(self, name: str) -> int:
+        """The descriptor kept for `name` (KeyError if none)."""
         return self._held[name]
+
+    def holds(self, name: str) -> bool:
+        return name in self._held
 
     def fd_path(self, name: str) -> str:
         """A path that opens the very file held as `name` (Linux: its /proc/self/fd link), for readers that

@@ -19,7 +19,6 @@ import json
 import os
 import re
 import signal
-import stat
 from typing import IO, Any, Dict, List, Optional
 
 import torch
@@ -286,7 +285,3 @@ def read_manifest(d: OpenDir) -> Optional[Dict[str, Any]]:
     except (ValueError, RecursionError):
         raise CheckpointIntegrityError(f"{d.name(MANIFEST)}: corrupted (not JSON)") from None
     return check_manifest(sealed, d.name(MANIFEST))
-
-
-def is_regular(fd: int) -> bool:
-    return stat.S_ISREG(os.fstat(fd).st_mode)

@@ -103,7 +103,7 @@ def _load_plain(d: OpenDir, name: str) -> Any:
 
 def _load_pickled(d: OpenDir, name: str) -> Any:
     """torch.load(weights_only=False) of `name` in `d` (only with allow_pickle: it runs code)."""
-    if name not in d._held:
+    if not d.holds(name):
         d.hold(name, d.open(name))
     with os.fdopen(os.dup(d.held(name)), "rb") as f:
         return torch.load(f, map_location="cpu", weights_only=False)

@@ -240,7 +240,7 @@ class _Checkpoint:
         """The open file `name`: listed in the manifest, a regular file of the size it records."""
         if name not in self.listed:
             raise CheckpointIntegrityError(f"{self.path}: {MANIFEST} does not list {name}")
-        if name not in self.d._held:
+        if not self.d.holds(name):
             self.d.hold(name, verify_size(self.d, name, self.listed[name]))
         return self.d.held(name)
 
