@@ -175,6 +175,16 @@ def _host_bytes(t: torch.Tensor) -> Any:
     return t.contiguous().view(torch.uint8).numpy()
 
 
+def _direct(fd: int, flags: int) -> int:
+    """A second descriptor of the file open as `fd`, with O_DIRECT (which the aio core honours), opened
+    through its /proc/self/fd link - the very same inode, not a path anyone could swap; a duplicate of `fd`
+    where the filesystem refuses O_DIRECT. The caller closes it."""
+    try:
+        return os.open(f"/proc/self/fd/{fd}", flags | os.O_DIRECT | os.O_CLOEXEC)
+    except OSError:
+        return os.dup(fd)
+
+
 def _close_quietly(handle: Any) -> None:
     try:
         handle.close()
@@ -225,14 +235,16 @@ def write_optimizer(engine: CheckpointEngine, name: str, dir_fd: int) -> Entry:
     fd = create_private(name, dir_fd, read=True)  # 0600 from the start
     digests = [StreamDigest() for _ in range(fmt.n_tensors)]
     expect, in_order = 0, fmt.dtype == "fp32"
+    io_fd = -1
     try:
+        io_fd = _direct(fd, os.O_RDWR)
         handle = _aio_handle(engine)
 
         def put(start: int, n: int, master: torch.Tensor, states: List[torch.Tensor]) -> None:
             nonlocal expect, in_order
             tensors = [master, *states]
             for t, off in zip(tensors, _chunk_offsets(fmt, part, start)):
-                handle.async_pwrite(t, fd, off)
+                handle.async_pwrite(t, io_fd, off)
             in_order = in_order and start == expect
             if in_order:  # hash while the writes run
                 for d, t in zip(digests, tensors):
@@ -253,6 +265,8 @@ def write_optimizer(engine: CheckpointEngine, name: str, dir_fd: int) -> Entry:
         if not (in_order and expect == part):
             return digest_fd(fd, part * 4, os.fstat(fd).st_size, name)
     finally:
+        if io_fd >= 0:
+            os.close(io_fd)
         os.close(fd)
     return {
         "size": optimizer_nbytes(engine),
@@ -265,13 +279,21 @@ def read_optimizer(engine: CheckpointEngine, fd: int, path: str, state_dtype: st
     """Fill the engine's optimizer state from open file `fd` (`path`, for messages), saved with states in
     `state_dtype`: straight into the tier's buffers when that is the engine's dtype, else converted chunk by
     chunk (a warning when that rounds them)."""
-    part = engine.part_numel
     size = os.fstat(fd).st_size
     if size != optimizer_nbytes(engine, state_dtype):
         raise ValueError(f"{path}: {size} bytes, expected {optimizer_nbytes(engine, state_dtype)}")
     src, dst = state_format(engine, state_dtype), state_format(engine)
     if src != dst:
         warn_if_lossy(src.dtype, dst.dtype, path)
+    fd = _direct(fd, os.O_RDONLY)
+    try:
+        _read_optimizer(engine, fd, path, src, dst)
+    finally:
+        os.close(fd)
+
+
+def _read_optimizer(engine: CheckpointEngine, fd: int, path: str, src: StateFormat, dst: StateFormat) -> None:
+    part = engine.part_numel
     handle = _aio_handle(engine)
 
     def fill(start: int, n: int, master: torch.Tensor, states: List[torch.Tensor]) -> None:
