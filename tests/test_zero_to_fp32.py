@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 
@@ -164,7 +165,7 @@ def test_safetensors_bin_dtypes_and_shards(tmp_path, ckpt):
     assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 << 30 and parse_size(7) == 7
     with pytest.raises(ValueError, match="size"):
         parse_size("5 parsecs")
-    with pytest.raises(ValueError, match="writes .bin"):
+    with pytest.raises(ValueError, match="should not end in .safetensors"):
         convert_zero_checkpoint_to_fp32_state_dict(
             str(src), str(tmp_path / "x.safetensors"), safe_serialization=False
         )
@@ -284,3 +285,99 @@ def test_two_ranks(tmp_path):
     os.unlink(tmp_path / "stage2" / "global_step3" / "optim_rank1.bin")
     with pytest.raises(CheckpointIntegrityError, match="optim_rank1.bin: missing"):
         get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "stage2"))
+
+
+# ----------------------------------------------------------------------------------- hostile inputs
+def longer_index(path) -> None:
+    """master_index claims more elements for the last parameter than the master holds (resealed)."""
+    ms = torch.load(path / "model_states.pt", weights_only=True)
+    ms["master_index"]["params"][-1][1][0] += 3
+    torch.save(ms, path / "model_states.pt")
+    reseal(
+        path, lambda files: files.update({"model_states.pt": digest_file(str(path / "model_states.pt"), 0)})
+    )
+
+
+def test_index_that_does_not_cover_the_output_exactly_exits_2(tmp_path, ckpt, capsys):
+    """Outputs are allocated uninitialised and filled where the index says: an index listing more elements
+    than the files hold is refused before anything is read or written (not exported as heap garbage)."""
+    src = tmp_path / "ckpt"
+    shutil.copytree(ckpt[0], src)
+    longer_index(src / "global_step3")
+    with pytest.raises(CheckpointError, match="does not place every element of .* exactly once"):
+        get_fp32_state_dict_from_zero_checkpoint(str(src))
+    capsys.readouterr()
+    assert main([str(src), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "does not place every element" in err
+    assert not (tmp_path / "out").exists()
+
+
+def _umask(mask):
+    old = os.umask(mask)
+    return lambda: os.umask(old)
+
+
+def test_outputs_never_write_through_a_planted_temporary_and_share_one_mode(tmp_path, ckpt):
+    src, master, whole = ckpt
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep")
+    out = tmp_path / "out"
+    out.mkdir()
+    os.symlink(victim, out / "w.bin.tmp")  # the fixed temporary name a writer might use
+    planted = out / "model.safetensors.tmp"
+    planted.write_bytes(b"theirs")
+    os.chmod(planted, 0o666)
+    if os.geteuid() == 0:
+        os.chown(planted, 65534, 65534)  # another user's file, as in a sticky shared directory
+    restore = _umask(0o022)
+    try:
+        assert main([str(src), str(out / "w.bin"), "--no-safetensors"]) == 0
+        assert main([str(src), str(out)]) == 0
+    finally:
+        restore()
+    assert victim.read_bytes() == b"keep" and planted.read_bytes() == b"theirs"
+    for name in ("w.bin", "model.safetensors"):
+        st = os.lstat(out / name)
+        assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o644, name
+        assert st.st_uid == os.geteuid(), name
+    assert_matches(torch.load(out / "w.bin", weights_only=True), master, whole)
+    assert_matches(load_file(out / "model.safetensors"), master, whole)
+    assert sorted(os.listdir(out)) == ["model.safetensors", "model.safetensors.tmp", "w.bin", "w.bin.tmp"]
+
+
+def test_earlier_export_is_refused_unless_forced_and_then_replaced(tmp_path, ckpt, capsys):
+    """An index written beside an old model.safetensors would load the old weights: refused; --force
+    removes exactly the files an export writes (config.json stays)."""
+    src, master, whole = ckpt
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    assert main([str(src), str(out)]) == 0  # beside other files of a model directory: fine
+    (out / "pytorch_model.bin").write_bytes(b"older still")
+    capsys.readouterr()
+    assert main([str(src), str(out), "--max-shard-size", "3KB"]) == 2
+    assert "earlier export" in capsys.readouterr().err
+    with pytest.raises(FileExistsError, match="model.safetensors"):
+        convert_zero_checkpoint_to_fp32_state_dict(str(src), str(out), max_shard_size="3KB")
+    files = convert_zero_checkpoint_to_fp32_state_dict(str(src), str(out), max_shard_size="3KB", force=True)
+    assert sorted(os.listdir(out)) == sorted(["config.json", *map(os.path.basename, files)])
+    assert not (out / "model.safetensors").exists() and not (out / "pytorch_model.bin").exists()
+    got = {}
+    for f in files[:-1]:
+        got.update(load_file(f))
+    assert_matches({k: got[k] for k in whole}, master, whole)
+    assert main([str(src), str(out), "--force"]) == 0  # and back to one file: the shards and index go
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+
+
+def test_a_name_with_an_extension_is_a_file(tmp_path, ckpt, capsys):
+    src, master, whole = ckpt
+    assert main([str(src), str(tmp_path / "out.pt"), "--no-safetensors"]) == 0
+    assert (tmp_path / "out.pt").is_file()
+    assert_matches(torch.load(tmp_path / "out.pt", weights_only=True), master, whole)
+    capsys.readouterr()
+    assert main([str(src), str(tmp_path / "other.pt")]) == 2  # safetensors files end in .safetensors
+    assert "other.pt" in capsys.readouterr().err and not (tmp_path / "other.pt").exists()
+    assert main([str(src), str(tmp_path / "out.pt"), "--no-safetensors"]) == 2  # exists: --force
+    assert main([str(src), str(tmp_path / "out.pt"), "--no-safetensors", "--force"]) == 0

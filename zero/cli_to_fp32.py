@@ -4,7 +4,8 @@
     zero-to-fp32 ckpt model.bin --tag global_step100 --dtype bf16 --no-safetensors
 
 Also `python -m zero.checkpoint.to_fp32 ...`. Exit status: 0 done, 2 bad input (a missing or damaged
-checkpoint, bad arguments), with one line on stderr naming the file or key. The work is
+checkpoint, bad arguments, an output holding an earlier export without --force), with one line on stderr
+naming the file or key. The work is
 `zero.checkpoint.to_fp32.convert_zero_checkpoint_to_fp32_state_dict`.
 """
 
@@ -33,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "output",
         help="a directory (model.safetensors / pytorch_model.bin, or shards and an index, in it) or a "
-        "file name ending in .safetensors / .bin",
+        "file name with an extension: .safetensors, or with --no-safetensors e.g. .bin / .pt",
     )
     p.add_argument("-t", "--tag", help="the checkpoint to convert (default: the one `latest` names)")
     p.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="dtype of the output (default fp32)")
@@ -52,6 +53,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="leave out parameters the optimizer did not train",
     )
+    p.add_argument(
+        "-f",
+        "--force",
+        action="store_true",
+        help="replace the weights of an earlier export in OUTPUT (its model*.safetensors / "
+        "pytorch_model*.bin files and index are removed first; other files stay). Without it such an output "
+        "is refused",
+    )
     return p
 
 
@@ -68,6 +77,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             safe_serialization=not args.no_safetensors,
             max_shard_size=args.max_shard_size,
             exclude_frozen_parameters=args.exclude_frozen_parameters,
+            force=args.force,
         )
     except (CheckpointError, OSError, ValueError, ImportError) as exc:
         message = " ".join(str(exc).split())  # one line, whatever the message held

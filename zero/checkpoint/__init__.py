@@ -15,14 +15,16 @@ Layout of `<save_dir>/<tag>/` (format 2):
 * `pickled_states.pt` (rank 0, only when needed): a client_state or scheduler state that only pickle can
   restore; read only by `load_checkpoint(..., allow_pickle=True)`;
 * `manifest.json` (rank 0, written last): format version, world size, and per file its size and xxh3_64
-  checksums (computed while writing), sealed by a checksum of its own.
+  checksums (computed while writing), sealed by a checksum of its own. The checksums catch corruption,
+  not tampering (anyone who can edit the files can reseal them): loading trusts no field of any file.
 
 The `.pt` files hold only tensors and plain types and load with `torch.load(weights_only=True)`.
 Atomicity, permissions (0700 directories, 0600 files) and the agreement between ranks: see save.py and
 load.py, and docs/engine.md.
 """
 
-from zero.checkpoint._files import CRASH_ENV, FORMAT_VERSION, save_atomic
+from zero.checkpoint._files import CRASH_ENV, FORMAT_VERSION
+from zero.checkpoint._output import save_atomic
 from zero.checkpoint.load import load_checkpoint
 from zero.checkpoint.save import save_checkpoint
 from zero.errors import CheckpointError, CheckpointIntegrityError, CheckpointPickleError

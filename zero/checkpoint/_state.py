@@ -19,7 +19,7 @@ from offload.progress import progress
 from offload.swap.optimizer_swapper import STATE_TORCH_DTYPES
 from offload.swap.slots import QUANT_BLOCK, StateFormat
 from zero.checkpoint._engine import CheckpointEngine
-from zero.checkpoint._files import Entry, StreamDigest, create_private, digest_file, fsync_path
+from zero.checkpoint._files import Entry, StreamDigest, create_private, digest_fd, plain_name
 from zero.state_convert import convert_states, warn_if_lossy
 
 
@@ -32,9 +32,16 @@ def trainable_numel(engine: CheckpointEngine) -> int:
 
 
 def check_tag(tag: Any) -> str:
+    """`tag` as a checkpoint's directory name: one printable path component without surrounding whitespace
+    (it would not survive the `latest` file, whose content is stripped), not hidden, not `latest`."""
     tag = str(tag)
-    if not tag or os.sep in tag or tag.startswith(".") or tag == "latest":
-        raise ValueError(f"checkpoint tag must be a plain name not starting with '.', got {tag!r}")
+    if tag != tag.strip():
+        raise ValueError(f"checkpoint tag {tag!r} has leading or trailing whitespace: pass {tag.strip()!r}")
+    if not plain_name(tag) or tag == "latest":
+        raise ValueError(
+            f"checkpoint tag must be a plain printable name (one path component of at most 255 bytes, not "
+            f"starting with '.', not 'latest'), got {tag!r}"
+        )
     return tag
 
 
@@ -137,6 +144,9 @@ def check_module_state(
     """Raise unless `saved` fits the module (strict: the same keys). A checkpoint saved with
     `exclude_frozen_parameters` may lack the frozen parameters: the module keeps its own values of them."""
     mine = expected_module_state(engine)
+    not_tensor = [k for k, v in saved.items() if k in mine and not isinstance(v, torch.Tensor)]
+    if not_tensor:
+        raise ValueError(f"{where}: module state {not_tensor[0]!r} is not a tensor")
     optional = set(frozen_names(engine)) if frozen_excluded else set()
     missing = [k for k, shape in mine.items() if k not in saved and shape is not None and k not in optional]
     unexpected = [k for k in saved if k not in mine]
@@ -186,6 +196,16 @@ def _host_bytes(t: torch.Tensor) -> Any:
     return t.contiguous().view(torch.uint8).numpy()
 
 
+def _direct(fd: int, flags: int) -> int:
+    """A second descriptor of the file open as `fd`, with O_DIRECT (which the aio core honours), opened
+    through its /proc/self/fd link - the very same inode, not a path anyone could swap; a duplicate of `fd`
+    where the filesystem refuses O_DIRECT. The caller closes it."""
+    try:
+        return os.open(f"/proc/self/fd/{fd}", flags | os.O_DIRECT | os.O_CLOEXEC)
+    except OSError:
+        return os.dup(fd)
+
+
 def _close_quietly(handle: Any) -> None:
     try:
         handle.close()
@@ -227,42 +247,51 @@ def optimizer_nbytes(engine: CheckpointEngine, state_dtype: Optional[str] = None
     return state_format(engine, state_dtype).whole_bytes(engine.part_numel)
 
 
-def write_optimizer(engine: CheckpointEngine, path: str) -> Entry:
-    """Stream master + states (in the dtype they live in) into `path`, tensor after tensor, hashing each
-    region on the way (fp32 states: equal regions; otherwise the file is digested after it is written)."""
+def write_optimizer(engine: CheckpointEngine, name: str, dir_fd: int) -> Entry:
+    """Stream master + states (in the dtype they live in) into new file `name` in directory `dir_fd`,
+    tensor after tensor, hashing each region on the way (fp32 states: equal regions; otherwise the file is
+    digested after it is written). The aio writes go to the descriptor created here, never to a path."""
     part = engine.part_numel
     fmt = state_format(engine)
-    os.close(create_private(path))  # 0600 from the start; the aio handle writes into it, never truncating
+    fd = create_private(name, dir_fd, read=True)  # 0600 from the start
     digests = [StreamDigest() for _ in range(fmt.n_tensors)]
-    handle = _aio_handle(engine)
     expect, in_order = 0, fmt.dtype == "fp32"
-
-    def put(start: int, n: int, master: torch.Tensor, states: List[torch.Tensor]) -> None:
-        nonlocal expect, in_order
-        tensors = [master, *states]
-        for t, off in zip(tensors, _chunk_offsets(fmt, part, start)):
-            handle.async_pwrite(t, path, off)
-        in_order = in_order and start == expect
-        if in_order:  # hash while the writes run
-            for d, t in zip(digests, tensors):
-                d.update(_host_bytes(t))
-        expect = start + n
-        handle.wait()  # the views are only valid during this call
-        bar.update(sum(t.numel() * t.element_size() for t in tensors))
-
+    io_fd = -1
     bar = progress("save_checkpoint: optimizer state", optimizer_nbytes(engine), rank=engine.rank)
     try:
-        handle.register_file(path)  # one descriptor for every write, never the path again
-        engine.stream_optimizer_state(put)
-    except BaseException:
-        _close_quietly(handle)
-        raise
+        io_fd = _direct(fd, os.O_RDWR)
+        handle = _aio_handle(engine)
+
+        def put(start: int, n: int, master: torch.Tensor, states: List[torch.Tensor]) -> None:
+            nonlocal expect, in_order
+            tensors = [master, *states]
+            for t, off in zip(tensors, _chunk_offsets(fmt, part, start)):
+                handle.async_pwrite(t, io_fd, off)
+            in_order = in_order and start == expect
+            if in_order:  # hash while the writes run
+                for d, t in zip(digests, tensors):
+                    d.update(_host_bytes(t))
+            expect = start + n
+            handle.wait()  # the views are only valid during this call
+            bar.update(sum(t.numel() * t.element_size() for t in tensors))
+
+        try:
+            engine.stream_optimizer_state(put)
+        except OSError as e:
+            _close_quietly(handle)
+            raise OSError(e.errno, f"writing {name}: {e}") from e
+        except BaseException:
+            _close_quietly(handle)
+            raise
+        handle.close()
+        os.fsync(fd)
+        if not (in_order and expect == part):
+            return digest_fd(fd, part * 4, os.fstat(fd).st_size, name)
     finally:
         bar.close()
-    handle.close()
-    fsync_path(path)
-    if not (in_order and expect == part):
-        return digest_file(path, part * 4)
+        if io_fd >= 0:
+            os.close(io_fd)
+        os.close(fd)
     return {
         "size": optimizer_nbytes(engine),
         "segment_bytes": part * 4,
@@ -270,34 +299,37 @@ def write_optimizer(engine: CheckpointEngine, path: str) -> Entry:
     }
 
 
-def read_optimizer(engine: CheckpointEngine, path: str, state_dtype: str = "fp32") -> None:
-    """Fill the engine's optimizer state from `path`, saved with states in `state_dtype`: straight into the
-    tier's buffers when that is the engine's dtype, else converted chunk by chunk (a warning when that
-    rounds them)."""
-    part = engine.part_numel
-    size = os.path.getsize(path)
+def read_optimizer(engine: CheckpointEngine, fd: int, path: str, state_dtype: str = "fp32") -> None:
+    """Fill the engine's optimizer state from open file `fd` (`path`, for messages), saved with states in
+    `state_dtype`: straight into the tier's buffers when that is the engine's dtype, else converted chunk by
+    chunk (a warning when that rounds them)."""
+    size = os.fstat(fd).st_size
     if size != optimizer_nbytes(engine, state_dtype):
         raise ValueError(f"{path}: {size} bytes, expected {optimizer_nbytes(engine, state_dtype)}")
     src, dst = state_format(engine, state_dtype), state_format(engine)
     if src != dst:
         warn_if_lossy(src.dtype, dst.dtype, path)
-    handle = _aio_handle(engine)
+    fd = _direct(fd, os.O_RDONLY)
     try:
-        handle.register_file(path, writable=False)  # one descriptor for every read
-    except BaseException:
-        _close_quietly(handle)
-        raise
+        _read_optimizer(engine, fd, path, src, dst)
+    finally:
+        os.close(fd)
+
+
+def _read_optimizer(engine: CheckpointEngine, fd: int, path: str, src: StateFormat, dst: StateFormat) -> None:
+    part = engine.part_numel
+    handle = _aio_handle(engine)
 
     def fill(start: int, n: int, master: torch.Tensor, states: List[torch.Tensor]) -> None:
         offsets = _chunk_offsets(src, part, start)
         if src == dst:
             for t, off in zip([master, *states], offsets):
-                handle.async_pread(t, path, off)
+                handle.async_pread(t, fd, off)
             handle.wait()
             return
         saved = [torch.empty(k, dtype=STATE_TORCH_DTYPES[d]) for d, k, _ in src.parts(n)]
         for t, off in zip(saved, offsets):
-            handle.async_pread(t, path, off)
+            handle.async_pread(t, fd, off)
         handle.wait()
         master.copy_(saved[0])
         for t, v in zip(states, convert_states(saved[1:], src, dst, engine.rule.signed)):
@@ -307,9 +339,12 @@ def read_optimizer(engine: CheckpointEngine, path: str, state_dtype: str = "fp32
         fill(start, n, master, states)
         bar.update(src.whole_bytes(n))
 
-    bar = progress("load_checkpoint: optimizer state", size, rank=engine.rank)
+    bar = progress("load_checkpoint: optimizer state", os.fstat(fd).st_size, rank=engine.rank)
     try:
         engine.load_optimizer_state(fill_counted)
+    except OSError as e:
+        _close_quietly(handle)
+        raise OSError(e.errno, f"reading {path}: {e}") from e
     except BaseException:
         _close_quietly(handle)
         raise
@@ -318,14 +353,14 @@ def read_optimizer(engine: CheckpointEngine, path: str, state_dtype: str = "fp32
     handle.close()
 
 
-def write_params(engine: CheckpointEngine, path: str, exclude_frozen: bool = False) -> Entry:
-    """Stage 3: every unit's partition (`saved_units`), back to back in unit order, one unit in memory at
-    a time."""
+def write_params(engine: CheckpointEngine, name: str, dir_fd: int, exclude_frozen: bool = False) -> Entry:
+    """Stage 3: every unit's partition (`saved_units`) into new file `name` in directory `dir_fd`, back to
+    back in unit order, one unit in memory at a time."""
     part = engine.partitioner
     digest = StreamDigest()
     units = saved_units(engine, exclude_frozen)
     bar = progress("save_checkpoint: parameters", sum(u.part_nbytes for u in units), rank=engine.rank)
-    with os.fdopen(create_private(path), "wb") as f, bar:
+    with os.fdopen(create_private(name, dir_fd), "wb") as f, bar:
         for u in units:
             raw = part.read_partition(u, torch.empty(u.part_numel, dtype=u.dtype)).view(torch.uint8).numpy()
             digest.update(raw)
@@ -336,15 +371,22 @@ def write_params(engine: CheckpointEngine, path: str, exclude_frozen: bool = Fal
     return digest.entry()
 
 
-def read_params(engine: CheckpointEngine, path: str, exclude_frozen: bool = False) -> None:
+def read_params(engine: CheckpointEngine, fd: int, path: str, exclude_frozen: bool = False) -> None:
+    """Stage 3: the partitions (`saved_units`) from open file `fd` (`path`, for messages)."""
     part = engine.partitioner
     units = saved_units(engine, exclude_frozen)
-    bar = progress("load_checkpoint: parameters", sum(u.part_nbytes for u in units), rank=engine.rank)
-    with open(path, "rb") as f, bar:
+    pos = 0
+    with progress("load_checkpoint: parameters", sum(u.part_nbytes for u in units), rank=engine.rank) as bar:
         for u in units:
             values = torch.empty(u.part_numel, dtype=u.dtype)
-            if f.readinto(values.view(torch.uint8).numpy()) != u.part_nbytes:  # straight into the tensor
-                raise OSError(f"{path}: ended inside unit {u.name}")
+            view = memoryview(values.view(torch.uint8).numpy()).cast("B")  # read straight into the tensor
+            done = 0
+            while done < len(view):
+                n = os.preadv(fd, [view[done:]], pos + done)
+                if not n:
+                    raise OSError(f"{path}: ended inside unit {u.name}")
+                done += n
+            pos += done
             part.write_partition(u, values)
             bar.update(u.part_nbytes)
 

@@ -18,7 +18,7 @@ import torch
 
 from zero.checkpoint._agree import agree, attempt
 from zero.checkpoint._engine import CheckpointEngine
-from zero.checkpoint._files import save_atomic
+from zero.checkpoint._output import save_atomic
 
 __all__ = ["save_16bit_model", "zero3_consolidated_16bit_state_dict"]
 
@@ -56,7 +56,8 @@ def save_16bit_model(
     exclude_frozen_parameters: bool = False,
 ) -> bool:
     """Write the whole model's state dict (model dtype) to `save_dir/save_filename` from rank 0 with
-    torch.save, atomically (a temporary file, fsynced, renamed): True when saved. Every rank must call it.
+    torch.save, atomically (a fresh temporary file beside it, fsynced, renamed; mode 0666 less the umask, as
+    zero/checkpoint/_output.py says): True when saved. Every rank must call it.
     At stage 3 it needs `stage3_gather_16bit_weights_on_model_save: true`, as in DeepSpeed: without it a
     warning is logged, nothing is written and False returned. If the write fails, every rank raises."""
     engine.check_open()

@@ -1,4 +1,9 @@
-"""load_checkpoint: validate everything on every rank, agree, and only then apply."""
+"""load_checkpoint: validate everything on every rank, agree, and only then apply.
+
+The checkpoint's directory is held open while loading and its files are opened relative to it (regular
+files only, no symlink followed; `_dir.OpenDir`); the big files are applied from the very descriptors that
+were verified.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +18,16 @@ import torch
 from offload.progress import progress
 from zero.checkpoint import _state as st
 from zero.checkpoint._agree import FAILED, NOTHING, OK, agree, attempt, codes, failed_ranks
+from zero.checkpoint._check import (
+    check_counters,
+    check_like,
+    check_loss_scaler,
+    check_plan_types,
+    check_rng,
+    check_step,
+    param_mismatch,
+)
+from zero.checkpoint._dir import OpenDir
 from zero.checkpoint._engine import CheckpointEngine
 from zero.checkpoint._files import FORMAT_VERSION, MANIFEST, PICKLED, read_manifest, verify_file, verify_size
 from zero.errors import CheckpointError, CheckpointIntegrityError, CheckpointPickleError
@@ -24,46 +39,79 @@ _LEGACY_FORMAT = 1
 class _Plan:
     """A validated checkpoint, ready to apply: nothing of the engine was touched to make it."""
 
-    path: str
+    d: OpenDir
     ms: Dict[str, Any]
     rs: Dict[str, Any]
     pickled: Dict[str, Any] = field(default_factory=dict)
 
-
-def _resolve(load_dir: str, tag: Optional[str]) -> Optional[str]:
-    if tag is None:
-        latest = os.path.join(load_dir, "latest")
-        if not os.path.isfile(latest):
-            warnings.warn(
-                f"no 'latest' file in {load_dir}: nothing loaded (pass tag= to pick one)", stacklevel=4
-            )
-            return None
-        with open(latest) as f:
-            tag = f.read().strip()
-    tag = st.check_tag(tag)
-    path = os.path.join(load_dir, tag)
-    if os.path.isdir(path):
-        return path
-    old = os.path.join(load_dir, f".{tag}.old")
-    if os.path.isdir(old):  # a save of the same tag died between moving the old one aside and renaming
-        return old
-    raise FileNotFoundError(f"checkpoint {path} does not exist")
+    @property
+    def path(self) -> str:
+        return self.d.path
 
 
-def _load_plain(path: str) -> Any:
-    """torch.load(weights_only=True): tensors and plain types only, never code from the file."""
+LATEST_MAX_BYTES = 4096  # a tag is at most 255 bytes; what else a hand-edited `latest` holds is whitespace
+
+
+def read_latest(d: OpenDir) -> Optional[str]:
+    """The tag `latest` in directory `d` names (None: no `latest`); bounded read, content never quoted."""
+    raw = d.read_small("latest", LATEST_MAX_BYTES)
+    if raw is None:
+        return None
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return st.check_tag(raw.decode("utf-8").strip())
+    except (UnicodeDecodeError, ValueError):
+        raise CheckpointIntegrityError(f"{d.name('latest')}: does not hold a checkpoint tag") from None
+
+
+def open_tag(d: OpenDir, tag: str) -> OpenDir:
+    """Checkpoint `tag` in `d`, opened; its `.<tag>.old` while a save of the same tag, killed between moving
+    the old one aside and renaming, left `<tag>` missing."""
+    for name in (tag, f".{tag}.old"):
+        if d.kind(name) is not None:
+            return OpenDir(name, d)
+    raise FileNotFoundError(f"checkpoint {d.name(tag)} does not exist")
+
+
+def _resolve(load_dir: str, tag: Optional[str]) -> Optional[OpenDir]:
+    if tag is None and not os.path.isdir(load_dir):
+        warnings.warn(f"no 'latest' file in {load_dir} (no such directory): nothing loaded", stacklevel=4)
+        return None
+    with OpenDir(load_dir) as d:
+        if tag is None:
+            tag = read_latest(d)
+            if tag is None:
+                warnings.warn(
+                    f"no 'latest' file in {load_dir}: nothing loaded (pass tag= to pick one)", stacklevel=4
+                )
+                return None
+        return open_tag(d, st.check_tag(tag))
+
+
+def _load_plain(d: OpenDir, name: str) -> Any:
+    """torch.load(weights_only=True) of held file `name`: tensors and plain types only, never code."""
+    path = d.name(name)
+    try:
+        with os.fdopen(os.dup(d.held(name)), "rb") as f:
+            return torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         raise CheckpointPickleError(
             f"{path}: refused to load: it holds objects that are not tensors or plain types, and loading "
             f"them could run code from the file ({st.weights_only_reason(e)})"
         ) from e
     except Exception as e:  # noqa: BLE001 - any other failure to parse the (checksummed) file
-        raise CheckpointIntegrityError(f"{path}: unreadable ({type(e).__name__}: {e})") from e
+        raise CheckpointIntegrityError(f"{path}: unreadable ({type(e).__name__}: {str(e)[:300]})") from e
 
 
-def _legacy_plan(engine: CheckpointEngine, path: str, allow_pickle: bool) -> _Plan:
+def _load_pickled(d: OpenDir, name: str) -> Any:
+    """torch.load(weights_only=False) of `name` in `d` (only with allow_pickle: it runs code)."""
+    if not d.holds(name):
+        d.hold(name, d.open(name))
+    with os.fdopen(os.dup(d.held(name)), "rb") as f:
+        return torch.load(f, map_location="cpu", weights_only=False)
+
+
+def _legacy_plan(engine: CheckpointEngine, d: OpenDir, allow_pickle: bool) -> _Plan:
+    path = d.path
     if not allow_pickle:
         raise CheckpointPickleError(
             f"{path} has no {MANIFEST}: it was written by an older version of zero-offload (checkpoint "
@@ -71,14 +119,14 @@ def _legacy_plan(engine: CheckpointEngine, path: str, allow_pickle: bool) -> _Pl
             "files), or its manifest is missing. If you trust it, load it with allow_pickle=True and save "
             f"it again to convert it to format {FORMAT_VERSION}."
         )
-    ms = torch.load(os.path.join(path, "model_states.pt"), map_location="cpu", weights_only=False)
+    ms = _load_pickled(d, "model_states.pt")
     if ms.get("format_version") != _LEGACY_FORMAT:
         raise CheckpointIntegrityError(f"{path}: format {ms.get('format_version')} but no {MANIFEST}")
-    rank_file = os.path.join(path, f"rank{engine.rank}_states.pt")
-    if not os.path.isfile(rank_file):
-        raise ValueError(f"{path}: no {os.path.basename(rank_file)}: saved by {ms['world_size']} rank(s)")
-    rs = torch.load(rank_file, map_location="cpu", weights_only=False)
-    return _Plan(path, ms, rs)
+    rank_file = f"rank{engine.rank}_states.pt"
+    if d.kind(rank_file) is None:
+        raise ValueError(f"{path}: no {rank_file}: saved by {ms['world_size']} rank(s)")
+    rs = _load_pickled(d, rank_file)
+    return _Plan(d, ms, rs)
 
 
 def _check_meta(engine: CheckpointEngine, plan: _Plan, strict: bool, optimizer: bool) -> None:
@@ -86,10 +134,15 @@ def _check_meta(engine: CheckpointEngine, plan: _Plan, strict: bool, optimizer: 
     path, ms, rs = plan.path, plan.ms, plan.rs
     if ms.get("format_version") not in (FORMAT_VERSION, _LEGACY_FORMAT):
         raise ValueError(f"{path}: checkpoint format {ms.get('format_version')}, expected {FORMAT_VERSION}")
-    if engine.optimizer is not None and ms["numel"] != st.trainable_numel(engine):
-        raise ValueError(
-            f"{path}: checkpoint has {ms['numel']} trainable elements, the model {st.trainable_numel(engine)}"
-        )
+    check_plan_types(ms, rs, optimizer, st.is_stage3(engine), path)
+    check_counters(ms, path)
+    if engine.optimizer is not None:
+        mismatch, shape = param_mismatch(ms.get("master_index"), engine.layout.master_index())
+        if ms["numel"] != st.trainable_numel(engine) or shape:
+            raise ValueError(
+                f"{path}: checkpoint has {ms['numel']} trainable elements, the model "
+                f"{st.trainable_numel(engine)}" + (f": {mismatch}" if mismatch else "")
+            )
     saved3, mine3 = ms.get("stage", 0) == 3, st.is_stage3(engine)
     if saved3 != mine3:
         raise ValueError(
@@ -117,7 +170,16 @@ def _check_meta(engine: CheckpointEngine, plan: _Plan, strict: bool, optimizer: 
             raise ValueError(
                 f"{path}: optimizer states are for {meta['rule']}, this engine runs {engine.rule.kind}"
             )
-        engine.optimizer.check_hyperparameters(meta["param_groups"], path)
+        check_step(meta, engine.optimizer.group_hyperparameters(), path)
+        if engine.loss_scaler is not None and ms.get("loss_scaler") is not None:
+            check_loss_scaler(engine.loss_scaler, ms["loss_scaler"], path)
+    check_rng(rs.get("rng"), path)
+
+
+def _check_scheduler(engine: CheckpointEngine, plan: _Plan, scheduler: bool) -> None:
+    sched = plan.pickled["lr_scheduler"] if "lr_scheduler" in plan.pickled else plan.ms.get("lr_scheduler")
+    if scheduler and engine.lr_scheduler is not None and sched is not None:
+        check_like(sched, engine.lr_scheduler.state_dict(), f"{plan.path}: the LR scheduler's state", True)
 
 
 def _needed_pickled(ms: Dict[str, Any], scheduler: bool) -> List[str]:
@@ -126,45 +188,49 @@ def _needed_pickled(ms: Dict[str, Any], scheduler: bool) -> List[str]:
 
 
 def _plan(
-    engine: CheckpointEngine, path: str, strict: bool, optimizer: bool, scheduler: bool, allow_pickle: bool
+    engine: CheckpointEngine, d: OpenDir, strict: bool, optimizer: bool, scheduler: bool, allow_pickle: bool
 ) -> _Plan:
-    """Read and check everything this rank needs; the engine is not touched."""
-    manifest = read_manifest(path)
+    """Read and check everything this rank needs; the engine is not touched. The files applied later stay
+    open in `d`."""
+    path = d.path
+    r = engine.rank
+    manifest = read_manifest(d)
     if manifest is None:
-        plan = _legacy_plan(engine, path, allow_pickle)
+        plan = _legacy_plan(engine, d, allow_pickle)
         _check_meta(engine, plan, strict, optimizer)
+        _check_scheduler(engine, plan, scheduler)
         if optimizer:
-            size = os.path.getsize(os.path.join(path, f"optim_rank{engine.rank}.bin"))
+            fd = d.hold(f"optim_rank{r}.bin", d.open(f"optim_rank{r}.bin"))
+            size = os.fstat(fd).st_size
             need = st.optimizer_nbytes(engine, st.saved_state_dtype(plan.rs["optimizer"]))
             if size != need:
                 raise ValueError(
-                    f"{path}: optim_rank{engine.rank}.bin has {size} bytes, this model and "
-                    f"optimizer need {need}"
+                    f"{path}: optim_rank{r}.bin has {size} bytes, this model and optimizer need {need}"
                 )
         if st.is_stage3(engine):
-            size = os.path.getsize(os.path.join(path, f"param_rank{engine.rank}.bin"))
+            fd = d.hold(f"param_rank{r}.bin", d.open(f"param_rank{r}.bin"))
             excluded = bool(plan.ms.get("exclude_frozen_parameters", False))
-            if size != st.check_units(engine, plan.rs["stage3_units"], path, excluded):
-                raise ValueError(f"{path}: param_rank{engine.rank}.bin has {size} bytes, not this model's")
+            if os.fstat(fd).st_size != st.check_units(engine, plan.rs["stage3_units"], path, excluded):
+                raise ValueError(
+                    f"{path}: param_rank{r}.bin has {os.fstat(fd).st_size} bytes, not this model's"
+                )
         return plan
-    if manifest.get("format_version") != FORMAT_VERSION:
+    if manifest["format_version"] != FORMAT_VERSION:
         raise CheckpointError(
-            f"{path}: checkpoint format {manifest.get('format_version')}, this version reads {FORMAT_VERSION}"
+            f"{path}: checkpoint format {manifest['format_version']}, this version reads {FORMAT_VERSION}"
         )
     listed = manifest["files"]
-    r = engine.rank
     rank_name = f"rank{r}_states.pt"
     if rank_name not in listed:
         raise ValueError(
-            f"{path}: no {rank_name}: saved by {manifest.get('world_size')} rank(s), this run has "
+            f"{path}: no {rank_name}: saved by {manifest['world_size']} rank(s), this run has "
             f"{engine.world_size}"
         )
     for name in ("model_states.pt", rank_name):
         if name not in listed:
             raise CheckpointIntegrityError(f"{path}: {MANIFEST} does not list {name}")
-        verify_file(os.path.join(path, name), listed[name])
-    plan = _Plan(path, _load_plain(os.path.join(path, "model_states.pt")), {})
-    plan.rs = _load_plain(os.path.join(path, rank_name))
+        d.hold(name, verify_file(d, name, listed[name]))
+    plan = _Plan(d, _load_plain(d, "model_states.pt"), _load_plain(d, rank_name))
     _check_meta(engine, plan, strict, optimizer)
     big = []
     if optimizer:
@@ -192,7 +258,7 @@ def _plan(
         excluded = bool(plan.ms.get("exclude_frozen_parameters", False))
         expected[f"param_rank{r}.bin"] = st.check_units(engine, plan.rs["stage3_units"], path, excluded)
     for name in big:  # sizes first: a truncated file is found without reading the others
-        verify_size(os.path.join(path, name), listed[name])
+        os.close(verify_size(d, name, listed[name]))
         if name in expected and listed[name]["size"] != expected[name]:
             raise ValueError(
                 f"{path}: {name} has {listed[name]['size']} bytes, this model and optimizer need "
@@ -200,29 +266,32 @@ def _plan(
             )
     with progress("load_checkpoint: verifying", sum(int(listed[n]["size"]) for n in big), rank=r) as bar:
         for name in big:
-            verify_file(os.path.join(path, name), listed[name], on_read=bar.update)
+            d.hold(name, verify_file(d, name, listed[name], on_read=bar.update))
     if pickled:
-        plan.pickled = torch.load(os.path.join(path, PICKLED), map_location="cpu", weights_only=False)
+        plan.pickled = _load_pickled(d, PICKLED)
+        if not isinstance(plan.pickled, dict):
+            raise CheckpointIntegrityError(f"{d.name(PICKLED)}: not a dict")
+    _check_scheduler(engine, plan, scheduler)
     return plan
 
 
 def _apply(engine: CheckpointEngine, plan: _Plan, strict: bool, optimizer: bool, scheduler: bool) -> None:
-    path, ms, rs = plan.path, plan.ms, plan.rs
+    ms, rs = plan.ms, plan.rs
     engine.zero_grad()  # also stops an optimizer pass that backward started: it would use stale state
     with torch.no_grad():
         if st.is_stage3(engine):
             engine.module.load_state_dict(ms["module"], strict=False)
+            name = f"param_rank{engine.rank}.bin"
             excluded = bool(ms.get("exclude_frozen_parameters", False))
-            st.read_params(engine, os.path.join(path, f"param_rank{engine.rank}.bin"), excluded)
+            st.read_params(engine, plan.d.held(name), plan.d.name(name), excluded)
         else:  # a checkpoint without the frozen parameters: the module keeps its own
             frozen_excluded = bool(ms.get("exclude_frozen_parameters", False))
             engine.module.load_state_dict(ms["module"], strict=strict and not frozen_excluded)
     if optimizer:
         meta = rs["optimizer"]
-        st.read_optimizer(
-            engine, os.path.join(path, f"optim_rank{engine.rank}.bin"), st.saved_state_dtype(meta)
-        )
-        engine.optimizer.load_hyperparameters(meta["param_groups"], path)
+        name = f"optim_rank{engine.rank}.bin"
+        st.read_optimizer(engine, plan.d.held(name), plan.d.name(name), st.saved_state_dtype(meta))
+        engine.optimizer.load_hyperparameters(meta["param_groups"], plan.d.name(name))
         engine.optimizer.step_count = int(meta["step"])
         if engine.loss_scaler is not None and ms["loss_scaler"] is not None:
             engine.loss_scaler.load_state_dict(ms["loss_scaler"])
@@ -271,12 +340,34 @@ def load_checkpoint(
 
     def plan() -> Optional[_Plan]:
         nonlocal path
-        path = _resolve(os.path.abspath(load_dir), tag)
-        if path is None:
+        d = _resolve(os.path.abspath(load_dir), tag)
+        if d is None:
             return None
-        return _plan(engine, path, load_module_strict, optimizer, scheduler, allow_pickle)
+        path = d.path
+        try:
+            return _plan(engine, d, load_module_strict, optimizer, scheduler, allow_pickle)
+        except BaseException:
+            d.close()
+            raise
 
     result, err = attempt(plan)
+    try:
+        return _agree_and_apply(engine, result, err, path, load_dir, load_module_strict, optimizer, scheduler)
+    finally:
+        if result is not None:
+            result.d.close()
+
+
+def _agree_and_apply(
+    engine: CheckpointEngine,
+    result: Optional[_Plan],
+    err: Optional[BaseException],
+    path: Optional[str],
+    load_dir: str,
+    strict: bool,
+    optimizer: bool,
+    scheduler: bool,
+) -> Tuple[Optional[str], Optional[Dict[str, Any]]]:
     votes = codes(engine, FAILED if err is not None else NOTHING if result is None else OK)
     if err is not None:
         raise err
@@ -292,7 +383,7 @@ def load_checkpoint(
 
     def apply() -> None:
         try:
-            _apply(engine, result, load_module_strict, optimizer, scheduler)
+            _apply(engine, result, strict, optimizer, scheduler)
         except BaseException as e:
             engine.poison_state(e)
             raise

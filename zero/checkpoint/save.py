@@ -1,9 +1,14 @@
-"""save_checkpoint: every rank writes its files into `.<tag>.tmp`, rank 0 seals and publishes them."""
+"""save_checkpoint: every rank writes its files into `.<tag>.tmp`, rank 0 seals and publishes them.
+
+Each rank opens `.<tag>.tmp` once (no symlink followed; it must be a private directory of this user) and
+creates every file relative to that descriptor: no file is ever reopened by a path another user could swap.
+"""
 
 from __future__ import annotations
 
 import os
 import shutil
+import stat
 import warnings
 from typing import Any, Dict, Optional
 
@@ -24,7 +29,7 @@ from zero.checkpoint._files import (
     save_object,
     write_bytes,
 )
-from zero.errors import CheckpointTagError
+from zero.errors import CheckpointError, CheckpointTagError
 
 
 def _make_tmp(save_dir: str, tmp: str) -> None:
@@ -38,6 +43,19 @@ def _make_tmp(save_dir: str, tmp: str) -> None:
     shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
     _remove_dead_latest_tmp(save_dir)
     mkdir_private(tmp)
+
+
+def _open_tmp(tmp: str) -> int:
+    """A descriptor of `.<tag>.tmp`, checked to be a directory (not a symlink) private to this user."""
+    fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    st_ = os.fstat(fd)
+    if st_.st_uid != os.geteuid() or stat.S_IMODE(st_.st_mode) & 0o077:
+        os.close(fd)
+        raise CheckpointError(
+            f"{tmp}: owned by uid {st_.st_uid} with mode {stat.S_IMODE(st_.st_mode):04o}, not a private "
+            "directory of this user (0700): refused"
+        )
+    return fd
 
 
 def _remove_dead_latest_tmp(save_dir: str) -> None:
@@ -78,20 +96,29 @@ def _needs_pickle(obj: Any, what: str, pickled: Dict[str, Any], key: str) -> Any
 def _write_rank_files(
     engine: CheckpointEngine, tmp: str, client_state: Optional[Dict[str, Any]], exclude_frozen: bool
 ) -> Dict[str, Entry]:
+    fd = _open_tmp(tmp)
+    try:
+        return _write_into(engine, fd, client_state, exclude_frozen)
+    finally:
+        os.close(fd)
+
+
+def _write_into(
+    engine: CheckpointEngine, fd: int, client_state: Optional[Dict[str, Any]], exclude_frozen: bool
+) -> Dict[str, Entry]:
     r = engine.rank
     files: Dict[str, Entry] = {}
-    files[f"optim_rank{r}.bin"] = st.write_optimizer(engine, os.path.join(tmp, f"optim_rank{r}.bin"))
+    files[f"optim_rank{r}.bin"] = st.write_optimizer(engine, f"optim_rank{r}.bin", fd)
     crash_point("after_optimizer")
     if st.is_stage3(engine):
-        path = os.path.join(tmp, f"param_rank{r}.bin")
-        files[f"param_rank{r}.bin"] = st.write_params(engine, path, exclude_frozen)
+        files[f"param_rank{r}.bin"] = st.write_params(engine, f"param_rank{r}.bin", fd, exclude_frozen)
     rank_state: Dict[str, Any] = {"rng": st.rng_state(), "optimizer": st.optimizer_meta(engine)}
     if st.is_stage3(engine):
         rank_state["stage3_units"] = st.unit_index(engine, exclude_frozen)
     problem = st.pickle_needed(rank_state["optimizer"])
     if problem is not None:
         raise ValueError(f"the optimizer's hyperparameters hold objects that need pickle ({problem})")
-    files[f"rank{r}_states.pt"] = save_object(rank_state, os.path.join(tmp, f"rank{r}_states.pt"))
+    files[f"rank{r}_states.pt"] = save_object(rank_state, f"rank{r}_states.pt", fd)
     if r != 0:
         return files
     pickled: Dict[str, Any] = {}
@@ -119,9 +146,9 @@ def _write_rank_files(
     if problem is not None:
         raise ValueError(f"the engine's checkpoint metadata holds objects that need pickle ({problem})")
     if pickled:
-        files[PICKLED] = save_object(pickled, os.path.join(tmp, PICKLED))
+        files[PICKLED] = save_object(pickled, PICKLED, fd)
     model_states = {**meta, "module": st.module_state(engine, exclude_frozen)}
-    files["model_states.pt"] = save_object(model_states, os.path.join(tmp, "model_states.pt"))
+    files["model_states.pt"] = save_object(model_states, "model_states.pt", fd)
     crash_point("after_model")
     return files
 
@@ -156,8 +183,12 @@ def _publish(
         "stage": engine.stage,
         "files": files,
     }
-    write_bytes(os.path.join(tmp, MANIFEST), manifest_bytes(body))
-    fsync_path(tmp, directory=True)
+    fd = _open_tmp(tmp)
+    try:
+        write_bytes(MANIFEST, manifest_bytes(body), fd)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     moved_aside = renamed = False
     try:
         if os.path.isdir(final):

@@ -19,16 +19,16 @@ each output file is written atomically (`write_atomic`), a shard index last.
 
 from __future__ import annotations
 
-import json
+import math
 import os
 import re
 import runpy
-from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
 from offload.progress import progress
+from zero.checkpoint._dir import OpenDir
 from zero.checkpoint._files import (
     FORMAT_VERSION,
     MANIFEST,
@@ -36,9 +36,10 @@ from zero.checkpoint._files import (
     read_manifest,
     verify_file,
     verify_size,
-    write_atomic,
 )
 from zero.checkpoint._state import check_tag, partition_of, weights_only_reason
+from zero.checkpoint.hf_files import OutputTarget, write_state_dict
+from zero.checkpoint.load import open_tag, read_latest
 from zero.errors import CheckpointError, CheckpointIntegrityError
 
 __all__ = [
@@ -53,34 +54,38 @@ __all__ = [
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _CAST_NUMEL = 4 << 20  # elements per read when the dtype changes on the way (16 MiB of fp32)
 _SKIP_BYTES = 1 << 20
+_MAX_INT = 1 << 62  # elements, bytes: any larger number in a checkpoint's metadata is malformed
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS.update({"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40})
 
 Pieces = List[Tuple[str, int, int, int, torch.dtype]]  # (file, byte offset, element lo, hi, dtype in file)
 
 
-def resolve_checkpoint(checkpoint_dir: Union[str, os.PathLike], tag: Optional[str] = None) -> str:
-    """The directory of checkpoint `tag` in `checkpoint_dir`; `tag=None`: the one the `latest` file names
-    (or `checkpoint_dir` itself when it is a checkpoint, holding a manifest and no `latest`)."""
+def open_checkpoint(checkpoint_dir: Union[str, os.PathLike], tag: Optional[str] = None) -> OpenDir:
+    """Checkpoint `tag` in `checkpoint_dir`, opened (`resolve_checkpoint`)."""
     checkpoint_dir = os.fspath(checkpoint_dir)
     if not os.path.isdir(checkpoint_dir):
         raise FileNotFoundError(f"checkpoint directory {checkpoint_dir} does not exist")
-    if tag is None:
-        latest = os.path.join(checkpoint_dir, "latest")
-        if not os.path.isfile(latest) and os.path.isfile(os.path.join(checkpoint_dir, MANIFEST)):
-            return checkpoint_dir  # the tag's directory itself
-        if not os.path.isfile(latest):
-            raise FileNotFoundError(f"{latest} does not exist: name the checkpoint with tag= (--tag)")
-        with open(latest) as f:
-            tag = f.read().strip()
-    tag = check_tag(tag)
-    path, old = os.path.join(checkpoint_dir, tag), os.path.join(checkpoint_dir, f".{tag}.old")
-    # `.old`: a save of this tag died between moving the previous one aside and renaming (as load does)
-    if not os.path.isdir(path) and os.path.isdir(old):
-        return old
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"checkpoint {path} does not exist (tag {tag!r})")
-    return path
+    with OpenDir(checkpoint_dir) as d:
+        if tag is None:
+            tag = read_latest(d)
+            if tag is None and d.kind(MANIFEST) == "file":
+                return OpenDir(checkpoint_dir)  # the tag's directory itself
+            if tag is None:
+                raise FileNotFoundError(
+                    f"{d.name('latest')} does not exist: name the checkpoint with tag= (--tag)"
+                )
+        try:
+            return open_tag(d, check_tag(tag))
+        except FileNotFoundError:
+            raise FileNotFoundError(f"checkpoint {d.name(tag)} does not exist (tag {tag!r})") from None
+
+
+def resolve_checkpoint(checkpoint_dir: Union[str, os.PathLike], tag: Optional[str] = None) -> str:
+    """The directory of checkpoint `tag` in `checkpoint_dir`; `tag=None`: the one the `latest` file names
+    (or `checkpoint_dir` itself when it is a checkpoint, holding a manifest and no `latest`)."""
+    with open_checkpoint(checkpoint_dir, tag) as d:
+        return d.path
 
 
 def parse_size(size: Union[int, str]) -> int:
@@ -95,18 +100,18 @@ def parse_size(size: Union[int, str]) -> int:
 
 
 class _Reader:
-    """One checkpoint file read front to back, every byte on the way hashed and checked against the
-    manifest's checksum of its segment; `read` calls must come at increasing offsets."""
+    """One checkpoint file (open as `fd`) read front to back, every byte on the way hashed and checked
+    against the manifest's checksum of its segment; `read` calls must come at increasing offsets."""
 
-    def __init__(self, path: str, entry: Dict[str, Any]) -> None:
+    def __init__(self, fd: int, path: str, entry: Dict[str, Any]) -> None:
         self.path, self.entry, self.pos = path, entry, 0
-        self.digest = StreamDigest(int(entry["segment_bytes"]))
-        self.f = open(path, "rb", buffering=0)  # noqa: SIM115 - closed by finish()
+        self.digest = StreamDigest(entry["segment_bytes"])
+        self.fd = fd
 
     def _take(self, view: memoryview) -> None:
         done = 0
         while done < len(view):
-            n = self.f.readinto(view[done:])
+            n = os.preadv(self.fd, [view[done:]], self.pos + done)
             if not n:
                 raise CheckpointIntegrityError(f"{self.path}: ended at byte {self.pos + done}, truncated")
             done += n
@@ -135,7 +140,7 @@ class _Reader:
 
     def finish(self) -> None:
         """Read to the end of the last segment touched and compare its checksums with the manifest's."""
-        seg, size = int(self.entry["segment_bytes"]), int(self.entry["size"])
+        seg, size = self.entry["segment_bytes"], self.entry["size"]
         if self.pos:
             self._skip(min(size, -(-self.pos // seg) * seg) - self.pos)
             got, want = self.digest.entry()["digests"], self.entry["digests"]
@@ -144,32 +149,79 @@ class _Reader:
                     f"{self.path}: bytes 0..{self.pos} do not match their checksums in the manifest: "
                     "the file is corrupted"
                 )
-        self.f.close()
+
+
+def _is_int(v: Any, lo: int = 0) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v < _MAX_INT
+
+
+def _is_names(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(n, str) for n in v)  # empty: no name in the module
+
+
+def _is_shape(v: Any) -> bool:
+    return isinstance(v, (list, tuple)) and all(_is_int(d) for d in v)
+
+
+def _check_index(index: Any, path: str) -> None:
+    """`master_index` (model_states.pt): every field by type, so what follows computes only with ints."""
+    if not isinstance(index, dict) or index.get("kind") not in ("flat", "units"):
+        raise CheckpointError(
+            f"{path}: model_states.pt has no 'master_index' (saved by an older version of zero-offload): "
+            "load the checkpoint into an engine and save it again"
+        )
+    for key in ("keys", "buffers"):
+        v = index.get(key)
+        if not isinstance(v, list) or not all(isinstance(n, str) for n in v):
+            raise CheckpointError(f"{path}: master_index['{key}'] is not a list of names")
+    if index["kind"] == "flat":
+        params = index.get("params")
+        ok = isinstance(params, list) and all(
+            isinstance(p, (list, tuple)) and len(p) == 2 and _is_names(p[0]) and _is_shape(p[1])
+            for p in params
+        )
+    else:
+        units = index.get("units")
+        ok = isinstance(units, list) and all(
+            isinstance(u, list)
+            and all(
+                isinstance(p, (list, tuple))
+                and len(p) == 3
+                and _is_names(p[0])
+                and _is_shape(p[1])
+                and isinstance(p[2], bool)
+                for p in u
+            )
+            for u in units
+        )
+    if not ok:
+        raise CheckpointError(f"{path}: master_index lists a parameter that is not [names, shape(, trained)]")
 
 
 class _Checkpoint:
-    """The checked metadata of one checkpoint directory; `file(name)` is a listed file, size verified."""
+    """The checked metadata of one opened checkpoint directory; `fd(name)`: a listed file, size verified,
+    held open until `close()`."""
 
-    def __init__(self, path: str) -> None:
-        self.path = path
-        manifest = read_manifest(path)
+    def __init__(self, d: OpenDir) -> None:
+        self.d, self.path = d, d.path
+        path = self.path
+        manifest = read_manifest(d)
         if manifest is None:
             raise CheckpointError(
                 f"{path}: no {MANIFEST}: not a checkpoint of zero-offload format {FORMAT_VERSION} (format 1 "
                 "checkpoints: load them into an engine with allow_pickle=True and save them again)"
             )
-        if manifest.get("format_version") != FORMAT_VERSION:
-            raise CheckpointError(f"{path}: checkpoint format {manifest.get('format_version')}")
+        if manifest["format_version"] != FORMAT_VERSION:
+            raise CheckpointError(f"{path}: checkpoint format {manifest['format_version']}")
         self.listed: Dict[str, Any] = manifest["files"]
-        self.world = int(manifest["world_size"])
+        self.world: int = manifest["world_size"]
         self.ms = self._load("model_states.pt")
         self.index = self.ms.get("master_index")
-        if not isinstance(self.index, dict) or self.index.get("kind") not in ("flat", "units"):
-            raise CheckpointError(
-                f"{path}: model_states.pt has no 'master_index' (saved by an older version of zero-offload): "
-                "load the checkpoint into an engine and save it again"
-            )
+        _check_index(self.index, path)
+        if not _is_int(self.ms.get("numel")) or not isinstance(self.ms.get("module"), dict):
+            raise CheckpointError(f"{path}: model_states.pt has no 'numel' (an int) or no 'module' (a dict)")
         self.ranks = [self._load(f"rank{r}_states.pt") for r in range(self.world)]
+        self.parts: List[Tuple[int, int]] = []
         for r in range(self.world):
             name = f"optim_rank{r}.bin"
             if name not in self.listed:
@@ -177,33 +229,62 @@ class _Checkpoint:
                     f"{path}: no {name}: this checkpoint holds no optimizer states, so it has no fp32 "
                     "master weights to convert (use its model_states.pt / save_16bit_model weights)"
                 )
-            lo, hi = partition_of(self.ranks[r]["optimizer"])
-            if self.listed[name]["size"] < (hi - lo) * 4:
+            meta = self.ranks[r].get("optimizer")
+            part = meta.get("partition") if isinstance(meta, dict) else None
+            if not isinstance(part, (list, tuple)) or len(part) != 2 or not all(_is_int(v) for v in part):
+                raise CheckpointError(f"{path}: rank{r}_states.pt has no partition [lo, hi] of ints >= 0")
+            lo, hi = partition_of(meta)
+            if hi < lo or self.listed[name]["size"] < (hi - lo) * 4:
                 raise CheckpointIntegrityError(f"{path}: {name} is smaller than rank {r}'s fp32 master")
-            self.file(name)
+            self.parts.append((lo, hi))
+            self.fd(name)
 
-    def file(self, name: str) -> str:
-        """The path of `name`, checked to be listed in the manifest and of the size it records."""
+    def fd(self, name: str) -> int:
+        """The open file `name`: listed in the manifest, a regular file of the size it records."""
         if name not in self.listed:
             raise CheckpointIntegrityError(f"{self.path}: {MANIFEST} does not list {name}")
-        file = os.path.join(self.path, name)
-        verify_size(file, self.listed[name])
-        return file
+        if not self.d.holds(name):
+            self.d.hold(name, verify_size(self.d, name, self.listed[name]))
+        return self.d.held(name)
 
     def _load(self, name: str) -> Dict[str, Any]:
-        file = self.file(name)
-        verify_file(file, self.listed[name])
-        try:  # mmap: the module's 16-bit weights are read only where they are used
-            return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        if name not in self.listed:
+            raise CheckpointIntegrityError(f"{self.path}: {MANIFEST} does not list {name}")
+        self.d.hold(name, verify_file(self.d, name, self.listed[name]))
+        try:  # mmap (of the very file verified): the module's 16-bit weights are read only where used
+            obj = torch.load(self.d.fd_path(name), map_location="cpu", weights_only=True, mmap=True)
         except Exception as e:  # noqa: BLE001 - checksummed, so a file of another format, or unsafe
-            raise CheckpointIntegrityError(f"{file}: unreadable ({weights_only_reason(e)})") from e
+            raise CheckpointIntegrityError(
+                f"{self.d.name(name)}: unreadable ({weights_only_reason(e)})"
+            ) from e
+        if not isinstance(obj, dict):
+            raise CheckpointIntegrityError(f"{self.d.name(name)}: not a dict")
+        return obj
+
+
+def _check_coverage(ck: _Checkpoint, jobs: List[Tuple[List[str], List[int], Pieces]]) -> None:
+    """Each output tensor's elements are read exactly once, from inside the files: the pieces of each
+    tile [0, numel) without gap or overlap, and each lies within its file (else an output would keep
+    uninitialised memory, or a read run past a file). Raises before anything is read or written."""
+    for names, shape, pieces in jobs:
+        n, at = math.prod(shape), 0
+        for file, offset, a, z, src in sorted(pieces, key=lambda p: p[2]):
+            end = offset + (z - a) * src.itemsize
+            if a != at or z <= a or end > ck.listed[file]["size"]:
+                break
+            at = z
+        if at != n:
+            name = names[0] if names else "a parameter"
+            raise CheckpointError(
+                f"{ck.path}: master_index does not place every element of {name} (shape {list(shape)}) "
+                f"exactly once inside the checkpoint's files ({at} of {n} in order): a malformed index"
+            )
 
 
 def _flat_pieces(ck: _Checkpoint, numel: int) -> List[Pieces]:
     """Stages 0-2: where the elements of each trainable parameter lie (the ranks' slices of the buffer)."""
     spans, covered = [], 0
-    for r, rs in enumerate(ck.ranks):  # stage 0: every rank holds all; rank 0's copy is read
-        lo, hi = partition_of(rs["optimizer"])
+    for r, (lo, hi) in enumerate(ck.parts):  # stage 0: every rank holds all; rank 0's copy is read
         a, z = max(lo, covered), min(hi, numel)
         if a < z:
             spans.append((f"optim_rank{r}.bin", lo, a, z))
@@ -227,11 +308,18 @@ def _unit_pieces(ck: _Checkpoint) -> List[List[Pieces]]:
     """Stage 3: per unit, per parameter, where its elements lie: the ranks' masters for trained ones,
     their `param_rank<r>.bin` (model dtype) for the others."""
     saved = ck.ranks[0].get("stage3_units", [])
+    if not isinstance(saved, list) or not all(
+        isinstance(u, (list, tuple)) and len(u) == 3 and isinstance(u[0], str) and _is_int(u[1], 1)
+        for u in saved
+    ):
+        raise CheckpointError(
+            f"{ck.path}: rank0_states.pt's 'stage3_units' is not a list of [name, numel, dtype]"
+        )
     if len(saved) != len(ck.index["units"]):
         raise CheckpointError(f"{ck.path}: rank0_states.pt lists {len(saved)} units, master_index another")
     result, moff, poff = [], 0, 0
     for params, (name, part, dtype) in zip(ck.index["units"], saved):
-        numels = [int(torch.Size(shape).numel()) for _, shape, _ in params]
+        numels = [math.prod(shape) for _, shape, _ in params]
         if int(part) != max(1, -(-sum(numels) // ck.world)):
             raise CheckpointError(
                 f"{ck.path}: unit {name}: partition of {part} elements, not its parameters'"
@@ -279,7 +367,13 @@ def get_fp32_state_dict_from_zero_checkpoint(
     buffers as saved; floating-point tensors as `dtype` (fp32, fp16 or bf16). `tag=None`: the checkpoint
     `latest` names. Keys in the order of `model.state_dict()`; tied parameters share one tensor."""
     out_dtype = _dtype(dtype)
-    ck = _Checkpoint(resolve_checkpoint(checkpoint_dir, tag))
+    with open_checkpoint(checkpoint_dir, tag) as d:
+        return _state_dict(_Checkpoint(d), out_dtype, exclude_frozen_parameters)
+
+
+def _state_dict(
+    ck: _Checkpoint, out_dtype: torch.dtype, exclude_frozen_parameters: bool
+) -> Dict[str, torch.Tensor]:
     index, module = ck.index, ck.ms["module"]
     frozen_ok = not exclude_frozen_parameters
     jobs: List[Tuple[List[str], List[int], Pieces]] = []  # (names, shape, pieces) of the weights to read
@@ -293,11 +387,11 @@ def get_fp32_state_dict_from_zero_checkpoint(
             )
     readers: Dict[str, _Reader] = {}
     for name in sorted({p[0] for _, _, pieces in jobs for p in pieces}):
-        readers[name] = _Reader(ck.file(name), ck.listed[name])
+        readers[name] = _Reader(ck.fd(name), ck.d.name(name), ck.listed[name])
+    _check_coverage(ck, jobs)
     out: Dict[str, torch.Tensor] = {}
     total = sum(torch.Size(shape).numel() for _, shape, _ in jobs) * out_dtype.itemsize
-    bar = progress("zero-to-fp32: reading", total)
-    try:
+    with progress("zero-to-fp32: reading", total) as bar:
         for names, shape, pieces in jobs:
             value = torch.empty(shape, dtype=out_dtype)
             flat = value.view(-1)
@@ -305,12 +399,8 @@ def get_fp32_state_dict_from_zero_checkpoint(
                 readers[file].read(offset, flat[a:z], src)
             out.update((n, value) for n in names)
             bar.update(value.numel() * value.element_size())
-        for r in readers.values():
-            r.finish()
-    finally:
-        bar.close()
-        for r in readers.values():
-            r.f.close()
+    for r in readers.values():
+        r.finish()
     buffers = set(index["buffers"])
     for key, v in module.items():
         if key not in out and isinstance(v, torch.Tensor) and (frozen_ok or key in buffers):
@@ -321,42 +411,6 @@ def get_fp32_state_dict_from_zero_checkpoint(
     return {k: out[k] for k in index["keys"] if k in out}
 
 
-def _shards(sd: Dict[str, torch.Tensor], limit: int) -> List[List[str]]:
-    shards: List[List[str]] = [[]]
-    size = 0
-    for k, v in sd.items():
-        n = v.numel() * v.element_size()
-        if shards[-1] and size + n > limit:
-            shards.append([])
-            size = 0
-        shards[-1].append(k)
-        size += n
-    return shards
-
-
-def _safetensors_save() -> Any:
-    try:
-        from safetensors.torch import save_file
-    except ImportError as e:
-        raise ImportError(
-            "safetensors is not installed: pip install safetensors, or write a torch .bin "
-            "(safe_serialization=False, --no-safetensors)"
-        ) from e
-    return save_file
-
-
-def _write(sd: Dict[str, torch.Tensor], file: str, safe: bool) -> None:
-    if not safe:
-        write_atomic(file, lambda tmp: torch.save(sd, tmp))
-        return
-    save_file = _safetensors_save()
-    seen, own = set(), {}
-    for k, v in sd.items():  # safetensors refuses tensors sharing memory (tied parameters): one copy each
-        own[k] = v.clone() if v.data_ptr() in seen else v
-        seen.add(v.data_ptr())
-    write_atomic(file, lambda tmp: save_file(own, tmp, metadata={"format": "pt"}))
-
-
 def convert_zero_checkpoint_to_fp32_state_dict(
     checkpoint_dir: Union[str, os.PathLike],
     output_path: Union[str, os.PathLike],
@@ -365,45 +419,21 @@ def convert_zero_checkpoint_to_fp32_state_dict(
     safe_serialization: bool = True,
     max_shard_size: Union[int, str] = "5GB",
     exclude_frozen_parameters: bool = False,
+    force: bool = False,
 ) -> List[str]:
-    """Write `get_fp32_state_dict_from_zero_checkpoint(...)` as safetensors (or a torch .bin with
+    """Write `get_fp32_state_dict_from_zero_checkpoint(...)` as safetensors (or a torch file with
     `safe_serialization=False`); returns the files written. `output_path`: a directory (model.safetensors /
-    pytorch_model.bin in it) or a file name ending in .safetensors / .bin. Above `max_shard_size` the state
-    dict is split into `<stem>-0000k-of-0000n<ext>` shards plus `<name>.index.json`, as transformers does."""
+    pytorch_model.bin in it) or a file name with an extension (.safetensors; a torch file: .bin, .pt, ...).
+    Above `max_shard_size` the state dict is split into `<stem>-0000k-of-0000n<ext>` shards plus
+    `<name>.index.json`, as transformers does. An output holding an earlier export's weights is refused
+    (FileExistsError) unless `force`, which removes them first (zero/checkpoint/hf_files.py)."""
     limit = parse_size(max_shard_size)
-    output_path = os.fspath(output_path)
-    ext = ".safetensors" if safe_serialization else ".bin"
-    if output_path.endswith((".safetensors", ".bin")):
-        if not output_path.endswith(ext):
-            raise ValueError(f"{output_path}: safe_serialization={safe_serialization} writes {ext} files")
-        out_dir, base = os.path.dirname(os.path.abspath(output_path)), os.path.basename(output_path)
-    else:
-        out_dir, base = output_path, "model.safetensors" if safe_serialization else "pytorch_model.bin"
-    if safe_serialization:
-        _safetensors_save()  # missing: say so before the work
+    target = OutputTarget(os.fspath(output_path), safe_serialization)
+    target.check(force)
     sd = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag, dtype, exclude_frozen_parameters)
-    shards = _shards(sd, limit)
-    if len(shards) == 1:
-        _write(sd, os.path.join(out_dir, base), safe_serialization)
-        return [os.path.join(out_dir, base)]
-    stem = base[: -len(ext)]
-    names = [f"{stem}-{i + 1:05d}-of-{len(shards):05d}{ext}" for i in range(len(shards))]
-    written = []
-    for keys, name in zip(shards, names):
-        _write({k: sd[k] for k in keys}, os.path.join(out_dir, name), safe_serialization)
-        written.append(os.path.join(out_dir, name))
-    total = sum(v.numel() * v.element_size() for v in sd.values())
-    index = {
-        "metadata": {"total_size": total},
-        "weight_map": {k: n for keys, n in zip(shards, names) for k in keys},
-    }
-    index_file = os.path.join(out_dir, f"{base}.index.json")
-    write_atomic(index_file, lambda tmp: Path(tmp).write_text(json.dumps(index, indent=2) + "\n"))
-    return [*written, index_file]
-
-
-if __name__ == "__main__":  # python -m zero.checkpoint.to_fp32 ...: the zero-to-fp32 command (which imports
-    runpy.run_module("zero.cli_to_fp32", run_name="__main__")  # this module: run, not imported back)
+    target.check(force)  # again: one may have appeared while converting
+    target.remove_previous()
+    return write_state_dict(sd, target, limit)
 
 
 def load_state_dict_from_zero_checkpoint(
@@ -416,3 +446,7 @@ def load_state_dict_from_zero_checkpoint(
     model = model.cpu()
     model.load_state_dict(state_dict, strict=False)
     return model
+
+
+if __name__ == "__main__":  # python -m zero.checkpoint.to_fp32 ...: the zero-to-fp32 command (which imports
+    runpy.run_module("zero.cli_to_fp32", run_name="__main__")  # this module: run, not imported back)
