@@ -268,7 +268,7 @@ def test_directory_without_config_json(ckpts, tmp_path):
     with pytest.raises(FileNotFoundError, match="no config.json") as e:
         zero.from_pretrained(bad, config=config("nvme", tmp_path))
     assert e.value.filename == str(bad / "config.json")
-    with pytest.raises(FileNotFoundError, match="local checkpoint directory"):
+    with pytest.raises(FileNotFoundError, match="no checkpoint directory at this path"):
         zero.from_pretrained(tmp_path / "nowhere", config=config("nvme", tmp_path))
     os.unlink(bad / "model.safetensors")
     (bad / "config.json").write_text(open(os.path.join(ckpts["gpt2"], "config.json")).read())

@@ -47,8 +47,8 @@ def check_step(meta: Dict[str, Any], groups_live: List[Dict[str, Any]], where: s
         raise ValueError(f"{where}: the optimizer's 'param_groups' is not a list of dicts")
     if len(groups) != len(groups_live):
         raise ValueError(
-            f"{where}: the saved optimizer has {len(groups)} param group(s), this one {len(groups_live)}: "
-            "build the engine with the same groups"
+            f"{where}: the saved optimizer's 'param_groups' has {len(groups)} param group(s), this one "
+            f"{len(groups_live)}: build the engine with the same groups"
         )
     for i, (saved, live) in enumerate(zip(groups, groups_live)):
         check_like(saved, live, f"{where}: the optimizer's param_groups[{i}]", extra_ok=False)
