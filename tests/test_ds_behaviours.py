@@ -4,6 +4,9 @@ parameters returned from a module's forward at stage 3."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -11,6 +14,7 @@ import torch
 from offload.aio import AioHandle, FileInDir
 
 SIZE = 1 << 16
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _payload(seed: int) -> torch.Tensor:
@@ -98,3 +102,39 @@ def test_aio_one_file_per_call(tmp_path, op):
             call(buf, fd=path)
         assert h.pending() == 0
     assert not os.path.exists(path)
+
+
+def _run_child(code: str) -> str:
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR")
+    }
+    env["PYTHONPATH"] = REPO
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_init_without_a_config_starts_a_one_process_group():
+    out = _run_child(
+        """
+        import torch
+        import torch.distributed as dist
+        import zero
+
+        assert not dist.is_initialized()
+        torch.manual_seed(0)
+        plain = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+        torch.manual_seed(0)
+        with zero.Init():
+            model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+        assert dist.is_initialized() and dist.get_world_size() == 1 and dist.get_rank() == 0
+        assert model[0].weight.numel() == 0  # partitioned
+        with zero.GatheredParameters(list(model.parameters())):
+            for p, q in zip(model.parameters(), plain.parameters()):
+                assert torch.equal(p, q)
+        print("ok", dist.get_backend())
+        """
+    )
+    assert out.split() == ["ok", "gloo"]
