@@ -138,3 +138,84 @@ def test_init_without_a_config_starts_a_one_process_group():
         """
     )
     assert out.split() == ["ok", "gloo"]
+
+
+class _Returns(torch.nn.Module):
+    """A module whose forward returns its own parameter (DeepSpeed calls it a dangling parameter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(8, 6))
+
+    def forward(self) -> torch.Tensor:
+        return self.weight
+
+
+class _Middle(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _Returns()
+
+    def forward(self) -> tuple:
+        return self.inner(), 2.0  # handed on again, inside a tuple
+
+
+class _UsesReturned(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = _Returns()
+        self.middle = _Middle()
+        self.head = torch.nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.proj()  # the caller multiplies by it
+        # as in torch, the caller gets the parameter itself (autograd saves it, so backward gathers it again)
+        assert w is self.proj.weight
+        h = torch.tanh(x @ w)
+        w2, scale = self.middle()
+        return self.head(h * scale + (x @ w2))
+
+
+def _stage3_config(param: str, tmp) -> dict:
+    zo: dict = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    if param != "none":
+        zo["offload_param"] = {"device": param, "nvme_path": str(tmp), "max_in_cpu": 0}
+    return {
+        "train_micro_batch_size_per_gpu": 4,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": zo,
+    }
+
+
+@pytest.mark.parametrize("param", ["none", "cpu", "nvme"])
+def test_parameter_returned_from_forward_is_whole_for_the_caller(tmp_path, param):
+    import zero
+    from zero.utils import safe_get_full_grad
+
+    torch.manual_seed(0)
+    plain = _UsesReturned()
+    model = _UsesReturned()
+    model.load_state_dict(plain.state_dict())
+    engine, *_ = zero.initialize(model=model, config=_stage3_config(param, tmp_path))
+    try:
+        assert all(p.numel() == 0 for p in engine.module.parameters())
+        for step in range(2):  # the first pass learns the use, the second runs with it known
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+            want = plain(x)
+            got = engine(x)
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+            plain.zero_grad()
+            want.square().sum().backward()
+            engine.backward(got.square().sum())
+            for (name, p), q in zip(engine.module.named_parameters(), plain.parameters()):
+                torch.testing.assert_close(safe_get_full_grad(p), q.grad, rtol=1e-5, atol=1e-6, msg=name)
+            engine.step()  # zeroes the engine's gradients; the plain model's weights stay as they are
+            with zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=0):
+                for p, q in zip(engine.module.parameters(), plain.parameters()):
+                    p.data.copy_(q.data)
+        assert all(p.numel() == 0 for p in engine.module.parameters())  # released after the pass
+        with torch.no_grad():
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(9))
+            torch.testing.assert_close(engine(x), plain(x), rtol=0, atol=1e-6)
+    finally:
+        engine.close()
