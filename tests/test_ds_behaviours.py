@@ -219,3 +219,53 @@ def test_parameter_returned_from_forward_is_whole_for_the_caller(tmp_path, param
             torch.testing.assert_close(engine(x), plain(x), rtol=0, atol=1e-6)
     finally:
         engine.close()
+
+
+def _init_config(checks: bool, persistence: int) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": {
+            "stage": 3,
+            "enable_sanity_checks": checks,
+            "stage3_param_persistence_threshold": persistence,
+        },
+    }
+
+
+def _values(model: torch.nn.Module) -> list:
+    import zero
+
+    with zero.GatheredParameters(list(model.parameters())):
+        return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("persistence", [0, 10**6], ids=["partitioned", "persistent"])
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda p: p.add_(1.0),  # on the parameter (its version counter moves)
+        lambda p: p.data.mul_(2.0),  # through .data (no version counter sees it)
+        lambda p: setattr(p, "data", torch.ones_like(p)),  # .data replaced
+    ],
+    ids=["inplace", "data-inplace", "data-replaced"],
+)
+def test_sanity_checks_report_a_change_without_modifier_rank(persistence, change):
+    import zero
+
+    torch.manual_seed(0)
+    with zero.Init(config_dict_or_path=_init_config(True, persistence)):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    before = _values(model)
+    with pytest.raises(
+        RuntimeError, match=r"modifier_rank=None \(\S*Linear\.weight\); the changes are discarded"
+    ):
+        with zero.GatheredParameters(model[0].weight), torch.no_grad():
+            change(model[0].weight)
+    after = _values(model)  # the change is discarded, as DeepSpeed documents
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    # a block that changes nothing passes; with modifier_rank the change is kept and not reported
+    with zero.GatheredParameters(list(model.parameters())):
+        pass
+    with zero.GatheredParameters(model[0].weight, modifier_rank=0), torch.no_grad():
+        model[0].weight.add_(1.0)
+    assert torch.equal(_values(model)[0], before[0] + 1.0)
