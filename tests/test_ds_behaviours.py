@@ -269,3 +269,29 @@ def test_sanity_checks_report_a_change_without_modifier_rank(persistence, change
     with zero.GatheredParameters(model[0].weight, modifier_rank=0), torch.no_grad():
         model[0].weight.add_(1.0)
     assert torch.equal(_values(model)[0], before[0] + 1.0)
+
+
+def _sanity_on_ranks(rank: int, world_size: int, nvme_dir: str, out_dir: str) -> tuple:
+    import zero
+
+    torch.manual_seed(0)
+    with zero.Init(config_dict_or_path=_init_config(True, 0)):
+        model = torch.nn.Linear(4, 3)
+    before = _values(model)
+    message = None
+    try:
+        with zero.GatheredParameters(model.weight), torch.no_grad():
+            if rank == 1:  # only one rank changes it: every rank must raise, or they would diverge
+                model.weight.add_(1.0)
+    except RuntimeError as e:
+        message = str(e)
+    return message, all(torch.equal(a, b) for a, b in zip(before, _values(model)))
+
+
+def test_sanity_checks_raise_on_every_rank(tmp_path):
+    from dist_helpers import run_on_ranks
+
+    (msg0, same0), (msg1, same1) = run_on_ranks(_sanity_on_ranks, tmp_path)[0]
+    assert msg0 is not None and "(on another rank)" in msg0
+    assert msg1 is not None and "Linear.weight" in msg1
+    assert same0 and same1
