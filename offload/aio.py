@@ -288,6 +288,29 @@ def _check_target(path_or_fd: PathOrFd) -> _Target:
     return path
 
 
+def _pick_target(path_or_fd: Optional[PathOrFd], filename: Optional[PathName], fd: Optional[int]) -> PathOrFd:
+    """The one file of a call: positional, DeepSpeed's `filename=`, or an open descriptor `fd=`."""
+    given = [
+        name
+        for name, value in (("path_or_fd", path_or_fd), ("filename", filename), ("fd", fd))
+        if value is not None
+    ]
+    if not given:
+        raise TypeError("no file given: pass a path (filename=) or an open file descriptor (fd=)")
+    if len(given) > 1:
+        raise TypeError(f"give one file, got {' and '.join(given)}")
+    if fd is not None:
+        if isinstance(fd, bool) or not isinstance(fd, int):
+            raise TypeError(f"fd must be an open file descriptor (an int), got {_describe(fd)}")
+        return fd
+    if filename is not None:
+        if isinstance(filename, int):
+            raise TypeError(f"filename must be a path, got the int {filename}; pass a descriptor as fd=")
+        return filename
+    assert path_or_fd is not None
+    return path_or_fd
+
+
 def _check_offset(file_offset: int) -> int:
     if isinstance(file_offset, bool) or not isinstance(file_offset, int):
         raise TypeError(f"file_offset must be an int, got {_describe(file_offset)}")
@@ -414,57 +437,102 @@ class AioHandle:
 
     # -- I/O ------------------------------------------------------------------------------------------------
 
-    def sync_pread(self, buffer: Any, path_or_fd: PathOrFd, file_offset: int = 0) -> int:
+    def sync_pread(
+        self,
+        buffer: Any,
+        path_or_fd: Optional[PathOrFd] = None,
+        file_offset: int = 0,
+        *,
+        filename: Optional[PathName] = None,
+        fd: Optional[int] = None,
+    ) -> int:
         """Read len(buffer) bytes at `file_offset` into `buffer`; returns requests completed (DeepSpeed: 1).
 
         As in DeepSpeed, where a synchronous request queues behind earlier asynchronous ones, requests still
         pending on this handle are completed first and counted in the return value.
         """
-        return self._sync(True, buffer, path_or_fd, file_offset)
+        return self._sync(True, buffer, _pick_target(path_or_fd, filename, fd), file_offset)
 
-    def sync_pwrite(self, buffer: Any, path_or_fd: PathOrFd, file_offset: int = 0) -> int:
+    def sync_pwrite(
+        self,
+        buffer: Any,
+        path_or_fd: Optional[PathOrFd] = None,
+        file_offset: int = 0,
+        *,
+        filename: Optional[PathName] = None,
+        fd: Optional[int] = None,
+    ) -> int:
         """Write `buffer` at `file_offset` (creating the file 0600, never truncating); see sync_pread."""
-        return self._sync(False, buffer, path_or_fd, file_offset)
+        return self._sync(False, buffer, _pick_target(path_or_fd, filename, fd), file_offset)
 
-    def async_pread(self, buffer: Any, path_or_fd: PathOrFd, file_offset: int = 0) -> int:
-        """Queue a read into `buffer`; returns 0. The data is there (also on a device) after wait()."""
-        self._submit(True, buffer, path_or_fd, file_offset)
+    def async_pread(
+        self,
+        buffer: Any,
+        path_or_fd: Optional[PathOrFd] = None,
+        file_offset: int = 0,
+        *,
+        filename: Optional[PathName] = None,
+        fd: Optional[int] = None,
+    ) -> int:
+        """Queue a read into `buffer`; returns 0. The data is there (also on a device) after wait().
+
+        The file is given positionally or as DeepSpeed's `filename=` (a path or a `FileAt`), or as `fd=`, a
+        descriptor open for reading that stays open until wait(); exactly one of them.
+        """
+        self._submit(True, buffer, _pick_target(path_or_fd, filename, fd), file_offset)
         return 0
 
-    def async_pwrite(self, buffer: Any, path_or_fd: PathOrFd, file_offset: int = 0) -> int:
-        """Queue a write of `buffer`; returns 0. Do not modify `buffer` before wait()."""
-        self._submit(False, buffer, path_or_fd, file_offset)
+    def async_pwrite(
+        self,
+        buffer: Any,
+        path_or_fd: Optional[PathOrFd] = None,
+        file_offset: int = 0,
+        *,
+        filename: Optional[PathName] = None,
+        fd: Optional[int] = None,
+    ) -> int:
+        """Queue a write of `buffer`; returns 0. Do not modify `buffer` before wait().
+
+        The file is given as in async_pread: positionally, `filename=`, or `fd=` (open for writing).
+        """
+        self._submit(False, buffer, _pick_target(path_or_fd, filename, fd), file_offset)
         return 0
 
     def pread(
         self,
         buffer: Any,
-        path_or_fd: PathOrFd,
+        path_or_fd: Optional[PathOrFd] = None,
         validate: bool = False,
         async_op: bool = False,
         file_offset: int = 0,
+        *,
+        filename: Optional[PathName] = None,
+        fd: Optional[int] = None,
     ) -> int:
         """DeepSpeed's general form; `validate` is not supported (compare the data yourself)."""
         if validate:
             raise ValueError("validate=True is not supported; compare the buffer against the file yourself")
         if async_op:
-            return self.async_pread(buffer, path_or_fd, file_offset)
-        return self.sync_pread(buffer, path_or_fd, file_offset)
+            return self.async_pread(buffer, _pick_target(path_or_fd, filename, fd), file_offset)
+        return self.sync_pread(buffer, _pick_target(path_or_fd, filename, fd), file_offset)
 
     def pwrite(
         self,
         buffer: Any,
-        path_or_fd: PathOrFd,
+        path_or_fd: Optional[PathOrFd] = None,
         validate: bool = False,
         async_op: bool = False,
         file_offset: int = 0,
+        *,
+        filename: Optional[PathName] = None,
+        fd: Optional[int] = None,
     ) -> int:
         """DeepSpeed's general form; `validate` is not supported."""
         if validate:
             raise ValueError("validate=True is not supported; compare the buffer against the file yourself")
         if async_op:
-            return self.async_pwrite(buffer, path_or_fd, file_offset)
-        return self.sync_pwrite(buffer, path_or_fd, file_offset)
+            return self.async_pwrite(buffer, _pick_target(path_or_fd, filename, fd), file_offset)
+        return self.sync_pwrite(buffer, _pick_target(path_or_fd, filename, fd), file_offset)
 
     def wait(self) -> int:
         """Block until every queued request finished; returns how many completed (0 if none were queued).

@@ -39,3 +39,15 @@ def device(request, monkeypatch):
         yield torch.device(kind)
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left_behind():
+    """zero.Init starts a one-process group when none exists (as DeepSpeed's): a group a test started is
+    ended after it, so each test begins with the process-group state it found."""
+    import torch.distributed as dist
+
+    before = dist.is_available() and dist.is_initialized()
+    yield
+    if not before and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -10,7 +10,10 @@ A script written for DeepSpeed keeps working unchanged under `deepspeed`, `torch
   LOCAL_RANK environment variable (torchrun and the `deepspeed` launcher set it); on CUDA the current device
   is set from it (or from `args.device_rank`, which Lightning passes) before the process group starts, so
   NCCL binds each process to its own GPU; a process group the script already started is used as it is,
-  never started again; otherwise one is started when WORLD_SIZE > 1 (gloo on the CPU, NCCL on CUDA).
+  never started again; otherwise one is started when WORLD_SIZE > 1 (gloo on the CPU, NCCL on CUDA);
+* `start_process_group()`, called by `zero.Init`: as DeepSpeed's Init, a process group always exists
+  afterwards - the launchers' one (init_distributed) or, in a plain one-process run, a group of one process
+  over an in-memory store (no port is opened).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch.distributed as dist
 
 from zero.accelerator import accelerator_name, dist_backend
 
-__all__ = ["add_config_arguments", "init_distributed", "local_rank_of"]
+__all__ = ["add_config_arguments", "init_distributed", "local_rank_of", "start_process_group"]
 
 
 def _add(parser: Any, names: Tuple[str, ...], **kwargs: Any) -> None:
@@ -104,3 +107,16 @@ def init_distributed(
         dist.init_process_group(backend=dist_backend())
         return dist.get_rank(), dist.get_world_size(), device
     return 0, 1, device
+
+
+def start_process_group() -> None:
+    """Make sure a process group exists (DeepSpeed's zero.Init starts one when there is none).
+
+    An initialized group is kept. Otherwise `init_distributed()` starts the launchers' group (WORLD_SIZE > 1,
+    CUDA device from LOCAL_RANK first); in a plain one-process run a group of one process is started over an
+    in-memory store, so nothing is read from the environment and no port is opened."""
+    if not dist.is_available() or dist.is_initialized():
+        return
+    init_distributed()
+    if not dist.is_initialized():
+        dist.init_process_group(backend=dist_backend(), store=dist.HashStore(), rank=0, world_size=1)

@@ -111,6 +111,7 @@ FIELD_USAGE: Dict[str, Usage] = {
         "linear layers are plain torch modules; stage 3 releases gathered weights after use instead", True
     ),
     _Z + "override_module_apply": _i("zero.Init always gathers parameters for module.apply", True),
+    _Z + "enable_sanity_checks": _r("zero/stage3/gathered.py (GatheredParameters without modifier_rank)"),
     _OO + "device": _r("zero/engine.py (optimizer tier)"),
     _OO + "nvme_path": _r("zero/optimizer_state.py (swap space)"),
     _OO + "pin_memory": _i(

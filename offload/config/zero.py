@@ -78,6 +78,7 @@ _ZERO_FIELDS = (
     "stage3_allgather_sequential",
     "memory_efficient_linear",
     "override_module_apply",
+    "enable_sanity_checks",
 )
 
 # DeepSpeed's deprecated spellings, mapped onto the modern keys.
@@ -126,7 +127,6 @@ _ZENFLOW_INSTEAD = (
 # Keys that only tune logging, debugging or zero.Init memory use: accepted, warned about, not acted on.
 _IGNORED = {
     "log_trace_cache_warnings": "trace-cache logging of DeepSpeed's stage-3 prefetcher",
-    "enable_sanity_checks": "DeepSpeed-internal debugging checks",
     "stage3_partition_stream_chunk_size": "a zero.Init memory-bound knob of DeepSpeed's partitioner",
     "leaf_module": "DeepSpeed's stage-3 leaf-module hook grouping",
 }
@@ -197,6 +197,8 @@ class ZeroConfig:
     stage3_allgather_sequential: bool = False
     memory_efficient_linear: bool = True
     override_module_apply: bool = True
+    # GatheredParameters without modifier_rank raises when the block changed a parameter (DeepSpeed's check)
+    enable_sanity_checks: bool = False
 
     @property
     def offloads_optimizer(self) -> bool:
@@ -401,6 +403,7 @@ def parse_zero(raw: Any, ctx: Context, *, legacy_allgather_size: Any = None) -> 
         ),
         memory_efficient_linear=s.bool("memory_efficient_linear", ZeroConfig.memory_efficient_linear),
         override_module_apply=s.bool("override_module_apply", ZeroConfig.override_module_apply),
+        enable_sanity_checks=s.bool("enable_sanity_checks", ZeroConfig.enable_sanity_checks),
     )
     warn_ignored(s, "zero_optimization.", out)
     return out

@@ -241,8 +241,11 @@ class ZeroStrategy(Strategy):
 
         devices = self.parallel_devices or [self.root_device]
         world = int(os.environ.get("WORLD_SIZE", "1"))
+        # a group of this process alone (zero.Init starts one, as DeepSpeed's) is still one process
         initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
-        if len(devices) != 1 or self.num_nodes != 1 or world > 1 or initialized:
+        if initialized:
+            world = max(world, torch.distributed.get_world_size())
+        if len(devices) != 1 or self.num_nodes != 1 or world > 1:
             raise NotImplementedError(
                 f"ZeroStrategy runs one process on one device (devices={len(devices)}, num_nodes="
                 f"{self.num_nodes}, WORLD_SIZE={world}); use Trainer(devices=1, num_nodes=1)"

@@ -42,6 +42,7 @@ class GatheredParameters:
         self.params: List[nn.Parameter] = []
         self.units: List[Unit] = []
         self._was_partitioned: List[bool] = []
+        self._snapshots: List[Optional[torch.Tensor]] = []
         if not enabled:
             return
         if isinstance(params, torch.Tensor) or not isinstance(params, Iterable):
@@ -59,21 +60,94 @@ class GatheredParameters:
             self._was_partitioned = [u.full is None for u in self.units]
             for u in self.units:
                 u.owner.fetch(u)
+            self._snapshots = self._take_snapshots()
         return self
+
+    def _take_snapshots(self) -> List[Optional[torch.Tensor]]:
+        """With zero_optimization.enable_sanity_checks and no modifier_rank: a copy of each unit's whole
+        values (None where the unit's partitioner does not check), compared on exit."""
+        if self.modifier_rank is not None:
+            return []
+        return [
+            u.full.clone() if u.owner.config.zero_optimization.enable_sanity_checks else None
+            for u in self.units
+        ]
+
+    def _changed_params(self) -> List[str]:
+        """Names of the parameters whose values differ from the snapshot (bit for bit) or whose `.data` was
+        replaced; on every rank the union of all ranks' findings is acted on."""
+        names: List[str] = []
+        for u, snap in zip(self.units, self._snapshots):
+            if snap is None or u.full is None:
+                continue
+            for i, p in enumerate(u.params):
+                a, z = u.param_range(i)
+                view = u.full[a:z]
+                same = p.data.data_ptr() == view.data_ptr() and torch.equal(
+                    view.view(torch.uint8), snap[a:z].view(torch.uint8)
+                )
+                if not same:
+                    names.append(u.param_names[i])
+        return names
 
     def __exit__(self, exc_type: Any, *exc: object) -> None:
         if not self.enabled:
             return
+        changed: List[str] = []
+        changed_anywhere = False
         try:
             if self.modifier_rank is not None and exc_type is None:
                 for u in self.units:
                     self._write_back(u)
+            elif exc_type is None and any(s is not None for s in self._snapshots):
+                changed = self._changed_params()
+                changed_anywhere = self._any_rank(bool(changed))
+                if changed_anywhere:
+                    self._restore()
         finally:
             for u in self.units:
                 u.owner.release(u)
-            for u, was_partitioned in zip(self.units, self._was_partitioned):
-                if was_partitioned and u.persistent:  # leave it as the block found it
+            for u, was_partitioned, snap in zip(
+                self.units, self._was_partitioned, self._snapshots or [None] * len(self.units)
+            ):
+                # leave it as the block found it; a changed checked unit is dropped, so changes made to a
+                # whole (persistent) copy are discarded too: its next use gathers the partitions again
+                if (was_partitioned and u.persistent) or (snap is not None and changed_anywhere):
                     u.owner.repartition(u)
+            self._snapshots = []
+        if changed_anywhere:
+            what = (
+                ", ".join(changed[:5]) + (" ..." if len(changed) > 5 else "")
+                if changed
+                else "on another rank"
+            )
+            raise RuntimeError(
+                "GatheredParameters: parameters were modified inside a block with modifier_rank=None "
+                f"({what}); the changes are discarded. Pass modifier_rank=<rank> to keep and broadcast them "
+                "(zero_optimization.enable_sanity_checks reports this)"
+            )
+
+    def _restore(self) -> None:
+        """Put the values the block started with back (the whole copy may be the partition itself, one
+        rank on the partitions' device), and each parameter's `.data` back onto its place in it."""
+        with torch.no_grad():
+            for u, snap in zip(self.units, self._snapshots):
+                if snap is None or u.full is None:
+                    continue
+                u.full.copy_(snap)
+                for i, p in enumerate(u.params):
+                    a, z = u.param_range(i)
+                    if p.data.data_ptr() != u.full[a:z].data_ptr():
+                        p.data = u.full[a:z].view(u.shapes[i])
+
+    def _any_rank(self, flag: bool) -> bool:
+        """Whether `flag` is true on any rank of the units' group (DeepSpeed: every rank raises alike)."""
+        owner = self.units[0].owner
+        if owner.world_size <= 1:
+            return flag
+        t = torch.tensor([int(flag)], device=owner.device)
+        settle(dist.all_reduce(t, op=dist.ReduceOp.MAX, group=owner.group, async_op=True))
+        return bool(t.item())
 
     def _write_back(self, u: Unit) -> None:
         owner = u.owner  # the Stage3Partitioner that holds the unit

@@ -8,7 +8,9 @@ in the partitioner), or at the end of backward. Parameters used outside their mo
 embedding weight read by the model's own forward for the output head) are caught without __torch_function__:
 each module's `_parameters` becomes a dict that gathers a released parameter when it is read by attribute
 during some module's forward, and registers it as external to that module, so it is fetched with it from
-then on (in forward and backward).
+then on (in forward and backward). A parameter a module returns itself (`return self.weight`) becomes
+external to the module that called it, the same way, and goes out unwrapped: it is whole while the caller uses
+it, and the caller's backward gathers it again.
 """
 
 from __future__ import annotations
@@ -139,15 +141,45 @@ class Stage3Hooks:
         if not self.stack or self.stack[-1][0] is not module:
             return output  # an exception unwound past this module; the root's next forward cleans up
         _, frame = self.stack.pop()
+        if self.stack:
+            self._hand_returned_params(output)
         for u in frame:
             self.p.release(u)
         if torch.is_grad_enabled() and (self.module_units.get(module) or self.externals.get(module)):
             return self._wrap_outputs(module, output)
         return output
 
+    def _returned_units(self, output: Any) -> List[Unit]:
+        """Units of this partitioner's parameters that `output` holds as themselves (not computed from)."""
+        leaves, _ = tree_flatten(output)
+        units: List[Unit] = []
+        for t in leaves:
+            unit = getattr(t, "ds_unit", None) if isinstance(t, nn.Parameter) else None
+            if unit is not None and unit.owner is self.p and unit not in units:
+                units.append(unit)
+        return units
+
+    def _hand_returned_params(self, output: Any) -> None:
+        """A module returned one of the model's parameters itself (DeepSpeed: a "dangling" parameter): the
+        caller, the module now on top of the stack, uses it. It becomes external to the caller - gathered
+        whenever the caller runs, forward and backward - and stays whole until the caller's forward ends."""
+        caller, frame = self.stack[-1]
+        for unit in self._returned_units(output):
+            ext = self.externals.setdefault(caller, [])
+            if unit not in ext and unit not in self.module_units.get(caller, []):
+                ext.append(unit)
+            self.p.fetch(unit)  # before the returning module's frame lets it go: never freed in between
+            frame.append(unit)
+
     def _wrap_outputs(self, module: nn.Module, output: Any) -> Any:
         leaves, spec = tree_flatten(output)
-        idx = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+        # a returned parameter goes out as itself, so that the caller's autograd saves the parameter, which
+        # the caller's backward gathers again, and not an alias of storage that is freed when the caller ends
+        idx = [
+            i
+            for i, t in enumerate(leaves)
+            if isinstance(t, torch.Tensor) and t.requires_grad and not is_partitioned(t)
+        ]
         if not idx:
             return output
         wrapped = _PreBackward.apply(self, module, *(leaves[i] for i in idx))

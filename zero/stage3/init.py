@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zero.deepspeed_api import start_process_group
 from zero.stage3.comm import dist_info
 from zero.stage3.config import load_stage3_config
 from zero.stage3.gathered import GatheredParameters
@@ -59,9 +60,11 @@ class Init:
     `sequence_data_parallel_group`): the ranks to partition over (default: all). `remote_device` /
     `pin_memory`: override offload_param's device and pin_memory (None: the config's). `dtype`: cast
     floating-point parameters to it first (default: the config's 16-bit dtype, else as built).
-    `enabled=False`: the block does nothing. `mpu` (model parallelism): only its data-parallel world size is
-    used, to check the config's batch sizes. `mem_efficient_linear` is accepted and has no effect (layers stay
-    plain torch modules; their gathered weights are freed after use). Quantized weights, hpZ secondary
+    `enabled=False`: the block does nothing. Enabled, it makes sure a process group exists, as DeepSpeed's
+    (zero.deepspeed_api.start_process_group: the launchers', else one of this process alone). `mpu` (model
+    parallelism): only its data-parallel world size is used, to check the config's batch sizes.
+    `mem_efficient_linear` is accepted and has no effect (layers stay plain torch modules; their gathered
+    weights are freed after use). Quantized weights, hpZ secondary
     partitions (`zero_param_parallel_group`) and an external `param_swapper` are refused.
 
     Not DeepSpeed's, keyword only: `partitioner`, an existing Stage3Partitioner to add to (default: a new
@@ -116,6 +119,8 @@ class Init:
         self.enabled = enabled
         self.dtype = dtype  # cast floating-point parameters to it before partitioning (fp16/bf16 training)
         self.partitioner = partitioner
+        if enabled:
+            start_process_group()  # as DeepSpeed: the launchers' group, else one of this process alone
         if enabled and partitioner is None:
             cfg = config if config is not None else config_dict_or_path
             # the batch sizes of a training config are checked against the data-parallel world size
