@@ -4,7 +4,8 @@ what really fits (one training step in a subprocess, peak RSS against the budget
     .venv/bin/python -m benchmarks.bench_capacity --ram-budget 8GiB            # default run, < ~15 min
     .venv/bin/python -m benchmarks.bench_capacity --ram-budget 3GiB --max-params 300M
 
-Models: zero.models.GPT, vocabulary 32000, a ladder of widths d = 256, 384, 512, ... with d / 128 layers
+Models: zero.examples.models.GPT, vocabulary 32000, a ladder of widths d = 256, 384, 512, ... with d / 128
+layers
 (at least 2), bf16, AdamW, micro-batch 1 x 64 tokens. Configurations (CPU-only machine: the "GPU" tier is
 host memory too, so the budget must hold the estimate's per-GPU and per-CPU bytes together):
 
@@ -139,7 +140,7 @@ def child(name: str, d_model: int, n_layer: int, nvme: str) -> None:
     import torch
 
     import zero
-    from zero.models import GPT, GPTConfig
+    from zero.examples.models import GPT, GPTConfig
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     cfg = CONFIGS[name]
@@ -199,7 +200,7 @@ def runtime_baseline() -> int:
     """RSS of a process that imported torch and zero and ran a tiny step: what every run has anyway."""
     code = (
         "import psutil, torch, zero, offload._cpu_optim\n"
-        "from zero.models import GPT, GPTConfig\n"
+        "from zero.examples.models import GPT, GPTConfig\n"
         "m = GPT(GPTConfig(vocab_size=64, seq_len=8, n_layer=1, n_head=1, d_model=64))\n"
         "x = torch.randint(0, 64, (1, 8)); m(x, x).backward()\n"
         "print(psutil.Process().memory_info().rss)\n"

@@ -4,10 +4,13 @@
     python -m benchmarks.bench_convergence --device cuda --dtype bf16   # on a GPU host
     python -m benchmarks.bench_convergence --smoke                      # seconds: tiny model, a few steps
 
-The model is zero/models.py's GPT in the GPT-3 paper's "125M" shape (12 layers, width 768, 12 heads) with
+The model is zero/examples/models.py's GPT in the GPT-3 paper's "125M" shape (12 layers, width 768, 12 heads)
+with
 a byte-level vocabulary (256), which makes it 85M parameters (the paper's count includes a 50257-token
-embedding); the text is the demo's corpus (zero.models.corpus_bytes: Python's own stdlib source), read in
-the order zero.models.get_batch gives for (step, seed). Every variant starts from the same weights (same
+embedding); the text is the demo's corpus (zero.examples.models.corpus_bytes: Python's own stdlib source),
+read in
+the order zero.examples.models.get_batch gives for (step, seed). Every variant starts from the same weights
+(same
 seed) and sees the same batches; only `optimizer.params.state_dtype` differs ("fp32" sends no key: it is
 the engine's default). The engine: ZeRO-2, optimizer on --offload (cpu), AdamW with a warm-up and cosine
 schedule, gradient clipping 1.0.
@@ -75,7 +78,7 @@ def run_variant(args: argparse.Namespace, state_dtype: str, data: Any, nvme_dir:
 
     import zero
     from offload.config import ConfigError
-    from zero.models import GPT, GPTConfig, get_batch
+    from zero.examples.models import GPT, GPTConfig, get_batch
 
     cfg = GPTConfig(seq_len=args.seq, n_layer=args.layers, n_head=args.heads, d_model=args.width)
     torch.manual_seed(args.seed)
@@ -169,7 +172,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if unknown:
         ap.error(f"--state-dtypes: unknown {unknown}; choose from {STATE_DTYPES}")
     os.environ["ZO_ACCELERATOR"] = args.device  # before the engine picks its device
-    from zero.models import corpus_bytes
+    from zero.examples.models import corpus_bytes
 
     data = corpus_bytes()
     results: Dict[str, Dict[str, Any]] = {}

@@ -529,7 +529,7 @@ def _tiers_table(results: Dict[str, Dict[str, Any]]) -> str:
 
 def run_tiers(args: argparse.Namespace, base_spec: Dict[str, Any], nvme_root: str) -> int:
     """--tiers: the baseline (neither key sent), then every state dtype x host budget, rounds A B C ..."""
-    from zero.models import GPTConfig, num_params
+    from zero.examples.models import GPTConfig, num_params
 
     params = num_params(GPTConfig(**base_spec["size"]))
     variants: Dict[str, Tuple[Optional[str], Any]] = {"baseline": (None, None)}

@@ -23,7 +23,7 @@ import torch
 
 import zero
 from benchmarks.harness import interleave, markdown_table, write_outputs
-from zero.models import GPT, config_for_params, corpus_bytes, get_batch
+from zero.examples.models import GPT, config_for_params, corpus_bytes, get_batch
 
 
 def _engine_config(offload: str, nvme_dir: str, sub_group: int) -> dict:

@@ -4,7 +4,8 @@ optimizer state on NVMe, trained for a few steps with a bounded resident set.
     .venv/bin/python -m benchmarks.bench_infinity                     # ~3.4B parameters, 2 steps
     .venv/bin/python -m benchmarks.bench_infinity --layers 2 --d-model 512 --steps 2   # a quick check
 
-The model (zero.models.GPT, bf16) is built under `zero.Init`, so it is never whole in memory: each layer is
+The model (zero.examples.models.GPT, bf16) is built under `zero.Init`, so it is never whole in memory: each
+layer is
 partitioned to NVMe as soon as it is constructed. Training state at 16 bytes per parameter (bf16 weight +
 bf16 gradient + fp32 master, m, v). Printed per step: time per phase, bytes per tier (parameter NVMe reads
 and writes, optimizer NVMe reads and writes, gradients to the host), resident set size now and peak
@@ -33,7 +34,7 @@ from torch import nn
 
 import zero
 from benchmarks.harness import write_outputs
-from zero.models import GPT, GPTConfig, corpus_bytes, get_batch, num_params
+from zero.examples.models import GPT, GPTConfig, corpus_bytes, get_batch, num_params
 
 GB = 1e9
 GIB = float(1 << 30)

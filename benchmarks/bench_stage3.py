@@ -21,7 +21,7 @@ import torch
 
 import zero
 from benchmarks.harness import interleave, markdown_table, write_outputs
-from zero.models import GPT, config_for_params, corpus_bytes, get_batch
+from zero.examples.models import GPT, config_for_params, corpus_bytes, get_batch
 
 BATCH = 4
 

@@ -28,7 +28,7 @@ MODELS_PY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file_
 
 
 def load_models_module() -> Any:
-    """zero/models.py by path (DeepSpeed's venv does not have this project installed)."""
+    """zero/examples/models.py by path (DeepSpeed's venv does not have this project installed)."""
     name = "_bench_gpt_models"
     if name in sys.modules:
         return sys.modules[name]

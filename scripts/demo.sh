@@ -4,4 +4,4 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$root/scripts/setup_env.sh" >&2
 cd "$root"
-exec "$py" -m zero.demo "$@"
+exec "$py" -m zero.examples.demo "$@"

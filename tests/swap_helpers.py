@@ -23,7 +23,7 @@ ENGINE_CHILD_PRELUDE = textwrap.dedent(
     import errno, json, resource, signal, sys, torch
     import zero
     from offload.swap.optimizer_swapper import DeferredWriteError
-    from zero.models import GPT, GPTConfig, corpus_bytes, get_batch
+    from zero.examples.models import GPT, GPTConfig, corpus_bytes, get_batch
 
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG from write(), not a fatal signal
     nvme = sys.argv[1]
@@ -102,7 +102,7 @@ def run_child(script: str, nvme_dir: str) -> Dict[str, Any]:
 
 def train_steps(engine: Any, data: torch.Tensor, batch: int, seq_len: int, micro_steps: int) -> List[float]:
     """Forward, backward and step() on batches 0 .. micro_steps - 1 of `data`; the losses."""
-    from zero.models import get_batch
+    from zero.examples.models import get_batch
 
     losses = []
     for s in range(micro_steps):

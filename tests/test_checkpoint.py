@@ -13,7 +13,7 @@ import torch
 
 import zero
 from zero.checkpoint import CRASH_ENV
-from zero.models import GPT, GPTConfig, corpus_bytes, get_batch
+from zero.examples.models import GPT, GPTConfig, corpus_bytes, get_batch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Dropout on: resuming bit for bit needs the RNG state restored too.

@@ -15,7 +15,7 @@ from dist_helpers import run_on_ranks
 from test_engine_dist import TINY, make_config, rank_steps
 
 import zero
-from zero.models import GPT
+from zero.examples.models import GPT
 
 CASE = {"stage": 2, "offload": "nvme"}
 TIMEOUT_S = 300  # the ranks finish in well under a minute; a rank left in a barrier would wait 30 minutes

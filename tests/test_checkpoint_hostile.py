@@ -291,7 +291,7 @@ def test_shape_mismatch_names_the_parameter_and_both_shapes(tmp_path, original):
 
     torch.manual_seed(0)
     cfg = dataclasses.replace(CFG, d_model=48)
-    other, *_ = zero.initialize(model=zero.models.GPT(cfg), config=config("cpu", tmp_path))
+    other, *_ = zero.initialize(model=zero.examples.models.GPT(cfg), config=config("cpu", tmp_path))
     with pytest.raises(ValueError, match=r"parameter \S+: shape \(\d+(, \d+)*\) in the checkpoint, \(\d+"):
         other.load_checkpoint(str(original))
     other.close()

@@ -18,7 +18,7 @@ import torch
 from test_checkpoint import CFG, DATA, new_engine, params_of, run
 
 import zero
-from zero.models import GPT, get_batch
+from zero.examples.models import GPT, get_batch
 
 
 class Touch:

@@ -20,7 +20,7 @@ import zero
 import zero.checkpointing as zc
 from offload.config import ConfigError, load_config
 from tests.aio_helpers import run_child
-from zero.checkpointing.apply import applied_blocks
+from zero.activations.apply import applied_blocks
 
 D = 64
 
@@ -437,7 +437,7 @@ def test_engine_warns_when_its_section_checkpoints_nothing(tmp_path, caplog):
         engine.backward(loss)
         engine.step()
     warned = [r.getMessage() for r in caplog.records if "checkpointed no block" in r.getMessage()]
-    assert len(warned) == 1 and "call zero.checkpointing.apply(model)" in warned[0]
+    assert len(warned) == 1 and "call zero.activations.apply(model)" in warned[0]
     assert engine.last_report.activations == {}
     engine.close()
 
@@ -461,7 +461,7 @@ def test_engine_warning_names_eval_mode_of_an_applied_hf_model(tmp_path, caplog)
             assert warned == [] and engine.last_report.activations["checkpoints"] == 2
         else:
             assert len(warned) == 1 and "eval mode" in warned[0] and "model.train()" in warned[0]
-            assert "call zero.checkpointing.apply" not in warned[0]  # it was called
+            assert "call zero.activations.apply" not in warned[0]  # it was called
         engine.close()
 
 

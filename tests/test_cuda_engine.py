@@ -17,7 +17,7 @@ from test_engine import DATA, STEPS, TINY, base_config, make_model
 from test_stage3_engine import s3_config
 
 import zero
-from zero.models import get_batch
+from zero.examples.models import get_batch
 
 # tests/conftest.py: the GPU case of the `device` fixture only (engines compute there, TF32 off; skipped
 # without CUDA).

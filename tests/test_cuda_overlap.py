@@ -13,7 +13,7 @@ import torch
 from test_overlap import MODEL, _config, _train
 
 import zero
-from zero.models import GPT, corpus_bytes, get_batch
+from zero.examples.models import GPT, corpus_bytes, get_batch
 
 pytestmark = pytest.mark.parametrize("device", ["cuda"], indirect=True)  # tests/conftest.py: GPU only
 

@@ -23,7 +23,7 @@ from torch import nn
 
 import zero
 from zero import deepspeed_api
-from zero.models import get_batch
+from zero.examples.models import get_batch
 from zero.stage3 import GatheredParameters, Init, PartitionStatus, Stage3Partitioner
 
 AVAILABLE, NOT_AVAILABLE, INFLIGHT = (
@@ -207,7 +207,7 @@ def test_get_global_grad_norm_equals_torchs_clip_grad_norm(case, tmp_path):
 
 
 def test_sum_of_squares_is_accurate_for_every_gradient_dtype():
-    from zero.optimizer_state import SQ_PIECE, sum_of_squares
+    from zero.optimizer.state import SQ_PIECE, sum_of_squares
 
     g = torch.randn(3 * SQ_PIECE + 12345, generator=torch.Generator().manual_seed(0)) * 1e3
     for dtype in (torch.float32, torch.bfloat16, torch.float16):

@@ -1,4 +1,4 @@
-"""Twin-Flow's device share stepped by torch (zero/device_part.py: `TorchDevicePart`).
+"""Twin-Flow's device share stepped by torch (zero/optimizer/tiers/device_part.py: `TorchDevicePart`).
 
 On CUDA the device share of a split (`offload_optimizer.ratio` below 1.0) is stepped by torch's fused
 Adam/AdamW while the host steps the offloaded share. Here, without a GPU, the same part is forced with
@@ -24,9 +24,9 @@ from test_state_integrity import assert_same, weights
 
 import zero
 from offload.config import load_config
-from zero.device_part import TorchDevicePart, wants_torch_part
 from zero.engine import ZeroEngine
-from zero.optimizer_offload import DeviceState, UpdateRule
+from zero.optimizer.rules import DeviceState, UpdateRule
+from zero.optimizer.tiers.device_part import TorchDevicePart, wants_torch_part
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 ON_CUDA = pytest.mark.parametrize("device", ["cuda"], indirect=True)  # engines built on the GPU (conftest)

@@ -11,7 +11,7 @@ from test_stage3_engine import s3_config
 
 import zero
 import zero.utils as ds_utils
-from zero.models import get_batch
+from zero.examples.models import get_batch
 
 CASES = [
     (0, "none", "none"),

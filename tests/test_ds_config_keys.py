@@ -13,7 +13,7 @@ from test_engine import DATA, TINY, base_config, make_model
 import zero
 import zero.utils as ds_utils
 from offload.config import MIN_SUB_GROUP_SIZE, ConfigError, load_config
-from zero.models import get_batch
+from zero.examples.models import get_batch
 
 
 def _error(config, world_size=1) -> str:

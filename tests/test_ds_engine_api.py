@@ -19,7 +19,7 @@ from test_stage3_engine import s3_config
 
 import zero
 import zero.utils as ds_utils
-from zero.models import get_batch
+from zero.examples.models import get_batch
 from zero.utils.zero_to_fp32 import load_state_dict_from_zero_checkpoint
 
 

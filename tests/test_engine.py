@@ -12,7 +12,7 @@ import torch
 import zero
 from offload.swap import SwapSpaceError
 from offload.swap.slots import swap_chunk
-from zero.models import GPT, GPTConfig, corpus_bytes, get_batch
+from zero.examples.models import GPT, GPTConfig, corpus_bytes, get_batch
 
 TINY = GPTConfig(vocab_size=256, seq_len=16, n_layer=2, n_head=2, d_model=32)
 DATA = corpus_bytes()
@@ -397,7 +397,7 @@ def test_start_up_does_not_import_torch_dynamo(tmp_path, stage):
         f"""
         import sys
         import zero
-        from zero.models import GPT, GPTConfig
+        from zero.examples.models import GPT, GPTConfig
         model = GPT(GPTConfig(vocab_size=64, seq_len=8, n_layer=1, n_head=2, d_model=16))
         cfg = {{
             "train_micro_batch_size_per_gpu": 1,

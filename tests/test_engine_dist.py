@@ -9,7 +9,7 @@ import torch
 from dist_helpers import run_on_ranks
 
 import zero
-from zero.models import GPT, GPTConfig, corpus_bytes, get_batch
+from zero.examples.models import GPT, GPTConfig, corpus_bytes, get_batch
 
 TINY = GPTConfig(vocab_size=256, seq_len=16, n_layer=2, n_head=2, d_model=32)
 GLOBAL_BATCH = 4
@@ -164,7 +164,7 @@ def test_two_ranks_equal_one_rank(tmp_path, two_rank_results, name):
 _TORCHRUN_SCRIPT = """
 import os, sys, torch, torch.distributed as dist
 import zero
-from zero.models import GPT, GPTConfig, corpus_bytes, get_batch
+from zero.examples.models import GPT, GPTConfig, corpus_bytes, get_batch
 torch.manual_seed(0)
 cfg = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
        "zero_optimization": {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 5000,

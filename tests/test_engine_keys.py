@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import zero
-from zero.models import GPT, GPTConfig, corpus_bytes, get_batch
+from zero.examples.models import GPT, GPTConfig, corpus_bytes, get_batch
 
 TINY = GPTConfig(vocab_size=256, seq_len=16, n_layer=2, n_head=2, d_model=32)
 DATA = corpus_bytes()

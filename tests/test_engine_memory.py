@@ -21,7 +21,7 @@ _CHILD = textwrap.dedent(
     """
     import json, sys, torch
     import zero
-    from zero.models import GPT, GPTConfig
+    from zero.examples.models import GPT, GPTConfig
 
     def rss():
         with open("/proc/self/statm") as f:

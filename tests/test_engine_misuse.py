@@ -12,7 +12,7 @@ import torch
 from test_engine import DATA, TINY, base_config, make_model
 
 import zero
-from zero.models import GPT, get_batch
+from zero.examples.models import GPT, get_batch
 from zero.stage3 import Init
 
 

@@ -134,7 +134,7 @@ def _stage3_setup(count, sub_group: int) -> TrainingSetup:
 def test_stage3_pinned_and_nvme_bytes_match_the_engine(tmp_path, param, optim, monkeypatch):
     import shutil
 
-    from zero import optimizer_state
+    from zero.optimizer import state as optimizer_state
 
     sub_group = 20_000
     torch.manual_seed(0)
@@ -177,7 +177,7 @@ import gc, json, sys
 import psutil, torch
 torch.set_num_threads(1)
 import zero
-from zero.models import GPT, GPTConfig
+from zero.examples.models import GPT, GPTConfig
 from offload.estimate import count_parameters, TrainingSetup, SwapBufferSettings, estimate
 param, optim, nvme, layers = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 sub = 1 << 20

@@ -1,4 +1,5 @@
-"""`zero.from_pretrained` (zero/pretrained.py): a Hugging Face checkpoint directory streamed into stage-3
+"""`zero.from_pretrained` (zero/inference/pretrained.py): a Hugging Face checkpoint directory streamed into
+stage-3
 partitions one safetensors file at a time. Greedy generation and logits equal transformers' own
 `AutoModelForCausalLM.from_pretrained` for GPT-2 (one file, tied head) and Llama (sharded; untied, and a tied
 base-model checkpoint without the head's prefix) with the weights on cpu and on NVMe; the dtype rule; key
@@ -20,7 +21,7 @@ from checkpoint_helpers import failing_safe_open
 import zero
 from offload.config import ConfigError
 from tests.aio_helpers import run_child
-from zero.pretrained import PretrainedCheckpointError
+from zero.inference.pretrained import PretrainedCheckpointError
 from zero.stage3 import Stage3Partitioner, Stage3PinnedBudgetError
 
 transformers = pytest.importorskip("transformers")
@@ -375,7 +376,7 @@ def test_refused_configs_and_arguments(ckpts, tmp_path):
 FIXED_ALLOWANCE = 32 << 20  # the model object and lazily imported code, the aio write handle's staging
 
 RSS_CHILD = """
-import torch, transformers, zero, zero.pretrained, zero.engine, zero.initialization
+import torch, transformers, zero, zero.inference.pretrained, zero.engine, zero.initialization
 import transformers.models.llama.modeling_llama
 
 def status(key):  # bytes; VmHWM is this process's own peak (ru_maxrss would include the parent's RSS at exec)
@@ -469,7 +470,7 @@ def test_two_ranks_load_their_halves_and_generate_like_transformers(tmp_path):
 def test_an_oversized_safetensors_header_is_refused_before_it_is_parsed(ckpts, tmp_path):
     """A header of 20 MB (safetensors itself takes up to 100 MB, and parses it into many times its size)
     is refused naming the file and the header's size, with the memory of a few reads."""
-    from zero.pretrained import MAX_HEADER_BYTES
+    from zero.inference.pretrained import MAX_HEADER_BYTES
 
     bad = copy_ckpt(ckpts["gpt2"], tmp_path / "bad")
     raw = (bad / "model.safetensors").read_bytes()

@@ -13,7 +13,7 @@ from test_engine import DATA, TINY, base_config, make_model
 from test_stage3_engine import s3_config
 
 import zero
-from zero.models import get_batch
+from zero.examples.models import get_batch
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")

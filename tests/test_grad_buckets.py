@@ -19,8 +19,8 @@ from dist_helpers import run_on_ranks
 
 import zero
 from offload.estimate import SwapBufferSettings, TrainingSetup, count_parameters, estimate
-from zero.models import GPT, GPTConfig, corpus_bytes, get_batch
-from zero.partition import PAD_ELEMS
+from zero.examples.models import GPT, GPTConfig, corpus_bytes, get_batch
+from zero.layout.partition import PAD_ELEMS
 
 TINY = GPTConfig(vocab_size=256, seq_len=16, n_layer=2, n_head=2, d_model=32)
 DATA = corpus_bytes()

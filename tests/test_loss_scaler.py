@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from offload.config import load_config
-from zero.loss_scaler import (
+from zero.optimizer.loss_scaler import (
     DynamicLossScaler,
     LossScaleAtMinimumError,
     StaticLossScaler,

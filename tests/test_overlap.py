@@ -4,7 +4,8 @@ Every sub-group is stepped on a worker thread as soon as its gradients are final
 does not depend on the order the sub-groups run in, so the trajectory must be bit-identical to the
 engine stepping after backward; an fp16 overflow found part way through the overlapped pass must undo
 it (nothing committed, parameters restored), again giving the very same trajectory. With a share of the
-state kept in RAM (`max_in_cpu`, zero/split_state.py) the swapped sub-groups are stepped during backward
+state kept in RAM (`max_in_cpu`, zero/optimizer/tiers/split.py) the swapped sub-groups are stepped during
+backward
 and the resident ones after it, with the same results.
 """
 
@@ -19,8 +20,8 @@ from swap_helpers import train_steps
 import zero
 from offload.pinned import PinnedPool
 from offload.swap import OptimizerSwapper, SwapSpace
-from zero.models import GPT, GPTConfig, corpus_bytes, get_batch
-from zero.partition import FlatParams, GradReadiness
+from zero.examples.models import GPT, GPTConfig, corpus_bytes, get_batch
+from zero.layout.partition import FlatParams, GradReadiness
 
 MODEL = GPTConfig(vocab_size=256, seq_len=16, n_layer=2, n_head=2, d_model=32)
 

@@ -12,7 +12,7 @@ from test_engine import DATA, TINY, base_config, make_model
 import zero
 from offload.config import load_config
 from offload.ops import CPUAdamW
-from zero.models import get_batch
+from zero.examples.models import get_batch
 
 STEPS = 3
 
@@ -241,8 +241,8 @@ def test_torch_device_step_over_runs_is_torch_adamw_with_the_groups(fused):
     """What steps the state with torch (the device without offload on CUDA, a Twin-Flow device share): one
     torch param per run of a group, over views of the flat master, gives torch AdamW's bits over the same
     groups (fused: the implementation used on CUDA, here on the CPU)."""
-    from zero.device_part import TorchAdamSpans
-    from zero.param_groups import group_spans
+    from zero.optimizer.param_groups import group_spans
+    from zero.optimizer.tiers.device_part import TorchAdamSpans
 
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(n)) for n in (5, 3, 8, 2, 6)]

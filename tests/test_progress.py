@@ -18,7 +18,7 @@ from offload.progress import (
     disable_progress_bars,
     enable_progress_bars,
 )
-from zero.models import GPT, GPTConfig, corpus_bytes, get_batch
+from zero.examples.models import GPT, GPTConfig, corpus_bytes, get_batch
 
 CFG = GPTConfig(vocab_size=256, seq_len=16, n_layer=2, n_head=2, d_model=32)
 

@@ -10,7 +10,7 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler
 
 from offload.config import ConfigError, load_config
-from zero.schedulers import (
+from zero.optimizer.schedulers import (
     LRRangeTest,
     OneCycle,
     WarmupCosineLR,

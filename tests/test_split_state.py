@@ -1,4 +1,5 @@
-"""The optimizer state split between tiers (zero/split_state.py): Twin-Flow (`offload_optimizer.ratio`) and
+"""The optimizer state split between tiers (zero/optimizer/tiers/split.py): Twin-Flow
+(`offload_optimizer.ratio`) and
 RAM-first NVMe placement (`offload_optimizer.max_in_cpu`).
 
 * Every split steps every element with the same fused kernel (the device part is host memory on a CPU-only
@@ -29,8 +30,8 @@ import zero
 from offload.swap.slots import swap_chunk
 from offload.swap.split import auto_max_in_cpu, host_granule, split_numel, swap_file_bytes, swap_pass_bytes
 from zero import StateCorruptedError
-from zero.models import get_batch
-from zero.split_state import plan_split
+from zero.examples.models import get_batch
+from zero.optimizer.tiers.split import plan_split
 
 SUB = 4096  # sub_group_size: about 11 sub-groups for the tiny GPT
 MICRO = 8  # micro-batches per run: 4 optimizer steps at gradient_accumulation_steps 2

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from test_stage3_helpers import MLP, SharedModuleLM, TiedLM, TwiceMLP, attach, s3_config
 
 from offload.swap.resident import resident_plan
-from zero.models import GPT, GPTConfig
+from zero.examples.models import GPT, GPTConfig
 from zero.stage3 import PartitionStatus, Stage3Partitioner, Unit, register_external_parameter
 
 TIERS = ["none", "cpu", "nvme"]

@@ -6,7 +6,7 @@ import pytest
 import torch
 from dist_helpers import run_on_ranks
 
-from zero.models import GPT, GPTConfig
+from zero.examples.models import GPT, GPTConfig
 
 TINY = GPTConfig(vocab_size=256, seq_len=16, n_layer=2, n_head=2, d_model=32)
 # Each rank's gradient is the sum of two half-batch gradients where one process computes them in one go:

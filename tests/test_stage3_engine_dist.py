@@ -11,7 +11,7 @@ from dist_helpers import run_on_ranks
 from test_engine_dist import GLOBAL_BATCH, LOSS_ATOL, PARAM_ATOL, STEPS, TINY, make_config
 
 import zero
-from zero.models import GPT, corpus_bytes, get_batch
+from zero.examples.models import GPT, corpus_bytes, get_batch
 
 CASES = {
     "nvme-nvme": {"stage": 3, "param": "nvme", "offload": "nvme"},

@@ -14,7 +14,7 @@ from test_stage3_helpers import MLP, GradCollector, s3_config
 from torch import nn
 
 from offload.pinned import PinnedPool
-from zero.models import GPT, GPTConfig
+from zero.examples.models import GPT, GPTConfig
 from zero.stage3 import GatheredParameters, Init, Stage3Partitioner, Stage3PinnedBudgetError
 
 TINY_GPT = GPTConfig(vocab_size=256, seq_len=16, n_layer=2, n_head=2, d_model=32)

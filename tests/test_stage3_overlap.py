@@ -16,7 +16,7 @@ from test_engine import DATA, TINY, make_model
 from test_stage3_engine import s3_config
 
 import zero
-from zero.models import get_batch
+from zero.examples.models import get_batch
 
 
 def config(param: str, tmp, pipeline: bool, **extra):

@@ -6,7 +6,7 @@ import pytest
 import torch
 from test_stage3_helpers import TiedLM, TwiceMLP, attach, s3_config
 
-from zero.models import GPT, GPTConfig
+from zero.examples.models import GPT, GPTConfig
 
 TINY_GPT = GPTConfig(vocab_size=64, seq_len=16, n_layer=3, n_head=2, d_model=32)
 

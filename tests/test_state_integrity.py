@@ -25,7 +25,7 @@ from test_engine import DATA, TINY, base_config, make_model, train
 
 import zero
 from zero import StateCorruptedError
-from zero.models import get_batch
+from zero.examples.models import get_batch
 
 
 def s3_config(param: str, optim: str, tmp, **extra):
@@ -40,7 +40,7 @@ def s3_config(param: str, optim: str, tmp, **extra):
 
 def one_copy(monkeypatch) -> None:
     """Make the optimizer's NVMe state single-copy (updated in place), as on a disk too short for two."""
-    from zero import optimizer_state
+    from zero.optimizer import state as optimizer_state
 
     monkeypatch.setattr(optimizer_state, "_disk_free", lambda path: 1)
 

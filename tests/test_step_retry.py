@@ -25,7 +25,7 @@ import torch
 from test_engine import DATA, TINY, make_model
 
 import zero
-from zero.models import get_batch
+from zero.examples.models import get_batch
 
 pytestmark = pytest.mark.slow
 

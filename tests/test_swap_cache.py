@@ -337,7 +337,7 @@ def test_failure_while_building_leaves_no_cache(ckpts, tmp_path, monkeypatch):
 
     cfg = config(tmp_path)
     monkeypatch.setattr(safetensors, "safe_open", Failing)
-    with pytest.raises(zero.pretrained.PretrainedCheckpointError, match="simulated read error"):
+    with pytest.raises(zero.inference.pretrained.PretrainedCheckpointError, match="simulated read error"):
         zero.from_pretrained(path, config=cfg, swap_cache=True)
     root = tmp_path / "nvme" / CACHE_DIR
     assert [n for n in os.listdir(root) if not n.endswith(".lock")] == []  # the unfinished build is gone

@@ -21,7 +21,7 @@ from test_overlap import _config  # the same small stage-2 NVMe config
 import zero
 from offload.pinned import PinnedPool
 from offload.swap import OptimizerSwapper, SwapSpace
-from zero.models import GPT, GPTConfig, corpus_bytes, get_batch
+from zero.examples.models import GPT, GPTConfig, corpus_bytes, get_batch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = GPTConfig(vocab_size=256, seq_len=16, n_layer=2, n_head=2, d_model=32)

@@ -48,17 +48,18 @@ __all__ = [
 
 if TYPE_CHECKING:
     from zero.deepspeed_api import add_config_arguments, init_distributed
-    from zero.engine import ZeroEngine, consolidated_state_dict
-    from zero.engine import ZeroEngine as DeepSpeedEngine
-    from zero.engine_api import OffloadDeviceEnum, OffloadStateTypeEnum
-    from zero.generation import unwrap_model_for_generation
+    from zero.engine.api import OffloadDeviceEnum, OffloadStateTypeEnum
+    from zero.engine.engine import ZeroEngine, consolidated_state_dict
+    from zero.engine.engine import ZeroEngine as DeepSpeedEngine
+    from zero.engine.generation import unwrap_model_for_generation
+    from zero.inference.pretrained import from_pretrained
     from zero.initialization import initialize
-    from zero.pretrained import from_pretrained
     from zero.stage3 import GatheredParameters, Init, ZeroParamStatus
 
 
 def __getattr__(name: str) -> Any:
-    # Lazy, so that `import zero.loss_scaler` (or zero.schedulers) does not load the engine, torch.distributed
+    # Lazy, so that `import zero.optimizer.loss_scaler` (or zero.optimizer.schedulers) does not load the
+    # engine, torch.distributed
     # and the native I/O extension.
     if name == "initialize":
         from zero.initialization import initialize
@@ -67,23 +68,23 @@ def __getattr__(name: str) -> Any:
         globals()["initialize"] = initialize
         return initialize
     if name == "from_pretrained":
-        from zero.pretrained import from_pretrained
+        from zero.inference.pretrained import from_pretrained
 
         globals()["from_pretrained"] = from_pretrained
         return from_pretrained
     if name in ("ZeroEngine", "DeepSpeedEngine"):  # DeepSpeed's class name, for isinstance checks
-        from zero.engine import ZeroEngine
+        from zero.engine.engine import ZeroEngine
 
         globals()[name] = ZeroEngine
         return ZeroEngine
     if name in ("OffloadDeviceEnum", "OffloadStateTypeEnum"):
-        import zero.engine_api as engine_api
+        import zero.engine.api as engine_api
 
         value = getattr(engine_api, name)
         globals()[name] = value
         return value
     if name == "unwrap_model_for_generation":  # TRL's context manager, for an engine of ours
-        from zero.generation import unwrap_model_for_generation
+        from zero.engine.generation import unwrap_model_for_generation
 
         globals()[name] = unwrap_model_for_generation
         return unwrap_model_for_generation
@@ -108,7 +109,7 @@ def __getattr__(name: str) -> Any:
 
         return utils
     if name == "consolidated_state_dict":
-        from zero.engine import consolidated_state_dict
+        from zero.engine.engine import consolidated_state_dict
 
         globals()[name] = consolidated_state_dict
         return consolidated_state_dict

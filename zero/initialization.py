@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from zero.deepspeed_api import init_distributed
-from zero.engine import ZeroEngine
+from zero.engine.engine import ZeroEngine
 
 __all__ = ["initialize"]
 
@@ -46,7 +46,8 @@ def initialize(
     optimizer or a callable taking the parameters; given together with the config's optimizer block, it
     wins and the block is ignored with a warning (DeepSpeed's rule). `lr_scheduler` may be a scheduler or
     a callable taking the optimizer; without one, the config's scheduler block is used. With neither an
-    optimizer block nor `optimizer=`, the engine runs inference only (zero/inference.py, docs/inference.md):
+    optimizer block nor `optimizer=`, the engine runs inference only (zero/inference/parts.py,
+    docs/inference.md):
     `(engine, None, dataloader, None)`, forward and generate work, `backward`/`step` raise
     `zero.NoOptimizerError`.
     """

@@ -20,7 +20,7 @@ from offload.swap.optimizer_swapper import STATE_TORCH_DTYPES
 from offload.swap.slots import QUANT_BLOCK, StateFormat
 from zero.checkpoint._engine import CheckpointEngine
 from zero.checkpoint._files import Entry, StreamDigest, create_private, digest_fd, plain_name
-from zero.state_convert import convert_states, warn_if_lossy
+from zero.optimizer.state_convert import convert_states, warn_if_lossy
 
 
 def is_stage3(engine: CheckpointEngine) -> bool:

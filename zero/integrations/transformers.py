@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from zero.engine import ZeroEngine
+    from zero.engine.engine import ZeroEngine
 
     ZeroTrainer: Any  # a transformers.Trainer subclass, built on first access (module __getattr__)
 
@@ -199,13 +199,14 @@ def from_pretrained(
     path: Union[str, os.PathLike], zero_config: ConfigLike, args: Any, **hf_kwargs: Any
 ) -> nn.Module:
     """The causal LM of the local Hugging Face checkpoint `path`, its weights streamed straight into stage-3
-    partitions (`zero.pretrained.partitioned_model`: never whole in memory), for a `ZeroTrainer` given the
+    partitions (`zero.inference.pretrained.partitioned_model`: never whole in memory), for a `ZeroTrainer`
+    given the
     same `zero_config` and `args`, whose engine takes the partitions over. The config must be stage 3; its
     "auto" values are filled from `args` and the checkpoint's config.json. `hf_kwargs` as for
     `zero.from_pretrained`."""
     import transformers
 
-    from zero.pretrained import partitioned_model
+    from zero.inference.pretrained import partitioned_model
 
     trust = {k: hf_kwargs[k] for k in ("trust_remote_code",) if k in hf_kwargs}
     cfg = fill_zero_config(zero_config, args, transformers.AutoConfig.from_pretrained(path, **trust))

@@ -1,6 +1,6 @@
 """What a layout is: how one rank's parameters and gradients are laid out for the optimizer.
 
-The engine (zero.engine) drives the step; a layout supplies the parts that depend on how parameters are
+The engine (zero.engine.engine) drives the step; a layout supplies the parts that depend on how parameters are
 partitioned:
 
 * the rank's optimizer partition: a slice [lo, hi) of one flat buffer (flat) / the trainable units'
@@ -10,7 +10,7 @@ partitioned:
   partitioner reduced into it;
 * readiness of gradients for the overlapped pass: per parameter (post-accumulate-grad hooks) / per unit
   (the partitioner's gradient sink);
-* the parameter writer: `FlatParamWriter` / `UnitParamWriter` (zero.param_writer);
+* the parameter writer: `FlatParamWriter` / `UnitParamWriter` (zero.layout.param_writer);
 * the committed master back into the parameters: a copy into the flat buffer / a scatter into the units;
 * after the update: all-gather the partitions (stages 1-2) / nothing (forward gathers units);
 * the whole-model state dict: the module's own / gathered unit by unit (collective).
@@ -25,9 +25,9 @@ import torch
 from torch import nn
 
 from offload.pinned import PINNED_BUDGET_ENV, PinnedMemoryBudgetError, PinnedPool
-from zero.grad_fetch import DeviceGradFetch
-from zero.param_writer import ParamWriter
-from zero.partition import GradReadiness
+from zero.layout.grad_fetch import DeviceGradFetch
+from zero.layout.param_writer import ParamWriter
+from zero.layout.partition import GradReadiness
 
 __all__ = [
     "Fill",

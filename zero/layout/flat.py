@@ -26,11 +26,11 @@ from torch import nn
 
 from offload.pinned import PinnedPool
 from zero.comm import settle
-from zero.grad_fetch import DeviceGradFetch, copy_to_host
 from zero.layout.base import Fill, GradMemory, Placement, allocate_pinned, cast_parameters, index_names
 from zero.layout.grad_buckets import GradBuckets
-from zero.param_writer import FlatParamWriter, ParamWriter
-from zero.partition import FlatParams, GradReadiness, GradReducer, partition_range
+from zero.layout.grad_fetch import DeviceGradFetch, copy_to_host
+from zero.layout.param_writer import FlatParamWriter, ParamWriter
+from zero.layout.partition import FlatParams, GradReadiness, GradReducer, partition_range
 
 __all__ = ["FlatLayout"]
 

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from zero.comm import settle
-from zero.partition import FlatParams
+from zero.layout.partition import FlatParams
 
 __all__ = ["GradBuckets"]
 

@@ -22,10 +22,10 @@ from torch import nn
 
 from offload.pinned import PinnedPool
 from zero.comm import settle
-from zero.grad_fetch import DeviceGradFetch
 from zero.layout.base import Fill, Placement, allocate_pinned, cast_parameters, index_names
-from zero.param_writer import ParamWriter, UnitParamWriter
-from zero.partition import GradReadiness
+from zero.layout.grad_fetch import DeviceGradFetch
+from zero.layout.param_writer import ParamWriter, UnitParamWriter
+from zero.layout.partition import GradReadiness
 from zero.stage3.partitioner import Stage3Partitioner
 from zero.stage3.unit import Unit, is_partitioned
 

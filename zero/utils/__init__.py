@@ -3,7 +3,7 @@ stage and tier.
 
 Each takes a model parameter and finds the engine that trains it; a parameter no live engine trains (frozen,
 not given to the optimizer, an inference engine's, or the engine closed) reads as None and setting it does
-nothing, as in DeepSpeed. The engine's part doing the work is zero.state_access.StateAccess.
+nothing, as in DeepSpeed. The engine's part doing the work is zero.engine.state_access.StateAccess.
 
 * fp32 master and optimizer states (`"exp_avg"`, `"exp_avg_sq"`; Adagrad `"state_sum"` or torch's
   `"sum"`) are read and written through the state's tier, NVMe included, each call one pass over the rank's
@@ -25,7 +25,7 @@ from typing import Any, Callable, List, Optional
 
 import torch
 
-from zero.state_access import StateAccess, access_of
+from zero.engine.state_access import StateAccess, access_of
 
 __all__ = [
     "safe_get_full_fp32_param",

@@ -5,15 +5,17 @@ The engine is composed of parts, each in a module of its own:
 * a layout (zero.layout): how the rank's parameters and gradients are partitioned - `FlatLayout` for
   stages 0-2 (one flat buffer, a slice per rank), `UnitLayout` for stage 3 (parameters partitioned per
   module over ranks and tiers by the stage-3 partitioner);
-* the optimizer state (zero.optimizer_state): fp32 master + states on their tier (device memory, pinned
-  host memory, NVMe), passes over it with the fused kernels, and a parameter writer (zero.param_writer);
-* the overlap (zero.overlap): the pass that steps NVMe sub-groups during backward;
-* the guard (zero.integrity): whether a failure left the state unusable;
+* the optimizer state (zero.optimizer.state): fp32 master + states on their tier (device memory, pinned
+  host memory, NVMe), passes over it with the fused kernels, and a parameter writer
+  (zero.layout.param_writer);
+* the overlap (zero.optimizer.overlap): the pass that steps NVMe sub-groups during backward;
+* the guard (zero.optimizer.integrity): whether a failure left the state unusable;
 * activation checkpointing (zero.checkpointing), configured from the config's section; its counts join the
   step report.
 
 Without an optimizer (no `optimizer` block, no `optimizer=`) the engine is composed of the inference parts
-instead (zero.inference): a layout that holds only the weights, and optimizer-state and update parts that
+instead (zero.inference.parts): a layout that holds only the weights, and optimizer-state and update parts
+that
 hold nothing; `backward` and `step` raise `NoOptimizerError`.
 
 One step, on one rank: forward and backward run on the model as the user wrote it; gradients reach the
@@ -39,23 +41,27 @@ from torch import nn
 
 from offload.config.activation import ActivationCheckpointingConfig
 from offload.pinned import PINNED_BUDGET_ENV, PinnedPool, default_pinned_budget, pinned_bytes_in_use
-from zero import checkpointing, inference
 from zero.accelerator import compute_device
-from zero.checkpointing.apply import why_nothing_checkpointed
+from zero.activations import checkpointer as checkpointing
+from zero.activations.apply import why_nothing_checkpointed
 from zero.deepspeed_api import init_distributed  # noqa: F401 - its old home; zero.initialize uses it
-from zero.device_part import TorchDevicePart, wants_torch_part
-from zero.engine_api import EngineAPI
-from zero.integrity import StateGuard
+from zero.engine.api import EngineAPI
+from zero.engine.state_access import StateAccess
+from zero.engine.unused import UnusedParameterCheck
+from zero.inference import parts as inference
 from zero.layout.base import GradMemory, Layout, Placement, allocate_pinned, trainable_params
 from zero.layout.flat import FlatLayout
-from zero.optimizer_offload import (
+from zero.optimizer.integrity import StateGuard
+from zero.optimizer.overlap import OverlapPass
+from zero.optimizer.param_groups import build_groups, check_quantized_groups, group_spans
+from zero.optimizer.rules import (
     DeviceState,
     UpdateRule,
     ZeroOptimizer,
     rule_from_client_optimizer,
     rule_from_config,
 )
-from zero.optimizer_state import (
+from zero.optimizer.state import (
     FusedDeviceStep,
     OptimizerState,
     StateInfo,
@@ -63,13 +69,10 @@ from zero.optimizer_state import (
     describe_placement,
     swap_copies,
 )
-from zero.overlap import OverlapPass
-from zero.param_groups import build_groups, check_quantized_groups, group_spans
+from zero.optimizer.tiers.device_part import TorchDevicePart, wants_torch_part
+from zero.optimizer.tiers.split import SplitTier
+from zero.optimizer.update import UpdatePass
 from zero.report import InferenceReport, PhaseClock, StepReport
-from zero.split_state import SplitTier
-from zero.state_access import StateAccess
-from zero.unused import UnusedParameterCheck
-from zero.update import UpdatePass
 
 __all__ = ["PINNED_BUDGET_ENV", "ZeroEngine", "consolidated_state_dict", "init_distributed"]
 
@@ -78,11 +81,11 @@ logger = logging.getLogger("zero")
 
 class ZeroEngine(EngineAPI):
     """What `zero.initialize` returns. Method names and semantics follow DeepSpeed's DeepSpeedEngine (its
-    configuration accessors, `offload_states`, `empty_partition_cache`, `destroy`: zero.engine_api).
+    configuration accessors, `offload_states`, `empty_partition_cache`, `destroy`: zero.engine.api).
 
     `device_part`: what steps the device share of a Twin-Flow split (`offload_optimizer.ratio` below 1.0):
     "auto" (torch's fused Adam/AdamW on CUDA, the CPU kernels on a CPU-only machine), "torch"
-    (zero.device_part.TorchDevicePart on any device), or "kernels" (CPU compute only)."""
+    (zero.optimizer.tiers.device_part.TorchDevicePart on any device), or "kernels" (CPU compute only)."""
 
     def __init__(
         self,
@@ -146,7 +149,8 @@ class ZeroEngine(EngineAPI):
         self._clock = PhaseClock(sync if self.report_enabled else None)
 
         # -- optimizer rule: from the config's optimizer block or the client optimizer, not both (DeepSpeed);
-        # neither: an inference engine (zero.inference), whose optimizer tier is none whatever the config says
+        # neither: an inference engine (zero.inference.parts), whose optimizer tier is none whatever the
+        # config says
         if model_parameters is not None:
             model_parameters = list(model_parameters)  # read twice: the parameters, then their groups
         params = trainable_params(model, model_parameters)
@@ -187,7 +191,7 @@ class ZeroEngine(EngineAPI):
         groups: List[Dict[str, Any]],
     ) -> None:
         """The parts, in dependency order: layout, optimizer state, overlap, update pass, scheduler.
-        `groups`: the optimizer's param groups (zero.param_groups.build_groups)."""
+        `groups`: the optimizer's param groups (zero.optimizer.param_groups.build_groups)."""
         inference.refuse_weight_quantization(self.config)
         zcfg = self.config.zero_optimization
         self.layout: Layout
@@ -300,7 +304,7 @@ class ZeroEngine(EngineAPI):
         torch_part = wants_torch_part(self._device_part, self.device) and self.offload_device != "none"
         whole = isinstance(tier, DeviceState) and tier.numel > 0 and not tier.pinned_bytes  # ratio 0
         if torch_part and (whole or (isinstance(tier, SplitTier) and tier.on_device)):
-            try:  # Twin-Flow: the device share stepped by torch (zero.device_part)
+            try:  # Twin-Flow: the device share stepped by torch (zero.optimizer.tiers.device_part)
                 groups = self.optimizer.param_groups
                 if isinstance(tier, SplitTier):
                     tier.use_device_part(TorchDevicePart(self.rule, groups, tier.front, spans=spans))
@@ -355,7 +359,7 @@ class ZeroEngine(EngineAPI):
                 return lr_scheduler(self.optimizer)
             return lr_scheduler
         if self.config.scheduler is not None:
-            from zero.schedulers import build_scheduler
+            from zero.optimizer.schedulers import build_scheduler
 
             return build_scheduler(self.config.scheduler, self.optimizer)
         return None
@@ -363,7 +367,7 @@ class ZeroEngine(EngineAPI):
     def _make_loss_scaler(self) -> Optional[Any]:
         if not self.fp16:
             return None
-        from zero.loss_scaler import DynamicLossScaler, StaticLossScaler
+        from zero.optimizer.loss_scaler import DynamicLossScaler, StaticLossScaler
 
         f = self.config.fp16
         if f.loss_scale and f.loss_scale > 0:
@@ -663,7 +667,7 @@ class ZeroEngine(EngineAPI):
 
     @property
     def optimizer_state(self) -> Any:
-        """The optimizer state's tier object (zero.optimizer_state.StateTier), for I/O fault injection
+        """The optimizer state's tier object (zero.optimizer.state.StateTier), for I/O fault injection
         and inspection; stepping it directly bypasses the engine's commit and restore logic."""
         return self._opt.tier
 

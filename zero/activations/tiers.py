@@ -9,7 +9,7 @@ recompute that needs it:
   stream when prefetched; the compute stream waits only for the copy it needs. A tensor already in host
   memory stays (there is nothing to move), or, with contiguous_memory_optimization, goes into a
   preallocated pinned slot.
-* `NvmeTier` ("nvme", zero.checkpointing.nvme): scratch files written and read on an I/O thread.
+* `NvmeTier` ("nvme", zero.activations.nvme): scratch files written and read on an I/O thread.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """TorchDevicePart: the device share of a Twin-Flow split (`offload_optimizer.ratio` < 1.0), stepped by torch.
 
-With a CUDA compute device the first sub-groups of the partition (zero.split_state) keep their fp32 master and
+With a CUDA compute device the first sub-groups of the partition (zero.optimizer.tiers.split) keep their fp32
+master and
 Adam states in device memory. One pass then runs in two flows at once: `launch` queues torch's fused
 Adam/AdamW over the whole device share (asynchronous on the GPU), and the host thread goes on to walk the
 offloaded chunks with the CPU kernels. The gradient scale (loss scale, world size, clipping coefficient) is
@@ -8,7 +9,7 @@ the pass's one divisor, applied to both shares; the overflow check happened befo
 state is not atomic, so its overflow is always checked first), so neither share is ever stepped on an
 overflowing gradient.
 
-The part presents `StateTier` (zero.optimizer_state) by delegating to its `DeviceState`, so checkpoints,
+The part presents `StateTier` (zero.optimizer.state) by delegating to its `DeviceState`, so checkpoints,
 `read_all` / `load` / `rewrite` and the split's index arithmetic are those of any other tier; only its `step`
 differs: the update was already queued by `launch`, so `step` calls nothing.
 
@@ -24,7 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from zero.optimizer_offload import DeviceState, UpdateRule
+from zero.optimizer.rules import DeviceState, UpdateRule
 
 __all__ = [
     "DEVICE_PART_CHOICES",
@@ -36,7 +37,7 @@ __all__ = [
 
 DEVICE_PART_CHOICES = ("auto", "torch", "kernels")
 VisitFn = Callable[[int, int, torch.Tensor, List[torch.Tensor]], None]
-Span = Tuple[int, int, int]  # [start, end) of the master and its param group (zero.param_groups)
+Span = Tuple[int, int, int]  # [start, end) of the master and its param group (zero.optimizer.param_groups)
 
 
 def wants_torch_part(choice: str, device: torch.device) -> bool:
@@ -151,7 +152,8 @@ class TorchDevicePart:
         spans: Optional[Sequence[Span]] = None,
         fused: Optional[bool] = None,
     ) -> None:
-        """`group`: the optimizer's param group, or its groups with `spans` (zero.param_groups.group_spans
+        """`group`: the optimizer's param group, or its groups with `spans`
+        (zero.optimizer.param_groups.group_spans
         over the partition; clipped to this share)."""
         groups = [group] if isinstance(group, dict) else list(group)
         for g in groups:

@@ -16,7 +16,7 @@ from typing import Any, Dict, Iterator, List, Optional, Protocol, Tuple
 import torch
 
 from offload.pinned import PinnedPool
-from zero.partition import FlatParams
+from zero.layout.partition import FlatParams
 
 __all__ = ["FlatParamWriter", "ParamWriter", "UnitMap", "UnitParamWriter"]
 

@@ -8,7 +8,8 @@ Two features share this composition:
   pinned budget holds after what the engine already pinned and the swap slots.
 * **Twin-Flow** (`offload_optimizer.ratio` below 1.0): that fraction of the sub-groups (rounded up) lives on
   the offload tier (cpu or nvme) and is stepped there; the sub-groups before them stay on the device. On
-  CUDA the device part is a `TorchDevicePart` (zero.device_part): device memory stepped by torch's fused
+  CUDA the device part is a `TorchDevicePart` (zero.optimizer.tiers.device_part): device memory stepped by
+  torch's fused
   Adam/AdamW, launched before the host walks the offloaded chunks so both run at once. On a CPU-only
   machine it is plain (not pinned) host memory stepped by the same fused kernels, so every ratio gives
   bit-identical results.
@@ -16,7 +17,7 @@ Two features share this composition:
 Both nest: `[device | pinned host | NVMe]` is `SplitTier(device, SplitTier(pinned, swapper))`. A split always
 falls on a sub-group boundary, so chunks never straddle two tiers.
 
-The split state presents `StateTier` (zero.optimizer_state): `step` walks the back tier first (its first
+The split state presents `StateTier` (zero.optimizer.state): `step` walks the back tier first (its first
 reads were prefetched during backward), then the front; `read_all` / `load` / `rewrite` visit the front
 then the back, with the back's element offsets shifted by the front's size; `stats` adds the two tiers'
 counters (the front's only compute time).
@@ -24,7 +25,8 @@ counters (the front's only compute time).
 Failure safety. A split state is not atomic: the front tier is updated in place. The back swapper runs with
 its write-back drained inside the step (no deferred writes), so an NVMe error surfaces from `step` and never
 after a commit. `atomic_from` is the first element whose state is on a two-copy swapper: the engine poisons
-the state (`StateCorruptedError` until a checkpoint is loaded, zero.integrity) only when a failed pass had
+the state (`StateCorruptedError` until a checkpoint is loaded, zero.optimizer.integrity) only when a failed
+pass had
 updated a chunk before it, in place; a failure in the swapped share alone keeps the committed state.
 
 Stepping during backward (`offload_optimizer.pipeline_read` / `pipeline_write`). When the back is one
@@ -46,7 +48,7 @@ import torch
 
 from offload.swap.optimizer_swapper import ChunkFn, OptimizerSwapper, SwapStats
 from offload.swap.split import auto_max_in_cpu, split_numel
-from zero.device_part import TorchDevicePart
+from zero.optimizer.tiers.device_part import TorchDevicePart
 
 __all__ = ["SplitPlan", "SplitStats", "SplitTier", "build_split", "plan_split"]
 

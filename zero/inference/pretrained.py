@@ -37,10 +37,10 @@ import torch
 from torch import nn
 
 from offload.progress import progress
-from zero.hub import HUB_KWARGS, checkpoint_dir
+from zero.inference.hub import HUB_KWARGS, checkpoint_dir
 
 if TYPE_CHECKING:
-    from zero.engine import ZeroEngine
+    from zero.engine.engine import ZeroEngine
     from zero.stage3.partitioner import Stage3Partitioner
     from zero.stage3.swap_cache import SwapCache
 
@@ -558,7 +558,7 @@ def _load(
     from offload.config import ConfigError, load_config
     from offload.config._reader import read_json_file
     from zero.accelerator import compute_device
-    from zero.engine import init_distributed
+    from zero.engine.engine import init_distributed
     from zero.stage3.partitioner import Stage3Partitioner
     from zero.stage3.swap_cache import SwapCacheMismatch, open_swap_cache
 
@@ -600,7 +600,7 @@ def _load(
     raw = _with_dtype(raw, compute)
     loaded = load_config(raw, world_size)
     if loaded.weight_quantization.enabled and loaded.optimizer is not None:
-        from zero.inference import refuse_weight_quantization
+        from zero.inference.parts import refuse_weight_quantization
 
         refuse_weight_quantization(loaded)  # before any weight is read
 
@@ -693,7 +693,7 @@ def from_pretrained(
 
     `path`: a local directory with config.json and either model.safetensors or model.safetensors.index.json
     with its shards (transformers' save_pretrained layout), or a Hugging Face Hub repository id, resolved
-    to its snapshot in the Hub cache and downloaded when missing (zero.hub: only config.json,
+    to its snapshot in the Hub cache and downloaded when missing (zero.inference.hub: only config.json,
     generation_config.json and the safetensors files; `revision=`, `token=`, `cache_dir=`,
     `local_files_only=`, `force_download=`, `proxies=` go there). The model class is the one
     `AutoModelForCausalLM` picks for config.json; `hf_kwargs` go to `AutoModelForCausalLM.from_config`

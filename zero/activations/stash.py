@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch import nn
 
-from zero.checkpointing.tiers import Entry, Tier
+from zero.activations.tiers import Entry, Tier
 
 __all__ = ["MIN_OFFLOAD_BYTES", "ActivationStash", "CheckpointingReport"]
 

@@ -1,6 +1,7 @@
 """UpdatePass: one optimizer pass over the rank's partition, after backward or during it.
 
-The engine (zero.engine) decides when a step happens; this object runs it: the gradient scale (loss scale,
+The engine (zero.engine.engine) decides when a step happens; this object runs it: the gradient scale (loss
+scale,
 world size, clipping coefficient folded into one divisor), the overflow check (fp16; bf16 with
 `check_grad_overflow`), then the optimizer state's pass - the torch fused step on a GPU without offload,
 else the fused CPU kernels chunk by chunk, committed only when every chunk succeeded. With the overlap
@@ -18,9 +19,9 @@ import torch.distributed as dist
 
 from zero.comm import settle
 from zero.layout.base import Layout
-from zero.optimizer_offload import ZeroOptimizer
-from zero.optimizer_state import OptimizerState, sum_of_squares
-from zero.overlap import OverlapPass
+from zero.optimizer.overlap import OverlapPass
+from zero.optimizer.rules import ZeroOptimizer
+from zero.optimizer.state import OptimizerState, sum_of_squares
 from zero.report import StepReport
 
 __all__ = ["UpdatePass"]

@@ -2,7 +2,8 @@
 
 With `offload_optimizer.pipeline_read` / `pipeline_write` each sub-group (chunk of the optimizer partition)
 is stepped as soon as its gradients are final, so its NVMe read, update and write overlap the rest of
-backward. The pass runs on a worker thread; `GradReadiness` (zero.partition) blocks it on each chunk until
+backward. The pass runs on a worker thread; `GradReadiness` (zero.layout.partition) blocks it on each chunk
+until
 the gradient sources that chunk covers (flat parameters at stages 0-2, units at stage 3) were reported by
 `source_ready`. On a GPU a `DeviceGradFetch` copies each ready chunk's gradients to the host first.
 
@@ -16,8 +17,8 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from zero.grad_fetch import DeviceGradFetch
-from zero.partition import GradReadiness
+from zero.layout.grad_fetch import DeviceGradFetch
+from zero.layout.partition import GradReadiness
 
 __all__ = ["OverlapPass", "PassResult"]
 

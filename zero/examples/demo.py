@@ -1,4 +1,4 @@
-"""`python -m zero.demo`: train a small GPT on Python's own source with the optimizer on NVMe.
+"""`python -m zero.examples.demo`: train a small GPT on Python's own source with the optimizer on NVMe.
 
 Prints the loss per step and, from the engine's own report, where the bytes live (pinned host memory,
 NVMe swap files), how many moved per step and at what rate. Options: --offload {none,cpu,nvme}, --steps,
@@ -19,7 +19,7 @@ from typing import List, Optional
 import torch
 
 import zero
-from zero.models import GPT, GPTConfig, corpus_bytes, get_batch, num_params
+from zero.examples.models import GPT, GPTConfig, corpus_bytes, get_batch, num_params
 from zero.report import format_bytes
 
 
@@ -51,8 +51,8 @@ def build_config(
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """Run the training demo (`python -m zero.demo`) with `argv`; returns the process exit code."""
-    ap = argparse.ArgumentParser(prog="python -m zero.demo", description=__doc__.splitlines()[0])
+    """Run the training demo (`python -m zero.examples.demo`) with `argv`; returns the process exit code."""
+    ap = argparse.ArgumentParser(prog="python -m zero.examples.demo", description=__doc__.splitlines()[0])
     ap.add_argument(
         "--offload", choices=("none", "cpu", "nvme"), default="nvme", help="where optimizer state lives"
     )

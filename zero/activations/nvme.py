@@ -20,7 +20,7 @@ import torch
 
 from offload.pinned import PinnedPool
 from offload.swap.space import SwapFile, SwapSpace, align_up
-from zero.checkpointing.tiers import Entry, HostBuffers, HostTier, Tier, bytes_view
+from zero.activations.tiers import Entry, HostBuffers, HostTier, Tier, bytes_view
 
 __all__ = ["NvmeTier"]
 

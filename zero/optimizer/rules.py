@@ -230,7 +230,7 @@ def rule_from_client_optimizer(opt: torch.optim.Optimizer) -> Tuple[UpdateRule, 
     """Translate a torch optimizer the user built into our rule + hyperparameters (its state is not used);
     an `offload.ops` optimizer built with `fp32_optimizer_states=False` gives bf16 states."""
     name = type(opt).__name__.lower()
-    g = opt.param_groups[0]  # the defaults; each group's own values: zero.param_groups.build_groups
+    g = opt.param_groups[0]  # the defaults; each group's own values: zero.optimizer.param_groups.build_groups
     if name in ("adamw", "cpuadamw"):
         kind, adamw = "adamw", True
     elif name in ("adam", "cpuadam", "fusedadam"):
@@ -360,7 +360,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     The hyperparameters live in `param_groups` (one per group of `params`, `hyper` their defaults) so that
     torch and config schedulers can change them; each step reads every group's current values
-    (zero.param_groups). The state lives in the engine's tier. `step()` is the engine's job
+    (zero.optimizer.param_groups). The state lives in the engine's tier. `step()` is the engine's job
     (`engine.step()`), as in DeepSpeed.
     """
 

@@ -16,6 +16,8 @@ from typing import Any, Iterable, List, Optional, Sequence, Tuple, Type, Union
 
 from torch import nn
 
+from zero.activations.checkpointer import checkpoint
+
 __all__ = ["apply", "applied_blocks", "find_blocks", "why_nothing_checkpointed"]
 
 _REPLAY = threading.local()
@@ -67,8 +69,6 @@ def _hf_block(module: nn.Module) -> bool:
 
 
 def _hf_enable(model: nn.Module) -> List[str]:
-    from zero.checkpointing import checkpoint
-
     enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
     enable({"use_reentrant": False})  # HF's switch: flags, KV cache off in training, input grads
     model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=checkpoint)
@@ -76,8 +76,6 @@ def _hf_enable(model: nn.Module) -> List[str]:
 
 
 def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    from zero.checkpointing import checkpoint
-
     inner = self.__dict__.get("_zero_checkpoint_inner") or type(self).forward.__get__(self)
     replaying = getattr(_REPLAY, "modules", ())
     if self in replaying:  # the recompute's __call__ reached us: run the block itself
@@ -144,7 +142,7 @@ def why_nothing_checkpointed(model: nn.Module) -> str:
     blocks = applied_blocks(model)
     if not blocks:
         return (
-            "no block of the model is set to be checkpointed: call zero.checkpointing.apply(model) (or"
+            "no block of the model is set to be checkpointed: call zero.activations.apply(model) (or"
             " checkpoint blocks with zero.checkpointing.checkpoint)"
         )
     modules = dict(model.named_modules())

@@ -1,22 +1,24 @@
 """The optimizer's state: the fp32 master and optimizer states of one rank's partition, on their tier.
 
 A tier (`StateTier`) holds master + states and walks them chunk by chunk:
-* `DeviceState` (zero.optimizer_offload): tensors in device memory (offload none) or page-locked host
+* `DeviceState` (zero.optimizer.rules): tensors in device memory (offload none) or page-locked host
   memory (offload cpu), updated in place;
 * `OptimizerSwapper` (offload.swap): swap files on NVMe streamed through pinned slots, two copies so a
   pass is committed only when every chunk succeeded (one copy, in place, with `nvme_copies` 1 or when the
   disk cannot hold two);
-* `SplitTier` (zero.split_state): two of those over one index space, when `offload_optimizer.max_in_cpu`
+* `SplitTier` (zero.optimizer.tiers.split): two of those over one index space, when
+`offload_optimizer.max_in_cpu`
   keeps part of the NVMe state in pinned host memory or `ratio` keeps sub-groups on the device.
 
 The master is fp32; the states are in the rule's `state_dtype` (fp32, bf16, or int8 codes with their
 absmax scales) on every tier, laid out by `offload.swap.slots.StateFormat`.
 
 `OptimizerState` runs a pass over the tier: the update rule's fused kernel on each chunk, then the
-parameter writer (zero.param_writer) copies the new weights out. It commits or drops the pass, puts the
+parameter writer (zero.layout.param_writer) copies the new weights out. It commits or drops the pass, puts the
 committed master back into the parameters after a failure, and streams the state for checkpoints. On CUDA
 without offload the update is torch's fused Adam on the device master (`FusedDeviceStep`); with offload and
-a device share (`offload_optimizer.ratio` below 1.0) that share is stepped by torch too (zero.device_part),
+a device share (`offload_optimizer.ratio` below 1.0) that share is stepped by torch too
+(zero.optimizer.tiers.device_part),
 launched before the host walks the offloaded chunks.
 
 Over the usual 500 lines because the tier factory (`build_tier`: copies, dtype, split) and the pass
@@ -43,14 +45,14 @@ from offload.progress import progress
 from offload.swap.optimizer_swapper import STATE_TORCH_DTYPES, OptimizerSwapper, SwapStats
 from offload.swap.slots import QUANT_BLOCK, StateFormat, plan_slot_numel
 from offload.swap.space import SwapSpace, check_nvme_path
-from zero.device_part import TorchAdamSpans, TorchDevicePart
-from zero.integrity import StateGuard
-from zero.optimizer_offload import DeviceState, UpdateRule, ZeroOptimizer
-from zero.param_groups import groups_differ, pieces
-from zero.param_writer import ParamWriter
+from zero.layout.param_writer import ParamWriter
+from zero.optimizer.integrity import StateGuard
+from zero.optimizer.param_groups import groups_differ, pieces
+from zero.optimizer.rules import DeviceState, UpdateRule, ZeroOptimizer
+from zero.optimizer.state_convert import convert_states, format_of, warn_if_lossy
+from zero.optimizer.tiers.device_part import TorchAdamSpans, TorchDevicePart
+from zero.optimizer.tiers.split import SplitTier, build_split, plan_split
 from zero.report import StepReport, format_bytes
-from zero.split_state import SplitTier, build_split, plan_split
-from zero.state_convert import convert_states, format_of, warn_if_lossy
 
 __all__ = [
     "FusedDeviceStep",
@@ -115,10 +117,11 @@ class StateInfo:
     pass_read_bytes: int  # NVMe bytes one full pass reads (0 for memory tiers)
     disk_bytes: int  # bytes of swap files
     state_dtype: str = "fp32"  # the optimizer states' dtype ("fp32", "bf16", "int8"); the master is fp32
-    resident_numel: int = 0  # elements whose state is in memory (device or host; zero.split_state)
+    resident_numel: int = 0  # elements whose state is in memory (device or host; zero.optimizer.tiers.split)
     swapped_numel: int = 0  # elements whose state is in swap files
     device_numel: int = 0  # of the resident ones, elements on the training device (offload_optimizer.ratio)
-    device_part: str = ""  # what steps a split's device share: "torch" (zero.device_part) or "kernels"
+    device_part: str = ""  # what steps a split's device share: "torch" (zero.optimizer.tiers.device_part) or
+    "kernels"
 
 
 def describe_placement(info: StateInfo, n_states: int, offload: Any, budget_bytes: int) -> str:
@@ -204,7 +207,7 @@ def build_tier(
     or `fill(start, n, out)` so NVMe never needs them whole) and zero states in `state_dtype` (the master
     is fp32). `alias`: a tensor the master may be (fp32 weights on the host). `pinned(numel, what)`
     allocates fp32 elements within the pinned budget. `offload.ratio` and `offload.max_in_cpu` may split
-    the state over several tiers (zero.split_state); with int8 states the split falls on whole
+    the state over several tiers (zero.optimizer.tiers.split); with int8 states the split falls on whole
     QUANT_BLOCKs, and "auto" sizes the resident share at the state dtype's bytes per element."""
     fmt = StateFormat(n_states, state_dtype)
     if fmt.quantized:
@@ -358,7 +361,7 @@ def sum_of_squares(t: torch.Tensor) -> float:
 
 class FusedDeviceStep:
     """offload none on CUDA: torch's fused Adam/AdamW on the flat fp32 partition in device memory, one torch
-    param group per param group (`spans`: zero.param_groups.group_spans; None: one group)."""
+    param group per param group (`spans`: zero.optimizer.param_groups.group_spans; None: one group)."""
 
     def __init__(
         self,
@@ -417,7 +420,8 @@ class OptimizerState:
         """`tier` may be a SplitTier whose device share is a TorchDevicePart (Twin-Flow on CUDA), or that
         part alone (`ratio` 0): each pass then launches that share's update first (`run`), and the chunk
         walk covers the offloaded share. `spans`: the runs of one param group over the partition
-        (zero.param_groups.group_spans; None: one group); chunks are updated run by run with their group's
+        (zero.optimizer.param_groups.group_spans; None: one group); chunks are updated run by run with their
+        group's
         hyperparameters while the groups' values differ."""
         self.tier = tier
         self.space = space
@@ -460,7 +464,7 @@ class OptimizerState:
     @property
     def split_pass(self) -> bool:
         """Whether a pass during backward covers only the swapped share, the in-memory rest being stepped
-        after backward (`run_resident`): a split state (zero.split_state)."""
+        after backward (`run_resident`): a split state (zero.optimizer.tiers.split)."""
         return isinstance(self.tier, SplitTier)
 
     def prepare_overlap(self) -> Optional[List[Tuple[int, int]]]:

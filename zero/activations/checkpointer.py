@@ -9,7 +9,7 @@
 bit for bit, RNG state replayed. What it adds is where each checkpointed block's inputs wait for the
 backward: in place (offload_device "none"), in pinned host memory ("cpu", `cpu_checkpointing`) or in an NVMe
 scratch file ("nvme"), moved off as the next block runs and brought back one block ahead of the backward that
-needs them (`zero.checkpointing.stash`, `zero.checkpointing.tiers`). The engine configures this module from
+needs them (`zero.activations.stash`, `zero.activations.tiers`). The engine configures this module from
 its config's `activation_checkpointing` section; `configure` does it by hand, as in DeepSpeed. Under
 `torch.no_grad` nothing is checkpointed: the function just runs.
 """
@@ -28,17 +28,15 @@ from offload.config import load_config
 from offload.config.activation import ActivationCheckpointingConfig
 from offload.config.aio import AioConfig
 from offload.pinned import PinnedPool, default_pinned_budget
-from zero.checkpointing.apply import apply
-from zero.checkpointing.nvme import NvmeTier
-from zero.checkpointing.stash import ActivationStash, CheckpointingReport
-from zero.checkpointing.tiers import CheckpointBufferError, DeviceTier, HostBuffers, HostTier, Tier
+from zero.activations.nvme import NvmeTier
+from zero.activations.stash import ActivationStash, CheckpointingReport
+from zero.activations.tiers import CheckpointBufferError, DeviceTier, HostBuffers, HostTier, Tier
 
 __all__ = [
     "ActivationCheckpointingConfig",
     "CheckpointBufferError",
     "Checkpointer",
     "CheckpointingReport",
-    "apply",
     "checkpoint",
     "close",
     "configure",

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zero.optimizer_offload import _STATE_NAMES
+from zero.optimizer.rules import _STATE_NAMES
 
 __all__ = ["Fragment", "StateAccess", "access_of"]
 

@@ -33,7 +33,7 @@ from offload.config import ConfigError, load_config
 from offload.pinned import PinnedPool
 from zero.errors import NoOptimizerError
 from zero.layout.base import Placement, cast_parameters
-from zero.optimizer_state import StateInfo
+from zero.optimizer.state import StateInfo
 from zero.report import ForwardMeter, InferenceReport, inference_report
 from zero.stage3.unit import Unit
 

@@ -1,6 +1,7 @@
 """DeepSpeed's engine accessors and memory calls that scripts, TRL and the RLHF frameworks call by name.
 
-`EngineAPI` is mixed into `ZeroEngine` (zero/engine.py) so that its class stays DeepSpeed's face without
+`EngineAPI` is mixed into `ZeroEngine` (zero/engine/engine.py) so that its class stays DeepSpeed's face
+without
 growing further; every method here only reads the engine's config and parts, or delegates to them:
 
 * the configuration accessors (`fp16_enabled()`, `bfloat16_enabled()`, `zero_optimization_stage()`,
