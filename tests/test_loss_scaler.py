@@ -124,8 +124,7 @@ def test_build_from_config() -> None:
     assert (dyn.loss_scale, dyn.scale_window, dyn.delayed_shift, dyn.min_scale) == (4096.0, 5, 3, 1.0)
     static = build_loss_scaler(load_config({"fp16": {"enabled": True, "loss_scale": 256}}).fp16)
     assert isinstance(static, StaticLossScaler) and static.loss_scale == 256.0
-    off = build_loss_scaler(load_config({"bf16": {"enabled": True}}).fp16)
-    assert isinstance(off, StaticLossScaler) and off.loss_scale == 1.0
+    assert build_loss_scaler(load_config({"bf16": {"enabled": True}}).fp16) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])

@@ -24,11 +24,9 @@ walks the partition chunk by chunk - the fused kernel unscales (loss scale, worl
 `grad_scale`), updates master + states and writes the new model-dtype weights, which the writer moves into
 the parameters; stages 1-2 then all-gather the updated partitions.
 
-This module is longer than the others because it is DeepSpeed's engine API: some sixty public members
-that users and integrations call by name. Each delegates to a part in a few lines; splitting the class would
-scatter one API over several files without making any part smaller.
-Its construction (about 250 lines of `_build` and its helpers) is the part to move out next, with the
-optimizer side into packages of their own.
+The parts are built by zero.engine.build. This module is longer than the others because it is DeepSpeed's
+engine API: some sixty public members that users and integrations call by name, each delegating to a part in
+a few lines; splitting the class would scatter one API over several files without making any part smaller.
 """
 
 from __future__ import annotations
@@ -46,31 +44,31 @@ from zero.activations import checkpointer as checkpointing
 from zero.activations.apply import why_nothing_checkpointed
 from zero.deepspeed_api import init_distributed  # noqa: F401 - its old home; zero.initialize uses it
 from zero.engine.api import EngineAPI
+from zero.engine.build import (
+    build_optimizer_state,
+    build_scheduler,
+    choose_rule,
+    enable_overlap,
+    refuse_meta_tensors,
+    refuse_partitioned,
+)
 from zero.engine.state_access import StateAccess
 from zero.engine.unused import UnusedParameterCheck
 from zero.inference import parts as inference
-from zero.layout.base import GradMemory, Layout, Placement, allocate_pinned, trainable_params
+from zero.layout.base import GradMemory, Layout, Placement, trainable_params
 from zero.layout.flat import FlatLayout
 from zero.optimizer.integrity import StateGuard
+from zero.optimizer.loss_scaler import build_loss_scaler
 from zero.optimizer.overlap import OverlapPass
-from zero.optimizer.param_groups import build_groups, check_quantized_groups, group_spans
+from zero.optimizer.param_groups import build_groups
 from zero.optimizer.rules import (
-    DeviceState,
-    UpdateRule,
     ZeroOptimizer,
-    rule_from_client_optimizer,
-    rule_from_config,
 )
 from zero.optimizer.state import (
-    FusedDeviceStep,
-    OptimizerState,
     StateInfo,
-    build_tier,
     describe_placement,
-    swap_copies,
 )
-from zero.optimizer.tiers.device_part import TorchDevicePart, wants_torch_part
-from zero.optimizer.tiers.split import SplitTier
+from zero.optimizer.tiers.device_part import wants_torch_part
 from zero.optimizer.update import UpdatePass
 from zero.report import InferenceReport, PhaseClock, StepReport
 
@@ -100,7 +98,7 @@ class ZeroEngine(EngineAPI):
         local_rank: Optional[int] = None,
         device_part: str = "auto",
     ) -> None:
-        _refuse_meta_tensors(model)
+        refuse_meta_tensors(model)
         self.config = cfg
         self._device_part = device_part
         self.rank, self.world_size = rank, world_size
@@ -116,7 +114,7 @@ class ZeroEngine(EngineAPI):
                 "with stages 0-2 only offload_optimizer is supported"
             )
         if self.stage < 3:
-            _refuse_partitioned(model, self.stage)
+            refuse_partitioned(model, self.stage)
         off = zcfg.offload_optimizer
         self.gas = int(cfg.gradient_accumulation_steps)
         self.micro_batch_size = int(cfg.train_micro_batch_size_per_gpu)
@@ -154,7 +152,7 @@ class ZeroEngine(EngineAPI):
         if model_parameters is not None:
             model_parameters = list(model_parameters)  # read twice: the parameters, then their groups
         params = trainable_params(model, model_parameters)
-        self.rule, hyper, client = self._rule(cfg, optimizer, params)
+        self.rule, hyper, client = choose_rule(cfg, optimizer, params)
         groups = build_groups(params, model_parameters, client) if self.rule is not None else []
         self.offload_device = off.device if off is not None and self.rule is not None else "none"
 
@@ -174,7 +172,7 @@ class ZeroEngine(EngineAPI):
             if self.rule is None:
                 self._build_inference(model, params, place, pool, lr_scheduler)
             else:
-                self._build(model, params, hyper, place, pool, off, lr_scheduler, groups)
+                self._build(model, params, hyper, place, pool, lr_scheduler, groups)
         except BaseException:
             self.close()  # no hooks, pinned buffers or swap directories left behind
             raise
@@ -186,7 +184,6 @@ class ZeroEngine(EngineAPI):
         hyper: Dict[str, Any],
         place: Placement,
         pool: PinnedPool,
-        off: Any,
         lr_scheduler: Optional[Any],
         groups: List[Dict[str, Any]],
     ) -> None:
@@ -207,11 +204,33 @@ class ZeroEngine(EngineAPI):
         self.pool: PinnedPool = self.layout.pool  # stage 3 under zero.Init: the Init's pinned budget
         self.optimizer = ZeroOptimizer(groups, self.rule, hyper)
         self.optimizer.engine = self
-        self._opt = self._optimizer_state(off, int(zcfg.sub_group_size))
+        self._opt = build_optimizer_state(
+            self.layout,
+            self.rule,
+            self.optimizer,
+            self.config,
+            offload_device=self.offload_device,
+            device=self.device,
+            dtype=self.dtype,
+            pool=self.pool,
+            rank=self.rank,
+            device_part=self._device_part,
+            guard=self._guard,
+            on_step_lost=self.zero_grad,
+        )
+        off = zcfg.offload_optimizer
         if self.rank == 0:
             info = self.optimizer_state_info()
             logger.info("%s", describe_placement(info, self.rule.n_states, off, self.pool.cap_bytes))
-        self._enable_overlap(off)
+        enable_overlap(
+            self.overlap,
+            self._opt,
+            self.layout,
+            off,
+            offload_device=self.offload_device,
+            world_size=self.world_size,
+            clipping=self.gradient_clipping,
+        )
         self._update = UpdatePass(
             self.layout,
             self._opt,
@@ -227,8 +246,8 @@ class ZeroEngine(EngineAPI):
         self._unused = None if zcfg.ignore_unused_parameters else UnusedParameterCheck(self.module, params)
         if self.layout.partitioner is not None:
             self.layout.take_param_io()  # building and initialising are not part of the first step's report
-        self.lr_scheduler = self._make_scheduler(lr_scheduler)
-        self.loss_scaler = self._make_loss_scaler()
+        self.lr_scheduler = build_scheduler(lr_scheduler, self.config, self.optimizer)
+        self.loss_scaler = build_loss_scaler(self.config.fp16)
         self._state_access = StateAccess(self)  # zero.utils' safe_get_* / safe_set_* find it per parameter
 
     def _build_inference(
@@ -241,138 +260,6 @@ class ZeroEngine(EngineAPI):
         self.optimizer, self.lr_scheduler, self.loss_scaler = None, None, None  # type: ignore[assignment]
         self._opt, self._update = inference.NoOptimizerState(), inference.NoUpdatePass()  # type: ignore[assignment]
         self._unused = None
-
-    # --------------------------------------------------------------------------------------------- set-up
-    @staticmethod
-    def _rule(
-        cfg: Any, client_opt: Any, params: List[nn.Parameter]
-    ) -> Tuple[Optional[UpdateRule], Dict[str, Any], Optional[torch.optim.Optimizer]]:
-        """The update rule, its default hyperparameters, and the client optimizer (built when given as a
-        callable) whose param groups the engine's optimizer takes."""
-        if client_opt is not None and cfg.optimizer is not None:
-            logger.warning(  # DeepSpeed's rule (_configure_optimizer): the client optimizer is used
-                "zero.initialize: the client optimizer (optimizer=%s) is used; the config's 'optimizer' "
-                "block (type %r) is ignored",
-                type(client_opt).__name__,
-                cfg.optimizer.type,
-            )
-        if client_opt is None and cfg.optimizer is not None:
-            return (*rule_from_config(cfg.optimizer.type, dict(cfg.optimizer.params)), None)
-        if client_opt is not None:
-            if callable(client_opt) and not isinstance(client_opt, torch.optim.Optimizer):
-                client_opt = client_opt(params)
-            return (*rule_from_client_optimizer(client_opt), client_opt)
-        return None, {}, None  # no optimizer: inference
-
-    def _optimizer_state(self, off: Any, sub_group: int) -> OptimizerState:
-        """fp32 master and states on the offload tier, with the writer that copies weights back."""
-        layout, n_states = self.layout, self.rule.n_states
-        part = layout.part_numel
-        spans = group_spans(layout.param_spans(), self.optimizer.param_groups, part)
-        check_quantized_groups(self.rule, self.optimizer.param_groups, spans)
-        sub_group = max(1, sub_group)
-        staging = 0  # pinned bytes the GPU copy-back needs besides the NVMe slots
-        if self.device.type == "cuda":
-            staging = 2 * min(sub_group, part) * torch.empty((), dtype=self.dtype).element_size()
-        state_dtype = self.rule.state_dtype
-
-        def copies(swapped: int) -> int:  # decided for the swapped share (max_in_cpu keeps the rest in RAM)
-            return swap_copies(off.nvme_path, swapped, n_states, state_dtype, off.nvme_copies)
-
-        if self.offload_device == "nvme":
-            swap_copies(off.nvme_path, 0, n_states, state_dtype, off.nvme_copies)  # a bad nvme_path: now
-        tier, space = build_tier(
-            part,
-            n_states,
-            layout.master_init(),
-            tier=self.offload_device,
-            device=self.device,
-            pool=self.pool,
-            pinned=lambda numel, what: allocate_pinned(self.pool, numel, what),
-            sub_group=sub_group,
-            offload=off,
-            aio=self.config.aio,
-            rank=self.rank,
-            alias=layout.master_alias(),
-            device_staging_bytes=staging,
-            swap_copies=copies,
-            state_dtype=state_dtype,
-        )
-        device_step = None
-        if self.device.type == "cuda" and self.offload_device == "none":
-            device_step = FusedDeviceStep(self.rule, self.optimizer, tier, spans)  # type: ignore[arg-type]
-        torch_part = wants_torch_part(self._device_part, self.device) and self.offload_device != "none"
-        whole = isinstance(tier, DeviceState) and tier.numel > 0 and not tier.pinned_bytes  # ratio 0
-        if torch_part and (whole or (isinstance(tier, SplitTier) and tier.on_device)):
-            try:  # Twin-Flow: the device share stepped by torch (zero.optimizer.tiers.device_part)
-                groups = self.optimizer.param_groups
-                if isinstance(tier, SplitTier):
-                    tier.use_device_part(TorchDevicePart(self.rule, groups, tier.front, spans=spans))
-                else:
-                    tier = TorchDevicePart(self.rule, groups, tier, spans=spans)  # type: ignore[arg-type]
-            except BaseException:
-                tier.close()
-                if space is not None:
-                    space.close()
-                raise
-        return OptimizerState(
-            tier,
-            space,
-            layout.make_writer(tier.chunk_numel),
-            self.rule,
-            self.optimizer,
-            self._guard,
-            put_master=layout.put_master,
-            on_step_lost=self.zero_grad,
-            device_step=device_step,
-            spans=spans,
-        )
-
-    def _enable_overlap(self, off: Any) -> None:
-        """Step NVMe sub-groups during backward (offload_optimizer.pipeline_read / pipeline_write) when a
-        pass can be dropped (two copies; with a share of the state in memory, that share steps after
-        backward) and needs no gradient still to come: no clipping (global norm first), one rank (the
-        reduction ends with backward). Elsewhere the optimizer runs after backward."""
-        if off is None or not bool(off.pipeline) or self.offload_device != "nvme":
-            return
-        if self.world_size > 1 or self.gradient_clipping > 0:
-            return
-        chunks = self._opt.prepare_overlap()
-        if chunks is None:
-            info = self._opt.info(self.offload_device)
-            logger.warning(
-                "offload_optimizer.pipeline_read/pipeline_write: the optimizer does not step during backward "
-                "with this placement (of %d optimizer-state elements %d swapped to NVMe in %d copies, %d on "
-                "the training device); it steps after backward. The overlap needs a share on NVMe in two "
-                "copies and, with ratio below 1.0, no host share between it and the device share",
-                info.numel,
-                info.swapped_numel,
-                info.copies,
-                info.device_numel,
-            )
-            return
-        self.overlap.enable(*self.layout.grad_gate(chunks))
-
-    def _make_scheduler(self, lr_scheduler: Optional[Any]) -> Optional[Any]:
-        if lr_scheduler is not None:
-            if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
-                return lr_scheduler(self.optimizer)
-            return lr_scheduler
-        if self.config.scheduler is not None:
-            from zero.optimizer.schedulers import build_scheduler
-
-            return build_scheduler(self.config.scheduler, self.optimizer)
-        return None
-
-    def _make_loss_scaler(self) -> Optional[Any]:
-        if not self.fp16:
-            return None
-        from zero.optimizer.loss_scaler import DynamicLossScaler, StaticLossScaler
-
-        f = self.config.fp16
-        if f.loss_scale and f.loss_scale > 0:
-            return StaticLossScaler(float(f.loss_scale))
-        return DynamicLossScaler.from_config(f)
 
     # ------------------------------------------------------------------------------------ DeepSpeed face
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -893,36 +780,6 @@ class ZeroEngine(EngineAPI):
             f"ZeroEngine({self.layout.describe()}, offload_optimizer={self.offload_device}, "
             f"dtype={self.dtype}, rank={self.rank}/{self.world_size}, device={self.device})"
         )
-
-
-def _refuse_partitioned(model: nn.Module, stage: int) -> None:
-    """ValueError, before anything is built, for a model zero.Init partitioned given a stage 0-2 config."""
-    from zero.stage3.unit import is_partitioned
-
-    for name, p in model.named_parameters():
-        if is_partitioned(p):
-            raise ValueError(
-                f"zero_optimization.stage={stage}: the model was built under zero.Init, which partitions "
-                f"its parameters for stage 3 (parameter {name!r} is partitioned); use stage 3 with it, or "
-                "build the model without zero.Init for stages 0-2"
-            )
-
-
-def _refuse_meta_tensors(model: nn.Module) -> None:
-    """A parameter or buffer on the meta device has no values: an engine built on it would compute with
-    zeros (stage 3 gives such parameters zero partitions). zero.Init and zero.from_pretrained partition
-    their meta-built parameters before the engine sees them, so none is left here."""
-    named = list(model.named_parameters(remove_duplicate=True)) + list(model.named_buffers())
-    meta = [name for name, t in named if t is not None and t.is_meta]
-    if not meta:
-        return
-    more = f" (and {len(meta) - 1} more)" if len(meta) > 1 else ""
-    raise ValueError(
-        f"zero.initialize: {meta[0]!r}{more} is on the meta device, so it holds no values (the engine would "
-        "run with zeros). Build the model inside `zero.Init()` (its parameters are partitioned as they are "
-        "created), load a Hugging Face checkpoint with `zero.from_pretrained`, or give the model real "
-        "tensors first (`model.to_empty(device=...)`, then load its weights)"
-    )
 
 
 def _cast_floats(value: Any, dtype: torch.dtype) -> Any:

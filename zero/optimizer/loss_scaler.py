@@ -194,11 +194,12 @@ class DynamicLossScaler(LossScalerBase):
         self.cur_hysteresis = min(int(state["cur_hysteresis"]), self.delayed_shift)
 
 
-def build_loss_scaler(fp16: Any, **kwargs: Any) -> LossScalerBase:
-    """The scaler for a config's ``fp16`` section: dynamic for ``loss_scale`` 0, static otherwise, and a
-    static 1.0 when fp16 is disabled (fp32 and bf16 train without scaling)."""
+def build_loss_scaler(fp16: Any, **kwargs: Any) -> Optional[LossScalerBase]:
+    """The scaler for a config's ``fp16`` section, the one place that decides it: dynamic when
+    ``dynamic_loss_scale`` (``loss_scale`` 0), static at ``loss_scale`` otherwise, and none when fp16 is
+    disabled (fp32 and bf16 train without scaling; the engine's ``loss_scale`` is then 1.0)."""
     if not fp16.enabled:
-        return StaticLossScaler(1.0)
-    if fp16.loss_scale == 0:
+        return None
+    if fp16.dynamic_loss_scale:
         return DynamicLossScaler.from_config(fp16, **kwargs)
-    return StaticLossScaler(fp16.loss_scale)
+    return StaticLossScaler(float(fp16.loss_scale))
