@@ -5,7 +5,7 @@ zero.initialize (stage 0, fp32, AdamW); only where activations live differs betw
 
 * ``none``: no checkpointing (every layer keeps its saved tensors);
 * ``torch``: Hugging Face's gradient checkpointing with ``torch.utils.checkpoint`` (checkpoints in place);
-* ``ours-ram``: ``zero.activations.apply(model)`` with checkpoints kept in memory (offload_device "none";
+* ``ours-ram``: ``zero.checkpointing.apply(model)`` with checkpoints kept in memory (offload_device "none";
   on a GPU also ``ours-cpu``: checkpoints in pinned host memory, ``cpu_checkpointing``);
 * ``ours-nvme``: checkpoints in an NVMe scratch file (offload_device "nvme").
 
@@ -87,7 +87,7 @@ def run_child(args: argparse.Namespace) -> Dict[str, Any]:
         )
         enable({"use_reentrant": False})
     elif args.child.startswith("ours"):
-        zero.activations.apply(model)
+        zero.checkpointing.apply(model)
     engine, *_ = zero.initialize(model=model, config=_config(args.child, args.nvme_path))
     device = engine.device
     ids = torch.randint(0, shape["vocab"], (shape["batch"], shape["seq"]), device=device)

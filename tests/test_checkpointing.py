@@ -437,7 +437,7 @@ def test_engine_warns_when_its_section_checkpoints_nothing(tmp_path, caplog):
         engine.backward(loss)
         engine.step()
     warned = [r.getMessage() for r in caplog.records if "checkpointed no block" in r.getMessage()]
-    assert len(warned) == 1 and "call zero.activations.apply(model)" in warned[0]
+    assert len(warned) == 1 and "call zero.checkpointing.apply(model)" in warned[0]
     assert engine.last_report.activations == {}
     engine.close()
 

@@ -204,7 +204,7 @@ def _parse(raw: Any, ctx: Context, world_size: int) -> ZeroOffloadConfig:
         raise ConfigError(
             f"checkpoint_activations in {ctx.source}: is not a config key; activation checkpointing is"
             " configured by the 'activation_checkpointing' section (e.g. {\"activation_checkpointing\":"
-            ' {"cpu_checkpointing": true}}) and applied with zero.activations.apply(model) or'
+            ' {"cpu_checkpointing": true}}) and applied with zero.checkpointing.apply(model) or'
             " model.gradient_checkpointing_enable()"
         )
     top = Section(raw, "", ctx, TOP_LEVEL_KEYS)

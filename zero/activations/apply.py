@@ -142,7 +142,7 @@ def why_nothing_checkpointed(model: nn.Module) -> str:
     blocks = applied_blocks(model)
     if not blocks:
         return (
-            "no block of the model is set to be checkpointed: call zero.activations.apply(model) (or"
+            "no block of the model is set to be checkpointed: call zero.checkpointing.apply(model) (or"
             " checkpoint blocks with zero.checkpointing.checkpoint)"
         )
     modules = dict(model.named_modules())
