@@ -297,7 +297,7 @@ class Stage3Partitioner:
         assert codec is not None
         full = torch.empty(unit.padded_numel, dtype=unit.dtype)  # the weight's pages are never touched
         codec.decode(stored, full, quantized=False)
-        unit.encoded = self.hooks.fused.encoded_weight(self, unit, stored)
+        unit.encoded = self.hooks.fused.encoded_weight(unit, stored)
         self._gathered(unit, full)
         weight = unit.params[unit.encoded.weight]
         weight.data = self.released_tensor(unit.dtype)
