@@ -163,3 +163,46 @@ def test_no_module_imports_a_package_it_is_in():
         if target in packages and module.startswith(target + ".")
     )
     assert upward == []
+
+
+def test_engine_parts_stay_below_their_users():
+    """docs/architecture.md: nothing in zero/ outside zero/integrations/ imports an integration, and the
+    checkpoint code sees the engine only through its protocol (zero/checkpoint/_engine.py)."""
+    graph = import_graph()
+    wrong = sorted(
+        f"{module} -> {target}"
+        for module, targets in graph.items()
+        for target in targets
+        if (
+            module.startswith("zero.")
+            and not module.startswith("zero.integrations")
+            and target.startswith("zero.integrations")
+        )
+        or (
+            module.startswith("zero.checkpoint") and target.startswith(("zero.engine", "zero.initialization"))
+        )
+    )
+    assert wrong == []
+
+
+# The package __init__s that import anything: each re-exports its package's public names (zero's on first
+# use), or is a module of DeepSpeed's in package form (zero.utils). Every other __init__ imports nothing.
+REEXPORTING_PACKAGES = {
+    "zero",
+    "zero.activations",
+    "zero.checkpoint",
+    "zero.engine",
+    "zero.stage3",
+    "zero.utils",
+    "offload.config",
+    "offload.estimate",
+    "offload.ops",
+    "offload.swap",
+}
+
+
+def test_only_the_reexporting_package_inits_import():
+    files = _module_files()
+    graph = import_graph()
+    importing = {module for module, path in files.items() if path.name == "__init__.py" and graph[module]}
+    assert importing == REEXPORTING_PACKAGES
