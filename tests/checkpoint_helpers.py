@@ -1,8 +1,22 @@
-"""A safetensors `safe_open` whose read of one tensor fails: for the tests of a load that breaks half way."""
+"""Checkpoint tests' helpers: a file's manifest entry as it is now (`digest_file`), and a safetensors
+`safe_open` whose read of one tensor fails, for the tests of a load that breaks half way."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import os
+from typing import Any, Callable, Dict
+
+from zero.checkpoint._files import digest_fd
+
+
+def digest_file(path: str, segment: int) -> Dict[str, Any]:
+    """The manifest entry of file `path` as it is now, digested in segments of `segment` bytes (what a
+    checkpoint's save records), for tests that edit a checkpoint the way anyone who can write it could."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return digest_fd(fd, segment, os.fstat(fd).st_size, path)
+    finally:
+        os.close(fd)
 
 
 def failing_safe_open(real: Callable[..., Any], failing_key: str) -> type:

@@ -43,7 +43,9 @@ def reseal(path) -> None:
     manifest = os.path.join(path, "manifest.json")
     if not os.path.exists(manifest):
         return
-    from zero.checkpoint._files import digest_file, manifest_bytes
+    from checkpoint_helpers import digest_file
+
+    from zero.checkpoint._files import manifest_bytes
 
     with open(manifest) as f:
         body = json.load(f)

@@ -125,7 +125,7 @@ def test_zero_offload_tutorial_config_loads_unchanged(tmp_path: Path) -> None:
         z = cfg.zero_optimization
         assert z.stage == 2 and z.contiguous_gradients and z.overlap_comm
         assert z.offload_optimizer == OffloadOptimizerConfig(device="cpu", pin_memory=True)
-        assert z.offloads_optimizer and not z.offloads_params
+        assert z.offload_param is None or z.offload_param.device == "none"
         assert z.reduce_bucket_size == 500_000_000 and type(z.reduce_bucket_size) is int
         assert cfg.optimizer.type == "adam"
         assert cfg.optimizer.params["lr"] == 0.00015
@@ -197,7 +197,8 @@ def test_huggingface_zero3_config_after_auto_resolution_loads() -> None:
     assert "zero_optimization.stage3_prefetch_bucket_size in <dict>: expected an integer" in msg
     config["zero_optimization"]["stage3_prefetch_bucket_size"] = 15099494
     cfg = load_config(config, world_size=8)
-    assert cfg.zero_optimization.offloads_params and cfg.zero_optimization.offloads_optimizer
+    z = cfg.zero_optimization
+    assert z.offload_param.device != "none" and z.offload_optimizer.device != "none"
     assert cfg.scheduler.params["total_num_steps"] == 5000
 
 
@@ -243,7 +244,7 @@ def test_offload_section_defaults() -> None:
     assert (o.pipeline_read, o.pipeline_write, o.fast_init, o.ratio) == (False, False, False, 1.0)
     assert (p.device, p.nvme_path, p.pin_memory, p.buffer_count) == ("none", None, False, 5)
     assert (p.buffer_size, p.max_in_cpu) == (10**8, 10**9)
-    assert not cfg.zero_optimization.offloads_optimizer
+    assert cfg.zero_optimization.offload_optimizer.device == "none"
 
 
 def test_config_is_frozen() -> None:

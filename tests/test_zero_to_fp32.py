@@ -14,12 +14,13 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from checkpoint_helpers import digest_file
 from dist_helpers import run_on_ranks
 from safetensors.torch import load_file
 from torch import nn
 
 import zero
-from zero.checkpoint._files import digest_file, manifest_bytes
+from zero.checkpoint._files import manifest_bytes
 from zero.checkpoint.to_fp32 import (
     convert_zero_checkpoint_to_fp32_state_dict,
     get_fp32_state_dict_from_zero_checkpoint,

@@ -8,7 +8,8 @@ comes back fully resolved: every parameter the type knows, with its default wher
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Optional, Tuple
+from types import MappingProxyType
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 from ._reader import ConfigError, Context, Section, closest
 
@@ -35,6 +36,18 @@ _KNOWN_ELSEWHERE = (
     "lbfgs",
     "asgd",
     "rprop",
+)
+
+# Each type's hyperparameter defaults: DeepSpeed's (DeepSpeedCPUAdam, DeepSpeedCPUAdagrad; DeepSpeedCPULion
+# and FusedLion agree on Lion's). The one source for this section's defaults, the engine's defaults under a
+# client optimizer's values (zero.optimizer.rules) and the constructors of offload.ops' CPU optimizers.
+OPTIMIZER_DEFAULTS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
+    {
+        "adam": MappingProxyType({"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}),
+        "adamw": MappingProxyType({"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}),
+        "adagrad": MappingProxyType({"lr": 1e-2, "eps": 1e-10, "weight_decay": 0.0}),
+        "lion": MappingProxyType({"lr": 1e-3, "betas": (0.9, 0.999), "weight_decay": 0.0}),
+    }
 )
 
 SCHEDULER_TYPES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
@@ -81,11 +94,12 @@ def _adam_params(s: Section, kind: str) -> Dict[str, Any]:
             f"config key '{s.key('torch_adam')}' is accepted but ignored: the offloaded step always runs"
             " zero-offload's CPU Adam, which computes the same update as torch.optim.Adam/AdamW",
         )
+    default = OPTIMIZER_DEFAULTS[kind]
     return {
-        "lr": s.float("lr", 1e-3, min=0.0),
-        "betas": s.float_pair("betas", (0.9, 0.999)),
-        "eps": s.float("eps", 1e-8, min=0.0),
-        "weight_decay": s.float("weight_decay", 0.0, min=0.0),
+        "lr": s.float("lr", default["lr"], min=0.0),
+        "betas": s.float_pair("betas", default["betas"]),
+        "eps": s.float("eps", default["eps"], min=0.0),
+        "weight_decay": s.float("weight_decay", default["weight_decay"], min=0.0),
         "adam_w_mode": adam_w_mode,
         "bias_correction": s.bool("bias_correction", True),
         "amsgrad": False,
@@ -101,20 +115,22 @@ def _adagrad_params(s: Section, kind: str) -> Dict[str, Any]:
     # neutral 0 is accepted, so they are checked but not carried in params (a consumer never sees them).
     _nonzero_not_supported(s, "lr_decay", "Adagrad lr_decay != 0")
     _nonzero_not_supported(s, "initial_accumulator_value", "Adagrad initial_accumulator_value != 0")
+    default = OPTIMIZER_DEFAULTS[kind]
     return {
-        "lr": s.float("lr", 1e-2, min=0.0),
-        "eps": s.float("eps", 1e-10, min=0.0),
-        "weight_decay": s.float("weight_decay", 0.0, min=0.0),
+        "lr": s.float("lr", default["lr"], min=0.0),
+        "eps": s.float("eps", default["eps"], min=0.0),
+        "weight_decay": s.float("weight_decay", default["weight_decay"], min=0.0),
         "amsgrad": False,
         **_state_dtype(s),
     }
 
 
 def _lion_params(s: Section, kind: str) -> Dict[str, Any]:
+    default = OPTIMIZER_DEFAULTS[kind]
     return {
-        "lr": s.float("lr", 1e-3, min=0.0),
-        "betas": s.float_pair("betas", (0.9, 0.999)),
-        "weight_decay": s.float("weight_decay", 0.0, min=0.0),
+        "lr": s.float("lr", default["lr"], min=0.0),
+        "betas": s.float_pair("betas", default["betas"]),
+        "weight_decay": s.float("weight_decay", default["weight_decay"], min=0.0),
         **_state_dtype(s),
     }
 

@@ -200,14 +200,6 @@ class ZeroConfig:
     # GatheredParameters without modifier_rank raises when the block changed a parameter (DeepSpeed's check)
     enable_sanity_checks: bool = False
 
-    @property
-    def offloads_optimizer(self) -> bool:
-        return self.offload_optimizer is not None and self.offload_optimizer.device != "none"
-
-    @property
-    def offloads_params(self) -> bool:
-        return self.offload_param is not None and self.offload_param.device != "none"
-
 
 def _nvme_path(s: Section, device: str) -> Optional[str]:
     path = s.str("nvme_path", None, allow_none=True)

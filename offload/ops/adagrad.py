@@ -7,9 +7,12 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from offload import _cpu_optim
+from offload.config.optimizer import OPTIMIZER_DEFAULTS
 
 from ._base import CPUOptimizerBase
 from .functional import make_segment
+
+_DEFAULT = OPTIMIZER_DEFAULTS["adagrad"]
 
 
 class CPUAdagrad(CPUOptimizerBase):
@@ -25,11 +28,11 @@ class CPUAdagrad(CPUOptimizerBase):
     def __init__(
         self,
         params: Iterable[Any],
-        lr: float = 1e-2,
+        lr: float = _DEFAULT["lr"],
         lr_decay: float = 0.0,
-        weight_decay: float = 0.0,
+        weight_decay: float = _DEFAULT["weight_decay"],
         initial_accumulator_value: float = 0.0,
-        eps: float = 1e-10,
+        eps: float = _DEFAULT["eps"],
         fp32_optimizer_states: bool = True,
         stochastic_rounding: bool = False,
         seed: int = 0,

@@ -7,6 +7,7 @@ from typing import Any, Callable, Iterable, Optional, Tuple
 import torch
 
 from offload import _cpu_optim
+from offload.config.optimizer import OPTIMIZER_DEFAULTS
 
 from ._base import CPUOptimizerBase
 from .functional import make_segment
@@ -21,6 +22,10 @@ def _check_hyper(lr: float, betas: Tuple[float, float], eps: float, weight_decay
         raise ValueError(f"Invalid betas: {betas} (each must be in [0, 1))")
     if not weight_decay >= 0.0:
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+
+
+_DEFAULT = OPTIMIZER_DEFAULTS["adam"]
+_DEFAULT_W = OPTIMIZER_DEFAULTS["adamw"]
 
 
 class CPUAdam(CPUOptimizerBase):
@@ -39,11 +44,11 @@ class CPUAdam(CPUOptimizerBase):
     def __init__(
         self,
         model_params: Iterable[Any],
-        lr: float = 1e-3,
+        lr: float = _DEFAULT["lr"],
         bias_correction: bool = True,
-        betas: Tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
+        betas: Tuple[float, float] = _DEFAULT["betas"],
+        eps: float = _DEFAULT["eps"],
+        weight_decay: float = _DEFAULT["weight_decay"],
         amsgrad: bool = False,
         adamw_mode: bool = True,
         fp32_optimizer_states: bool = True,
@@ -130,11 +135,11 @@ class CPUAdamW(CPUAdam):
     def __init__(
         self,
         model_params: Iterable[Any],
-        lr: float = 1e-3,
+        lr: float = _DEFAULT_W["lr"],
         bias_correction: bool = True,
-        betas: Tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
+        betas: Tuple[float, float] = _DEFAULT_W["betas"],
+        eps: float = _DEFAULT_W["eps"],
+        weight_decay: float = _DEFAULT_W["weight_decay"],
         amsgrad: bool = False,
         fp32_optimizer_states: bool = True,
         stochastic_rounding: bool = False,

@@ -8,9 +8,12 @@ from typing import Any, Callable, Iterable, Optional, Tuple
 import torch
 
 from offload import _cpu_optim
+from offload.config.optimizer import OPTIMIZER_DEFAULTS
 
 from ._base import CPUOptimizerBase
 from .functional import make_segment
+
+_DEFAULT = OPTIMIZER_DEFAULTS["lion"]
 
 
 class CPULion(CPUOptimizerBase):
@@ -22,9 +25,9 @@ class CPULion(CPUOptimizerBase):
     def __init__(
         self,
         params: Iterable[Any],
-        lr: float = 1e-4,
-        betas: Tuple[float, float] = (0.9, 0.99),
-        weight_decay: float = 0.0,
+        lr: float = _DEFAULT["lr"],
+        betas: Tuple[float, float] = _DEFAULT["betas"],
+        weight_decay: float = _DEFAULT["weight_decay"],
         fp32_optimizer_states: bool = True,
     ) -> None:
         if not lr > 0.0:

@@ -133,14 +133,6 @@ def sr_keys(seed: int, step: int) -> Tuple[int, int]:
     return k & _M32, k >> 32
 
 
-def _lowbias32_int(x: int) -> int:
-    x ^= x >> 16
-    x = (x * 0x7FEB352D) & _M32
-    x ^= x >> 15
-    x = (x * 0x846CA68B) & _M32
-    return x ^ (x >> 16)
-
-
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
     # (x * c) mod 2^32 for int64 x in [0, 2^32) without int64 overflow: split c into 16-bit halves.
     lo = x * (c & 0xFFFF)

@@ -40,7 +40,7 @@ of slots and files; splitting them would spread that state over several owners.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -73,7 +73,6 @@ class SwapStats:
     # part of io_wait_s: blocked on the writes the previous step left in flight (what forward did not hide)
     write_back_wait_s: float = 0.0
     chunks: int = 0
-    extra: dict = field(default_factory=dict)
 
     def reset(self) -> None:
         self.bytes_read = self.bytes_written = self.chunks = 0

@@ -160,15 +160,6 @@ def digest_fd(
     return digest.entry()
 
 
-def digest_file(path: str, segment: int, size: Optional[int] = None) -> Entry:
-    """Read `path` and digest it in segments of `segment` bytes (all of it, or its first `size` bytes)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        return digest_fd(fd, segment, os.fstat(fd).st_size if size is None else size, path)
-    finally:
-        os.close(fd)
-
-
 def verify_size(d: OpenDir, name: str, want: Entry) -> int:
     """Open `name` in checkpoint directory `d` (a regular file, see OpenDir.open) and check its size against
     the manifest's; returns the descriptor (the caller closes it)."""

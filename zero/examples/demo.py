@@ -18,9 +18,10 @@ from typing import List, Optional
 
 import torch
 
-import zero
 from zero.examples.models import GPT, GPTConfig, corpus_bytes, get_batch, num_params
+from zero.initialization import initialize
 from zero.report import format_bytes
+from zero.stage3.init import Init
 
 
 def build_config(
@@ -89,9 +90,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     # Several sub-groups, so the NVMe pipeline (read i+1 / update i / write i-1) has something to overlap.
     sub_group = max(1 << 16, n_params // 6)
     cfg = build_config(args.offload, nvme_dir, args.batch, sub_group, args.stage, args.offload_param)
-    with zero.Init(config=cfg, enabled=args.stage == 3):
+    with Init(config=cfg, enabled=args.stage == 3):
         model = GPT(model_cfg)
-    engine, _, _, _ = zero.initialize(model=model, config=cfg)
+    engine, _, _, _ = initialize(model=model, config=cfg)
     print(
         f"zero-offload demo: GPT {n_params / 1e6:.1f}M parameters ({model_cfg.n_layer} layers, d_model "
         f"{model_cfg.d_model}), byte-level text of {len(data) / 1e3:.0f} kB of Python stdlib source"

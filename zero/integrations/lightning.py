@@ -304,9 +304,9 @@ class ZeroStrategy(Strategy):
         if self._stage() != 3:
             yield
             return
-        import zero
+        from zero.stage3.init import Init
 
-        with zero.Init(config_dict_or_path=self.config):
+        with Init(config_dict_or_path=self.config):
             yield
 
     def setup(self, trainer: pl.Trainer) -> None:
@@ -333,7 +333,7 @@ class ZeroStrategy(Strategy):
             self.lr_scheduler_configs = list(self._scheduler_configs)
 
     def _build_engine(self, module: pl.LightningModule, fitting: bool) -> None:
-        import zero
+        from zero.initialization import initialize
 
         cfg = copy.deepcopy(self.config)
         client: Optional[Optimizer] = None
@@ -364,7 +364,7 @@ class ZeroStrategy(Strategy):
                     "configure_optimizers returned an LR scheduler and the config has one: keep one"
                 )
         device = self.root_device.index if self.root_device.type == "cuda" else None
-        engine, optimizer, _, _ = zero.initialize(
+        engine, optimizer, _, _ = initialize(
             args=argparse.Namespace(device_rank=device),
             model=module,
             optimizer=client,

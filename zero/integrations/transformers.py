@@ -269,7 +269,7 @@ def _trainer_class() -> type:
     """ZeroTrainer, defined on first use (it subclasses transformers.Trainer)."""
     import transformers
 
-    import zero
+    from zero.initialization import initialize
 
     class ZeroTrainer(transformers.Trainer):  # type: ignore[misc]
         """`transformers.Trainer` through a zero-offload engine: the same arguments plus `zero_config` (a
@@ -349,9 +349,7 @@ def _trainer_class() -> type:
                     self.lr_scheduler = None
                     return self.create_scheduler(num_training_steps=steps, optimizer=optimizer)
 
-            engine, *_ = zero.initialize(
-                model=self.model, optimizer=client, lr_scheduler=scheduler, config=cfg
-            )
+            engine, *_ = initialize(model=self.model, optimizer=client, lr_scheduler=scheduler, config=cfg)
             self._zero_engine, self._zero_config = engine, cfg
             self.optimizer = _EngineOptimizer(engine)
             self.lr_scheduler = _EngineScheduler(engine)

@@ -54,11 +54,6 @@ class Placement:
     stage: int
     optimizer_tier: str  # offload_optimizer.device: "none", "cpu" or "nvme"
 
-    @property
-    def grads_to_pinned(self) -> bool:
-        """Whether the gradient partition lives in pinned host memory (any offload)."""
-        return self.optimizer_tier != "none"
-
 
 @dataclass(frozen=True)
 class GradMemory:
@@ -80,11 +75,6 @@ class GradMemory:
     def device_bytes(self) -> int:
         """Gradient bytes on the compute device."""
         return self.full_buffer_bytes + self.partition_device_bytes + self.bucket_bytes
-
-    @property
-    def host_bytes(self) -> int:
-        """Gradient bytes in host memory (pinned)."""
-        return self.partition_host_bytes + self.staging_bytes
 
 
 def allocate_pinned(

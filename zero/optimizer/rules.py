@@ -15,10 +15,11 @@ the partition and the engine's `fn` runs the fused CPU kernel of `offload.ops` o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
 
+from offload.config.optimizer import OPTIMIZER_DEFAULTS
 from offload.swap.optimizer_swapper import ChunkFn, SwapStats
 from offload.swap.slots import QUANT_BLOCK, STATE_DTYPES, StateFormat
 
@@ -33,15 +34,6 @@ _STATE_NAMES = {
     "lion": ("exp_avg",),
 }
 SIGNED_STATES = {"adam": (True, False), "adamw": (True, False), "adagrad": (False,), "lion": (True,)}
-
-_DEFAULTS: Dict[str, Dict[str, Any]] = {
-    "adam": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "adamw_mode": True},
-    "adamw": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "adamw_mode": True},
-    "adagrad": {"lr": 1e-2, "eps": 1e-10, "weight_decay": 0.0},
-    "lion": {"lr": 1e-4, "betas": (0.9, 0.99), "weight_decay": 0.0},
-}
-# Accepted in a DeepSpeed optimizer block but meaningless here (implementation selectors).
-_IGNORED_KEYS = {"torch_adam", "fused", "foreach", "capturable", "differentiable", "maximize"}
 
 
 @dataclass(frozen=True)
@@ -187,43 +179,16 @@ def _kernel_params(fn: Callable[..., Any]) -> Iterable[str]:
     return inspect.signature(fn).parameters
 
 
-def rule_from_config(opt_type: str, params: Dict[str, Any]) -> Tuple[UpdateRule, Dict[str, Any]]:
-    """The rule and hyperparameters of a DeepSpeed `optimizer` block (type already lower-case).
-
-    `state_dtype` ("fp32" | "bf16" | "int8"; `fp32_optimizer_states: false` means "bf16") and
-    `stochastic_rounding` go into the rule, the rest into the hyperparameters."""
-    kind = opt_type.lower()
-    if kind not in _DEFAULTS:
-        raise ValueError(f"optimizer.type {opt_type!r} is not supported; use one of {sorted(_DEFAULTS)}")
-    hyper = dict(_DEFAULTS[kind])
-    params = dict(params or {})
-    fp32_states = params.pop("fp32_optimizer_states", True)
-    state_dtype = params.pop("state_dtype", "fp32" if fp32_states else "bf16")
-    if (state_dtype == "fp32") != bool(fp32_states):
-        raise ValueError(
-            f"optimizer.params.fp32_optimizer_states={bool(fp32_states)} contradicts "
-            f"optimizer.params.state_dtype={state_dtype!r}"
-        )
-    stochastic = bool(params.pop("stochastic_rounding", False))
-    for key, value in params.items():
-        if key in _IGNORED_KEYS:
-            continue
-        if key == "adam_w_mode" and kind in ("adam", "adamw"):
-            hyper["adamw_mode"] = bool(value)
-        elif key == "amsgrad":
-            if value:
-                raise ValueError("optimizer.params.amsgrad=true is not supported")
-        elif key == "bias_correction" and kind in ("adam", "adamw"):
-            hyper["bias_correction"] = bool(value)
-        elif key in hyper:
-            hyper[key] = tuple(value) if key == "betas" else float(value)
-        else:
-            raise ValueError(f"optimizer.params.{key} is not a parameter of optimizer type {opt_type!r}")
-    if kind == "adamw":
-        hyper["adamw_mode"] = True
-    if kind in ("adam", "adamw"):
-        hyper.setdefault("bias_correction", True)
-    return UpdateRule(kind, str(state_dtype), stochastic), hyper
+def rule_from_config(opt_type: str, params: Mapping[str, Any]) -> Tuple[UpdateRule, Dict[str, Any]]:
+    """The rule and hyperparameters of the config's `optimizer` section as offload.config checked and
+    resolved it (`OptimizerConfig.type` and `.params`: every parameter of the type, its default where the
+    config gave none; nothing is checked again here). `state_dtype` and `stochastic_rounding` go into the
+    rule, the values the kernels read into the hyperparameters."""
+    hyper = {key: params[key] for key in OPTIMIZER_DEFAULTS[opt_type]}
+    if opt_type in ("adam", "adamw"):
+        hyper["adamw_mode"] = bool(params["adam_w_mode"])
+        hyper["bias_correction"] = bool(params["bias_correction"])
+    return UpdateRule(opt_type, params["state_dtype"], params["stochastic_rounding"]), hyper
 
 
 def rule_from_client_optimizer(opt: torch.optim.Optimizer) -> Tuple[UpdateRule, Dict[str, Any]]:
@@ -248,7 +213,7 @@ def rule_from_client_optimizer(opt: torch.optim.Optimizer) -> Tuple[UpdateRule, 
         )
     if g.get("amsgrad"):
         raise ValueError("amsgrad=True is not supported")
-    hyper = dict(_DEFAULTS[kind])
+    hyper = dict(OPTIMIZER_DEFAULTS[kind])  # what the client optimizer does not say: DeepSpeed's defaults
     for k in ("lr", "eps", "weight_decay"):
         if k in g and k in hyper:
             hyper[k] = float(g[k])

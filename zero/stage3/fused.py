@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 from torch import nn
@@ -43,10 +43,8 @@ from torch import nn
 from offload.ops.qmatmul import decodes_in_blocks, dequantize_into, quantized_conv1d, quantized_linear
 from zero.stage3.forward_patch import ForwardPatches
 from zero.stage3.quant import is_conv1d
+from zero.stage3.store import PartitionStore
 from zero.stage3.unit import Unit
-
-if TYPE_CHECKING:
-    from zero.stage3.partitioner import Stage3Partitioner
 
 __all__ = ["EncodedWeight", "QuantizedForwards"]
 
@@ -146,33 +144,43 @@ def _eligible(m: nn.Module) -> Optional[Tuple[Callable, int]]:
 
 
 class QuantizedForwards:
-    """Finds the partitioner's eligible modules in `model` and wraps their forwards (above)."""
+    """Finds a partitioner's eligible modules in `model` and wraps their forwards (above)."""
 
-    def __init__(self, partitioner: Stage3Partitioner, model: nn.Module) -> None:
-        """Wraps every eligible module (`_eligible`) whose weight's unit is quantized with the weight whole
-        and rows of whole groups, one rank."""
+    def __init__(
+        self,
+        model: nn.Module,
+        store: PartitionStore,
+        owner: object,
+        world_size: int,
+        device: torch.device,
+        int8_activations: bool,
+    ) -> None:
+        """Wraps every eligible module (`_eligible`) whose weight's unit belongs to `owner` (the
+        partitioner) and is quantized in `store` with the weight whole and rows of whole groups, one rank.
+        `int8_activations`: zero_offload.int8_activations."""
         self.forwards = 0  # forwards computed from the codes (read by the I/O report)
         self.block_forwards = 0  # of those, Linear/Conv1D forwards that decoded the weight block by block
+        self._store = store
         # zero_offload.int8_activations: Linears round their input rows to int8 too (quantized_linear)
-        self.int8_activations = bool(partitioner.config.zero_offload.int8_activations)
-        if self.int8_activations and (partitioner.world_size != 1 or partitioner.device.type != "cpu"):
+        self.int8_activations = int8_activations
+        if self.int8_activations and (world_size != 1 or device.type != "cpu"):
             warnings.warn(
                 "zero_offload.int8_activations is ignored: quantized Linears compute from their codes only "
-                f"on the CPU with one rank (this engine: {partitioner.device.type}, "
-                f"{partitioner.world_size} rank(s)); their weights are decoded instead",
+                f"on the CPU with one rank (this engine: {device.type}, "
+                f"{world_size} rank(s)); their weights are decoded instead",
                 stacklevel=2,
             )
         self._patches = ForwardPatches()
         # unit index -> {module whose forward reads its codes: its weight's index in the unit}; kept so that
         # nothing here reads `module.weight`, which would count as a use of it (hooks._FetchOnAccess)
         self._owners: Dict[int, Dict[nn.Module, int]] = {}
-        if partitioner.world_size != 1:
+        if world_size != 1:
             return
         for m in model.modules():
             kind = _eligible(m)
             weight = m._parameters.get("weight") if kind is not None else None
             unit = getattr(weight, "ds_unit", None)
-            codec = partitioner.store.codec(unit) if unit is not None and unit.owner is partitioner else None
+            codec = store.codec(unit) if unit is not None and unit.owner is owner else None
             if codec is None:
                 continue
             i = weight.ds_index
@@ -186,12 +194,10 @@ class QuantizedForwards:
         """Whether `module`'s forward reads `unit`'s codes (so its fetch may gather it encoded)."""
         return module in self._owners.get(unit.index, ())
 
-    def encoded_weight(
-        self, partitioner: Stage3Partitioner, unit: Unit, stored: torch.Tensor
-    ) -> EncodedWeight:
+    def encoded_weight(self, unit: Unit, stored: torch.Tensor) -> EncodedWeight:
         """The EncodedWeight of an owned unit over its stored bytes `stored`."""
         i = next(iter(self._owners[unit.index].values()))
-        codec = partitioner.store.codec(unit)
+        codec = self._store.codec(unit)
         assert codec is not None
         codes, scale, offset = codec.operands(stored, i)
         rows, cols = unit.shapes[i]

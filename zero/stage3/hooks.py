@@ -87,7 +87,14 @@ class Stage3Hooks:
                 params.hooks = self
                 self._patched.append((m, m._parameters))
                 m._parameters = params
-        self.fused = QuantizedForwards(partitioner, model)
+        self.fused = QuantizedForwards(
+            model,
+            partitioner.store,
+            owner=partitioner,
+            world_size=partitioner.world_size,
+            device=partitioner.device,
+            int8_activations=bool(partitioner.config.zero_offload.int8_activations),
+        )
         # after the quantized forwards: a Linear that reads its codes keeps that forward
         self.layouts: Optional[LinearLayouts] = (
             LinearLayouts(model) if partitioner.device.type == "cpu" else None

@@ -19,7 +19,7 @@ whole, and how many elements are gathered (`live_numel`).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
+from typing import Any, Dict, Iterable, List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -193,17 +193,6 @@ class Stage3Partitioner:
             t = self._released[dtype] = torch.empty(0, dtype=dtype, device=self.device)
         return t
 
-    def partition_params(
-        self,
-        name: str,
-        params: Sequence[nn.Parameter],
-        param_names: Sequence[str],
-        shapes: Optional[Sequence[torch.Size]] = None,
-    ) -> Unit:
-        """Make `params` one unit: store this rank's share in its tier and empty their `.data`.
-        With `shapes`, the parameters hold no values yet (built on the meta device): the partition is 0."""
-        return self.builder.params(name, params, param_names, shapes)
-
     def partition_module(self, module: nn.Module, name: str) -> Optional[Unit]:
         """Partition the parameters `module` registers itself (recurse=False) that are not partitioned yet
         (zero.stage3.builder: meta-device parameters are replaced by real, empty ones)."""
@@ -297,7 +286,7 @@ class Stage3Partitioner:
         assert codec is not None
         full = torch.empty(unit.padded_numel, dtype=unit.dtype)  # the weight's pages are never touched
         codec.decode(stored, full, quantized=False)
-        unit.encoded = self.hooks.fused.encoded_weight(self, unit, stored)
+        unit.encoded = self.hooks.fused.encoded_weight(unit, stored)
         self._gathered(unit, full)
         weight = unit.params[unit.encoded.weight]
         weight.data = self.released_tensor(unit.dtype)

@@ -38,7 +38,7 @@ import contextlib
 import errno
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -99,7 +99,6 @@ class StoreStats:
     peak_ahead_bytes: int = 0
     slots_replaced: int = 0
     read_wait_s: float = 0.0  # seconds a gather blocked on NVMe reads (a prefetch not done, a read on demand)
-    extra: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
