@@ -27,19 +27,7 @@ from offload.estimate.counting import (
 from offload.estimate.deepspeed_compat import DEFAULT_ADDITIONAL_BUFFER_FACTOR, deepspeed_rows
 from offload.estimate.ds_config import ConfigChoices, read_ds_config
 from offload.estimate.errors import EstimateInputError
-from offload.estimate.formulas import (
-    OFFLOAD_DEVICES,
-    OPTIMIZER_STATES_PER_PARAM,
-    PRECISIONS,
-    STAGES,
-    STATE_DTYPE_BYTES,
-    MemoryEstimate,
-    SwapBufferSettings,
-    TrainingSetup,
-    check_combination,
-    estimate_all,
-    largest_layer_heuristic,
-)
+from offload.estimate.formulas import estimate_all, largest_layer_heuristic
 from offload.estimate.inference import (
     InferenceSetup,
     estimate_inference,
@@ -55,7 +43,17 @@ from offload.estimate.machine import (
     load_machine_profile,
     recommend,
 )
+from offload.estimate.placement import (
+    OFFLOAD_DEVICES,
+    OPTIMIZER_STATES_PER_PARAM,
+    PRECISIONS,
+    STAGES,
+    STATE_DTYPE_BYTES,
+    check_combination,
+)
 from offload.estimate.report import deepspeed_json, estimates_json, render_deepspeed, render_estimates
+from offload.estimate.result import MemoryEstimate
+from offload.estimate.setup import SwapBufferSettings, TrainingSetup
 from offload.estimate.split import apply_split, resolve_max_in_cpu
 from offload.estimate.units import format_bytes, format_count, parse_count
 from offload.pinned import PINNED_BUDGET_ENV, automatic_pinned_budget, default_pinned_budget
