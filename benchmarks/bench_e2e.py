@@ -37,15 +37,15 @@ engine's message. Output: e2e_tiers_<preset>.json and .md.
     python -m benchmarks.bench_e2e --tiers 368m --dtype bf16 --device cuda --nvme-dir /local_nvme
     python -m benchmarks.bench_e2e --tiers tiny --steps 1 --warmup 1 --state-dtypes fp32,int8   # smoke
 
-The script is long because it carries the whole comparison protocol (both engines, A B A B rounds,
-medians, JSON and table) so that one command reproduces the RESULTS.md table.
+One command reproduces the RESULTS.md table: this module runs the protocol (both engines, A B A B
+rounds); what is compared is in benchmarks/e2e_configs.py, one run of ours or plain torch in
+benchmarks/e2e_worker.py, the summaries, JSON and tables in benchmarks/e2e_report.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import statistics
@@ -55,209 +55,26 @@ import tempfile
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
-from benchmarks.harness import OUT_DIR, machine_info, markdown_table, write_outputs
+from benchmarks.e2e_configs import (
+    CONFIGS,
+    DEFAULT_CONFIGS,
+    SIZES,
+    STATE_DTYPES,
+    TIERS_BASE,
+    TIERS_PRESETS,
+    engine_config,
+    host_budget,
+    tiers_config,
+)
+from benchmarks.e2e_report import summarize_tiers, tiers_table, write_comparison
+from benchmarks.e2e_worker import run_worker
+from benchmarks.harness import OUT_DIR, write_outputs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNNER = os.path.join(ROOT, "benchmarks", "deepspeed_runner.py")
 # DeepSpeed's interpreter: --ds-python, else $ZO_DS_PYTHON, else the venv scripts/deepspeed_venv.sh builds.
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DS_PYTHON = os.environ.get("ZO_DS_PYTHON", os.path.join(_REPO, ".dsvenv", "bin", "python"))
-
-# GPT-3 paper shapes with a 32000-token vocabulary and an untied head.
-SIZES: Dict[str, Dict[str, int]] = {
-    "125m": {"n_layer": 12, "d_model": 768, "n_head": 12},
-    "350m": {"n_layer": 24, "d_model": 1024, "n_head": 16},
-    "760m": {"n_layer": 24, "d_model": 1536, "n_head": 16},
-    "tiny": {"n_layer": 2, "d_model": 128, "n_head": 2},  # smoke tests of the benchmark itself
-}
-
-LR, WEIGHT_DECAY = 1e-4, 0.01
-
-# name -> (zero_optimization for ours, for DeepSpeed); None: that side has no such configuration.
-CONFIGS: Dict[str, Dict[str, Any]] = {
-    "zero2-opt-cpu": {"stage": 2, "optimizer": "cpu", "param": None},
-    "zero2-opt-nvme": {"stage": 2, "optimizer": "nvme", "param": None},  # DeepSpeed: stage 3 only
-    # the same without optimizer steps during backward: what the overlap buys
-    "zero2-opt-nvme-no-overlap": {"stage": 2, "optimizer": "nvme", "param": None, "pipeline": False},
-    "zero3-opt-nvme-param-cpu": {"stage": 3, "optimizer": "nvme", "param": "cpu"},
-    "zero3-opt-nvme-param-nvme": {"stage": 3, "optimizer": "nvme", "param": "nvme"},
-    "zero3-opt-nvme-param-nvme-no-overlap": {
-        "stage": 3,
-        "optimizer": "nvme",
-        "param": "nvme",
-        "pipeline": False,
-    },
-    # max_in_cpu 0: every parameter partition lives on disk (the default keeps 1e9 elements in host memory)
-    "zero3-opt-nvme-param-nvme-all": {"stage": 3, "optimizer": "nvme", "param": "nvme", "max_in_cpu": 0},
-}
-DEFAULT_CONFIGS = [c for c in CONFIGS if not c.endswith("-no-overlap")]
-
-# --tiers: parameters and optimizer state on NVMe, optimizer state dtype x host budget for the NVMe optimizer
-# state (offload_optimizer.max_in_cpu). "368m" is the 350m shape: 368M parameters with the 32000 vocabulary.
-TIERS_PRESETS: Dict[str, str] = {"368m": "350m", "760m": "760m", "tiny": "tiny"}
-TIERS_BASE = "zero3-opt-nvme-param-nvme-all"
-STATE_DTYPES = ("fp32", "bf16", "int8")
-
-
-def host_budget(value: str, params: int) -> Any:
-    """A --host-budgets entry as offload_optimizer.max_in_cpu: "auto", a count of elements, or a fraction
-    ("0.5", "50%") of the model's parameters (one rank's optimizer partition is the whole model)."""
-    v = value.strip()
-    if v == "auto":
-        return "auto"
-    if v.endswith("%"):
-        return int(float(v[:-1]) / 100 * params)
-    if "." in v:
-        return int(float(v) * params)
-    return int(v)
-
-
-def tiers_config(conf: Dict[str, Any], state_dtype: Optional[str], max_in_cpu: Any) -> Dict[str, Any]:
-    """`conf` with optimizer.params.state_dtype and offload_optimizer.max_in_cpu (None: key not sent)."""
-    conf = json.loads(json.dumps(conf))
-    if state_dtype is not None:
-        conf["optimizer"]["params"]["state_dtype"] = state_dtype
-    if max_in_cpu is not None:
-        conf["zero_optimization"]["offload_optimizer"]["max_in_cpu"] = max_in_cpu
-    return conf
-
-
-def zero_section(
-    cfg: Dict[str, Any], nvme_dir: str, sub_group: int, deepspeed: bool, pipeline: bool = True
-) -> Dict[str, Any]:
-    zo: Dict[str, Any] = {"stage": cfg["stage"], "sub_group_size": sub_group}
-    off: Dict[str, Any] = {"device": cfg["optimizer"]}
-    if cfg["optimizer"] == "nvme":
-        off.update(nvme_path=nvme_dir, buffer_count=4)
-        # pipeline_read/write: ours steps sub-groups during backward. DeepSpeed 0.19.8 keeps its defaults
-        # (false): with them on, its pipelined swapper fails an assertion (new_alloc_buffers) on stage 3.
-        if not deepspeed:
-            on = bool(cfg.get("pipeline", pipeline))
-            off.update(pipeline_read=on, pipeline_write=on, max_in_cpu=0)  # every sub-group on NVMe
-    if deepspeed and cfg["optimizer"] == "cpu":
-        off["pin_memory"] = True
-    zo["offload_optimizer"] = off
-    if cfg["param"] is not None:
-        par: Dict[str, Any] = {"device": cfg["param"]}
-        if cfg["param"] == "nvme":
-            par.update(nvme_path=nvme_dir, buffer_count=5, buffer_size=int(1e8))
-            if "max_in_cpu" in cfg:
-                par["max_in_cpu"] = cfg["max_in_cpu"]
-        zo["offload_param"] = par
-    return zo
-
-
-def engine_config(
-    cfg: Dict[str, Any],
-    dtype: str,
-    nvme_dir: str,
-    sub_group: int,
-    micro_batch: int,
-    deepspeed: bool,
-    pipeline: bool = True,
-) -> Dict[str, Any]:
-    conf: Dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": micro_batch,
-        "gradient_accumulation_steps": 1,
-        "optimizer": {
-            "type": "AdamW",
-            "params": {"lr": LR, "weight_decay": WEIGHT_DECAY, "betas": [0.9, 0.999], "eps": 1e-8},
-        },
-        "zero_optimization": zero_section(cfg, nvme_dir, sub_group, deepspeed, pipeline),
-        "aio": {"block_size": 1 << 20, "queue_depth": 32, "single_submit": False, "overlap_events": True},
-    }
-    if dtype == "bf16":
-        conf["bf16"] = {"enabled": True}
-    if deepspeed:
-        conf["steps_per_print"] = 1 << 30
-    return conf
-
-
-# ------------------------------------------------------------------------------------------- workers
-def _worker(spec: Dict[str, Any]) -> Dict[str, Any]:
-    """Run one configuration of ours or plain torch in this process (spec["engine"])."""
-    import torch
-
-    from benchmarks.deepspeed_runner import (
-        batch,
-        device_sync,
-        make_model,
-        measure,
-        peak_rss_bytes,
-        rss_bytes,
-    )
-
-    device = spec.get("device", "cpu")
-    sync = device_sync(spec)
-    if device == "cuda":
-        torch.cuda.init()  # CUDA's context is set-up cost of the process, not of the model's initialisation
-    rss0 = rss_bytes()
-    t0 = time.perf_counter()
-    model = make_model(spec)
-    build_s = time.perf_counter() - t0
-    if spec["engine"] == "torch":
-        bf16 = spec["dtype"] == "bf16"
-        model.to(device)
-        # fused: one kernel over all parameters, on the CPU or the GPU alike
-        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
-        sync()
-        init_s = time.perf_counter() - t0
-        init_peak = peak_rss_bytes()
-
-        def forward(i: int) -> torch.Tensor:
-            x, y = batch(spec, i, torch.device(device))
-            # bf16 baseline: autocast over fp32 weights (the mixed-precision recipe the engines implement)
-            with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16):
-                return model(x, y)
-
-        def backward(loss: torch.Tensor) -> None:
-            loss.backward()
-
-        def step() -> None:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        out = measure(spec, forward, backward, step)
-    else:
-        import zero
-        from offload.config import ConfigError
-
-        try:
-            engine, *_ = zero.initialize(model=model, config=spec["config"])
-        except ConfigError as exc:  # a key this engine does not take (yet): a result, not a failure
-            return {"refused": str(exc)}
-        if engine.device.type != device:  # the accelerator comes from the environment _run sets
-            raise RuntimeError(f"the engine computes on {engine.device}, this run asked for {device}")
-        sync()
-        init_s = time.perf_counter() - t0
-        init_peak = peak_rss_bytes()
-
-        def forward(i: int) -> torch.Tensor:
-            x, y = batch(spec, i, engine.device)  # the caller's job, as with DeepSpeed
-            return engine(x, y)
-
-        def extra() -> Dict[str, float]:
-            rep = engine.last_report
-            return {
-                "io_wait_s": rep.io_wait_s,
-                "optimizer_compute_s": rep.optimizer_compute_s,
-                "engine_optimizer_s": rep.optimizer_s,
-                "engine_backward_s": rep.backward_s,
-                "nvme_read_bytes": float(rep.nvme_read_bytes),
-                "nvme_write_bytes": float(rep.nvme_write_bytes),
-                # stage 3: the parameter partitions' swap files (zero for the other stages)
-                "param_nvme_read_bytes": float((engine.last_param_io or {}).get("param_nvme_read_bytes", 0)),
-                "param_nvme_write_bytes": float(
-                    (engine.last_param_io or {}).get("param_nvme_write_bytes", 0)
-                ),
-            }
-
-        out = measure(spec, forward, engine.backward, engine.step, extra)
-        out["pinned_bytes"] = engine.pinned_bytes
-        engine.close()
-    out.update(init_s=init_s, build_s=build_s, init_peak_rss_bytes=init_peak, rss_before_init_bytes=rss0)
-    out["peak_rss_bytes"] = max(init_peak, out["steady_peak_rss_bytes"])
-    return out
 
 
 def _run(spec: Dict[str, Any], ds_python: str, log: Any) -> Optional[Dict[str, Any]]:
@@ -303,228 +120,9 @@ def _run(spec: Dict[str, Any], ds_python: str, log: Any) -> Optional[Dict[str, A
         return out
 
 
-def _summary(runs: List[Dict[str, Any]], torch_losses: Optional[List[float]]) -> Dict[str, Any]:
-    rows = [r for run in runs for r in run["rows"]]
-    steps = [r["step_s"] for r in rows]
-
-    def med(key: str) -> Optional[float]:
-        vals = [r[key] for r in rows if key in r]
-        return statistics.median(vals) if vals else None
-
-    out: Dict[str, Any] = {
-        "runs": len(runs),
-        "timed_steps": len(steps),
-        "step_s": statistics.median(steps),
-        "step_min_s": min(steps),
-        "step_max_s": max(steps),
-        "forward_s": med("forward_s"),
-        "backward_s": med("backward_s"),
-        "optimizer_s": med("optimizer_s"),
-        "io_wait_s": med("io_wait_s"),
-        "optimizer_compute_s": med("optimizer_compute_s"),
-        "disk_read_bytes_per_step": med("disk_read_bytes"),
-        "disk_write_bytes_per_step": med("disk_write_bytes"),
-        "nvme_read_bytes_per_step": med("nvme_read_bytes"),
-        "nvme_write_bytes_per_step": med("nvme_write_bytes"),
-        "peak_rss_bytes": max(run["peak_rss_bytes"] for run in runs),
-        "init_peak_rss_bytes": max(run["init_peak_rss_bytes"] for run in runs),
-        "steady_peak_rss_bytes": max(run["steady_peak_rss_bytes"] for run in runs),
-        "init_s": statistics.median(run["init_s"] for run in runs),
-        # the model's construction inside init_s (DeepSpeed, stage 3: under deepspeed.zero.Init)
-        "build_s": statistics.median(run.get("build_s", math.nan) for run in runs),
-        "losses": runs[0]["losses"],
-    }
-    gpu_peaks = [run["peak_gpu_bytes"] for run in runs if "peak_gpu_bytes" in run]
-    if gpu_peaks:
-        out["peak_gpu_bytes"] = max(gpu_peaks)
-    if torch_losses is not None:
-        diffs = [abs(a - b) / abs(b) for run in runs for a, b in zip(run["losses"], torch_losses) if b != 0]
-        out["loss_rel_diff_vs_torch"] = max(diffs) if diffs else None
-    return out
-
-
 def _stage3_available() -> bool:
-    """Whether this tree's engine dispatches stage 3 (another part of the project adds it)."""
-    with open(os.path.join(ROOT, "zero", "engine.py")) as f:
-        return "stage3" in f.read()
-
-
-def _table(results: Dict[str, Dict[str, Any]], gpu: bool = False) -> str:
-    """The markdown table; `gpu` (the cuda mode): a peak GPU memory column, and no DeepSpeed ratio."""
-    base = results.get("torch", {}).get("torch")
-    rows = []
-    for name, by_engine in results.items():
-        for eng, s in by_engine.items():
-            ds = by_engine.get("deepspeed") if eng != "deepspeed" else None
-            ds = ds or (
-                results.get(s.get("ds_reference", ""), {}).get("deepspeed") if eng == "ours" else None
-            )
-
-            def gb(v: Optional[float]) -> str:
-                return "" if v is None else f"{v / 1e9:.2f}"
-
-            def sec(v: Optional[float]) -> str:
-                return "" if v is None else f"{v:.2f}"
-
-            def gib(v: Optional[float]) -> str:
-                return "" if v is None else f"{v / 2**30:.2f}"
-
-            rows.append(
-                [
-                    name,
-                    eng,
-                    f"{s['step_s']:.2f} ({s['step_min_s']:.2f}-{s['step_max_s']:.2f})",
-                    "" if base is None else f"{s['step_s'] / base['step_s']:.2f}",
-                    *([] if gpu else ["" if ds is None else f"{s['step_s'] / ds['step_s']:.2f}"]),
-                    sec(s["forward_s"]),
-                    sec(s["backward_s"]),
-                    sec(s["optimizer_s"]),
-                    sec(s["io_wait_s"]),
-                    *([gib(s.get("peak_gpu_bytes"))] if gpu else []),
-                    f"{s['peak_rss_bytes'] / 2**30:.2f}",
-                    "" if base is None else f"{s['peak_rss_bytes'] / base['peak_rss_bytes']:.2f}",
-                    f"{gb(s['disk_read_bytes_per_step'])} / {gb(s['disk_write_bytes_per_step'])}",
-                    f"{s['init_s']:.1f} ({s['build_s']:.1f} + {s['init_s'] - s['build_s']:.1f})",
-                    "" if s.get("loss_rel_diff_vs_torch") is None else f"{s['loss_rel_diff_vs_torch']:.1e}",
-                ]
-            )
-    headers = [
-        "configuration",
-        "engine",
-        "step s median (min-max)",
-        "x torch",
-        *([] if gpu else ["x DeepSpeed"]),
-        "fwd s",
-        "bwd s",
-        "opt s",
-        "io-wait s",
-        *(["peak GPU GiB"] if gpu else []),
-        "peak RSS GiB",
-        "RSS x torch",
-        "disk GB r / w per step",
-        "init s (model build + engine)",
-        "loss rel diff",
-    ]
-    return markdown_table(headers, rows)
-
-
-def _write(
-    raw: Dict[str, Any], args: argparse.Namespace, size: Dict[str, int], stage3: bool, final: bool
-) -> None:
-    """Summaries, JSON and table from the runs so far (rewritten after every run: a long run can be read)."""
-    torch_runs = raw["torch"]["torch"]
-    torch_losses = torch_runs[0]["losses"] if torch_runs else None
-    results: Dict[str, Dict[str, Any]] = {}
-    for name, by_engine in raw.items():
-        for eng, runs in by_engine.items():
-            if runs:
-                results.setdefault(name, {})[eng] = _summary(runs, None if name == "torch" else torch_losses)
-    # ZeRO-2 with the optimizer on NVMe has no DeepSpeed counterpart; compare with its closest one.
-    for name in ("zero2-opt-nvme", "zero2-opt-nvme-no-overlap"):
-        if "ours" in results.get(name, {}):
-            results[name]["ours"]["ds_reference"] = "zero3-opt-nvme-param-cpu"
-    table = _table(results, gpu=args.device == "cuda")
-    if args.device == "cuda":
-        note = "GPU run: plain torch and ours compute on the GPU, DeepSpeed is not run"
-    else:
-        note = "2 CPU cores shared with other jobs: times are noisy; DeepSpeed runs in its own venv"
-    payload = {
-        "benchmark": args.out_name,
-        "device": args.device,
-        "machine": machine_info(),
-        "model": size,
-        "size": args.size,
-        "dtype": args.dtype,
-        "micro_batch": args.micro_batch,
-        "steps": args.steps,
-        "warmup": args.warmup,
-        "repeats": args.repeats,
-        "sub_group_size": args.sub_group,
-        "pipeline": not args.no_pipeline,
-        "stage3_in_tree": stage3,
-        "results": results,
-        "raw": raw,
-        "note": note,
-    }
-    os.makedirs(args.out_dir, exist_ok=True)
-    json_path = os.path.join(args.out_dir, f"{args.out_name}.json")
-    with open(json_path, "w") as f:
-        json.dump(payload, f, indent=2, default=float)
-    with open(os.path.join(args.out_dir, f"{args.out_name}.md"), "w") as f:
-        f.write(table + "\n")
-    if final:
-        print(table)
-        print(f"\nwrote {json_path}")
-
-
-def _tiers_summary(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """One --tiers variant over its runs: refused, failed, or step times, engine NVMe bytes and losses."""
-    refused = [r["refused"] for r in runs if "refused" in r]
-    if refused:
-        return {"status": "refused", "error": refused[0]}
-    ok = [r for r in runs if "rows" in r]
-    if not ok:
-        return {"status": "failed", "error": "every run failed (see the log)"}
-    rows = [row for r in ok for row in r["rows"]]
-    steps = [row["step_s"] for row in rows]
-
-    def med(*keys: str) -> float:
-        return statistics.median(sum(row.get(k, 0.0) for k in keys) for row in rows)
-
-    return {
-        "status": "ok",
-        "runs": len(ok),
-        "step_s": statistics.median(steps),
-        "step_min_s": min(steps),
-        "step_max_s": max(steps),
-        "optimizer_s": med("optimizer_s"),
-        # the engine's report: optimizer state (StepReport) + parameter partitions (last_param_io)
-        "optimizer_nvme_read_bytes_per_step": med("nvme_read_bytes"),
-        "optimizer_nvme_write_bytes_per_step": med("nvme_write_bytes"),
-        "nvme_read_bytes_per_step": med("nvme_read_bytes", "param_nvme_read_bytes"),
-        "nvme_write_bytes_per_step": med("nvme_write_bytes", "param_nvme_write_bytes"),
-        "peak_rss_bytes": max(r["peak_rss_bytes"] for r in ok),
-        "final_loss": ok[0]["losses"][-1],
-        "losses": ok[0]["losses"],
-    }
-
-
-def _tiers_table(results: Dict[str, Dict[str, Any]]) -> str:
-    base = results.get("baseline", {})
-    rows = []
-    for label, r in results.items():
-        sent = [
-            r["state_dtype"] or "fp32 (key not sent)",
-            "not sent" if r["max_in_cpu"] is None else r["max_in_cpu"],
-        ]
-        if r["status"] != "ok":
-            rows.append([label, *sent, f"{r['status']}: {r['error'][:160]}", "", "", "", "", ""])
-            continue
-        vs = base.get("status") == "ok"
-        rows.append(
-            [
-                label,
-                *sent,
-                "ok",
-                f"{r['step_s']:.2f} ({r['step_min_s']:.2f}-{r['step_max_s']:.2f})",
-                f"{r['step_s'] / base['step_s']:.2f}" if vs else "",
-                f"{r['nvme_read_bytes_per_step'] / 1e9:.2f} / {r['nvme_write_bytes_per_step'] / 1e9:.2f}",
-                f"{r['final_loss']:.4f}",
-                f"{(r['final_loss'] - base['final_loss']) / base['final_loss']:+.1e}" if vs else "",
-            ]
-        )
-    headers = [
-        "variant",
-        "state_dtype",
-        "max_in_cpu (elements)",
-        "status",
-        "step s median (min-max)",
-        "x baseline",
-        "engine NVMe GB r / w per step",
-        "final loss",
-        "loss vs baseline",
-    ]
-    return markdown_table(headers, rows)
+    """Whether this tree has the stage-3 engine (zero.stage3's partitioner)."""
+    return os.path.isfile(os.path.join(ROOT, "zero", "stage3", "partitioner.py"))
 
 
 def run_tiers(args: argparse.Namespace, base_spec: Dict[str, Any], nvme_root: str) -> int:
@@ -558,8 +156,8 @@ def run_tiers(args: argparse.Namespace, base_spec: Dict[str, Any], nvme_root: st
             raw[label].append(_run(spec, args.ds_python, sys.stdout) or {"error": "failed"})
     results = {}
     for label, (sd, budget) in variants.items():
-        results[label] = dict(_tiers_summary(raw[label]), state_dtype=sd, max_in_cpu=budget)
-    table = _tiers_table(results)
+        results[label] = dict(summarize_tiers(raw[label]), state_dtype=sd, max_in_cpu=budget)
+    table = tiers_table(results)
     payload = {
         "device": args.device,
         "preset": args.tiers,
@@ -578,11 +176,12 @@ def run_tiers(args: argparse.Namespace, base_spec: Dict[str, Any], nvme_root: st
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    """Run the comparison (or the --tiers grid, or one --worker run) and write its JSON and table."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "--worker":
         with open(argv[1]) as f:
             spec = json.load(f)
-        out = _worker(spec)
+        out = run_worker(spec)
         with open(argv[2], "w") as f:
             json.dump(out, f)
         return 0
@@ -732,9 +331,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                 out = _run(spec, args.ds_python, log)
                 if out is not None and "refused" not in out:
                     raw[name].setdefault(eng, []).append(out)
-                    _write(raw, args, size, stage3, final=False)
+                    write_comparison(raw, args, size, stage3, final=False)
 
-    _write(raw, args, size, stage3, final=True)
+    write_comparison(raw, args, size, stage3, final=True)
     if args.nvme_dir is None:
         shutil.rmtree(nvme_root, ignore_errors=True)
     return 0

@@ -31,15 +31,14 @@ Every section but ``overhead``/``ratio``'s contenders runs in a child process (a
 memory kill ends only that try); sections share --budget-s in proportion (SHARES), time one leaves unused
 goes to the next. Output: benchmarks/out/bench_gpu_<device>.json and .md (--out for another folder).
 
-The file is long because it carries four measurements that share the model ladder, the configs, the
-estimator's fit and the child-process plumbing; split, each would repeat them.
+The four sections share the model ladder, the configurations and the estimator's fit
+(benchmarks/gpu_ladder.py) and one contender's training in a child process (benchmarks/gpu_train.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import statistics
@@ -47,355 +46,28 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from dataclasses import asdict
+from typing import Any, Dict, List, Optional, Tuple
 
-from benchmarks.harness import interleave, markdown_table, write_outputs
+from benchmarks.gpu_ladder import (
+    CAPACITY,
+    CONFIGS,
+    RATIOS,
+    activations,
+    estimate_row,
+    fmt_params,
+    largest_rung,
+    rung,
+    stage0_bytes,
+)
+from benchmarks.gpu_train import child_interleaved, child_train, flops_per_step
+from benchmarks.harness import markdown_table, write_outputs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # run in this order: the cheap, fixed-size sections first; capacity last takes what they leave unused
 SECTIONS = ("overhead", "ratio", "tflops", "capacity")
 SHARES = {"capacity": 0.45, "tflops": 0.25, "overhead": 0.15, "ratio": 0.15}
 TFLOPS_GOAL = 150.0
-# name -> (stage, offload_optimizer, offload_param); None: plain torch
-CONFIGS: Dict[str, Optional[Tuple[int, str, str]]] = {
-    "torch": None,
-    "zero2-opt-cpu": (2, "cpu", "none"),
-    "zero3-opt-cpu-param-cpu": (3, "cpu", "cpu"),
-    "zero3-opt-nvme-param-nvme": (3, "nvme", "nvme"),
-    "zero3-opt-cpu": (3, "cpu", "none"),  # DeepSpeed's partial offload (ratio) is a stage-3 feature
-}
-CAPACITY = ("torch", "zero2-opt-cpu", "zero3-opt-cpu-param-cpu", "zero3-opt-nvme-param-nvme")
-RATIOS = (0.0, 0.5, 1.0)
-TORCH_BYTES_PER_PARAM = (
-    8  # bf16 weights, gradients, exp_avg, exp_avg_sq (torch keeps state in the param dtype)
-)
-
-
-# ----------------------------------------------------------------------------------------------- shapes
-@dataclass(frozen=True)
-class Shape:
-    """One Llama shape (untied head, no biases, as many KV heads as heads)."""
-
-    hidden: int
-    layers: int
-    heads: int
-    intermediate: int
-    vocab: int
-
-    @property
-    def params(self) -> int:
-        h, i = self.hidden, self.intermediate
-        return 2 * self.vocab * h + self.layers * (4 * h * h + 3 * h * i + 2 * h) + h
-
-    @property
-    def largest_layer(self) -> int:
-        return max(self.vocab * self.hidden, self.hidden * self.intermediate)
-
-    def hf_config(self, seq: int) -> Any:
-        import transformers
-
-        return transformers.LlamaConfig(
-            vocab_size=self.vocab,
-            hidden_size=self.hidden,
-            intermediate_size=self.intermediate,
-            num_hidden_layers=self.layers,
-            num_attention_heads=self.heads,
-            num_key_value_heads=self.heads,
-            max_position_embeddings=seq,
-            use_cache=False,
-            attn_implementation="sdpa",
-        )
-
-
-def rung(k: int, s: argparse.Namespace) -> Shape:
-    """Rung k of the ladder: hidden s.unit x k, k layers, hidden / head_dim heads."""
-    hidden = s.unit * k
-    inter = s.inter_multiple * math.ceil(8 * hidden / 3 / s.inter_multiple)
-    return Shape(hidden, k, max(1, hidden // s.head_dim), inter, s.vocab)
-
-
-# ------------------------------------------------------------------------------------ configs and fit
-def engine_config(
-    name: str, s: argparse.Namespace, nvme_dir: str, micro: int, accum: int, shape: Shape, ratio: float = 1.0
-) -> Dict[str, Any]:
-    """The DeepSpeed-style config of configuration `name` (not plain torch)."""
-    stage, opt, par = CONFIGS[name]  # type: ignore[misc]
-    zo: Dict[str, Any] = {"stage": stage, "sub_group_size": s.sub_group}
-    off: Dict[str, Any] = {"device": opt}
-    if opt == "nvme":
-        off.update(nvme_path=nvme_dir, buffer_count=4)
-    if ratio != 1.0:
-        off["ratio"] = ratio
-    zo["offload_optimizer"] = off
-    if stage == 3:
-        zo["stage3_param_persistence_threshold"] = 0
-        if par != "none":
-            p: Dict[str, Any] = {"device": par}
-            if par == "nvme":  # every partition in its swap file; buffers hold the largest layer
-                p.update(nvme_path=nvme_dir, max_in_cpu=0, buffer_count=5)
-                p["buffer_size"] = max(100_000_000, shape.largest_layer)
-            zo["offload_param"] = p
-    return {
-        "train_micro_batch_size_per_gpu": micro,
-        "gradient_accumulation_steps": accum,
-        "bf16": {"enabled": True},
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}},
-        "zero_optimization": zo,
-    }
-
-
-def activations(shape: Shape, micro: int, seq: int, ckpt: bool) -> Any:
-    from offload.estimate import ActivationSettings
-
-    return ActivationSettings(
-        batch_size=micro,
-        seq_len=seq,
-        hidden_size=shape.hidden,
-        num_layers=shape.layers,
-        checkpointing=ckpt,
-        num_heads=shape.heads,
-        vocab_size=shape.vocab,
-    )
-
-
-def estimate_row(name: str, shape: Shape, s: argparse.Namespace, act: Any, machine: Any) -> Dict[str, Any]:
-    """The estimator's bytes for `name` at `shape` and whether they fit `machine`."""
-    from offload.estimate import (
-        SwapBufferSettings,
-        TrainingSetup,
-        activation_bytes,
-        check_fit,
-        estimate,
-    )
-
-    if CONFIGS[name] is None:  # plain torch: the estimator has no pure-bf16 row; 8 B/param + activations
-        gpu = TORCH_BYTES_PER_PARAM * shape.params + activation_bytes(act, 2)
-        return {"per_gpu_bytes": gpu, "per_cpu_bytes": 0, "nvme_bytes": 0, "fits": gpu <= machine.gpu_bytes}
-    stage, opt, par = CONFIGS[name]  # type: ignore[misc]
-    bufs = SwapBufferSettings(
-        sub_group_size=s.sub_group,
-        param_max_in_cpu=0,
-        param_buffer_size=max(100_000_000, shape.largest_layer),
-    )
-    setup = TrainingSetup(
-        shape.params, shape.largest_layer, precision="bf16", optimizer="adamw", buffers=bufs, activations=act
-    )
-    est = estimate(setup, stage, opt, par, nvme_free_bytes=machine.nvme_free_bytes)
-    fit = check_fit(est, machine)
-    return {
-        "per_gpu_bytes": est.per_gpu_bytes,
-        "per_cpu_bytes": est.per_cpu_bytes,
-        "nvme_bytes": est.nvme_min_bytes,
-        "fits": fit.fits,
-    }
-
-
-def largest_rung(name: str, s: argparse.Namespace, machine: Any) -> Tuple[int, Dict[str, Any]]:
-    """The largest rung the estimate fits on `machine` (0 when none), with its estimate."""
-    best, row = 0, {}
-    for k in range(1, s.max_rung + 1):
-        shape = rung(k, s)
-        r = estimate_row(name, shape, s, activations(shape, s.micro, s.seq, False), machine)
-        if not r["fits"]:
-            break
-        best, row = k, r
-    return best, row
-
-
-# ------------------------------------------------------------------------------------------- training
-def _is_oom(exc: BaseException) -> bool:
-    return isinstance(exc, MemoryError) or "out of memory" in str(exc).lower()
-
-
-class Trainer:
-    """One contender: plain torch or the engine, a step = `accum` micro-batches then the update."""
-
-    def __init__(
-        self,
-        name: str,
-        shape: Shape,
-        s: argparse.Namespace,
-        seq: int,
-        micro: int,
-        accum: int,
-        ckpt: bool,
-        nvme_dir: str,
-        ratio: float = 1.0,
-    ) -> None:
-        import torch
-        import transformers
-
-        import zero
-
-        self.name, self.shape, self.seq, self.micro, self.accum = name, shape, seq, micro, accum
-        self.vocab = shape.vocab
-        self.device = torch.device(s.device)
-        self.step_index = 0
-        hf = shape.hf_config(seq)
-        torch.manual_seed(0)
-        t0 = time.perf_counter()
-        conf = None if CONFIGS[name] is None else engine_config(name, s, nvme_dir, micro, accum, shape, ratio)
-        if conf is not None and CONFIGS[name][0] == 3:  # type: ignore[index]
-            from offload.config import load_config
-
-            load_config(conf)  # a refused key fails here, before the model is built
-            with zero.Init(config_dict_or_path=conf):
-                model = transformers.LlamaForCausalLM(hf)
-        else:
-            dtype = torch.get_default_dtype()
-            torch.set_default_dtype(torch.bfloat16)
-            try:
-                with self.device:
-                    model = transformers.LlamaForCausalLM(hf)
-            finally:
-                torch.set_default_dtype(dtype)
-        if ckpt:
-            enable = (
-                getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-            )
-            enable({"use_reentrant": False})  # torch's checkpoint, in place, for every contender alike
-        model.train()
-        self.build_s = time.perf_counter() - t0
-        if conf is None:
-            self.model = model
-            fused = self.device.type == "cuda"
-            self.opt = torch.optim.AdamW(
-                model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=fused
-            )
-            self.engine = None
-        else:
-            self.engine, *_ = zero.initialize(model=model, config=conf)
-        self.sync()
-        self.init_s = time.perf_counter() - t0
-
-    def sync(self) -> None:
-        import torch
-
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-
-    def batch(self, i: int) -> Any:
-        import torch
-
-        g = torch.Generator().manual_seed(1_000_003 + i)
-        return torch.randint(0, self.vocab, (self.micro, self.seq), generator=g).to(self.device)
-
-    def step(self) -> Dict[str, float]:
-        """One optimizer step (all its micro-batches), finished on the device; the loss and report."""
-        losses = []
-        for _ in range(self.accum):
-            ids = self.batch(self.step_index)
-            self.step_index += 1
-            if self.engine is None:
-                loss = self.model(input_ids=ids, labels=ids).loss
-                (loss / self.accum).backward()
-            else:
-                loss = self.engine(input_ids=ids, labels=ids).loss
-                self.engine.backward(loss)
-                self.engine.step()
-            losses.append(loss.detach())
-        if self.engine is None:
-            self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
-        self.sync()
-        out = {"loss": float(sum(x.float() for x in losses).item() / len(losses))}
-        rep = None if self.engine is None else self.engine.last_report
-        if rep is not None:
-            out.update(forward_s=rep.forward_s, backward_s=rep.backward_s, optimizer_s=rep.optimizer_s)
-        return out
-
-    def close(self) -> None:
-        if self.engine is not None:
-            self.engine.close()
-
-
-def flops_per_step(params: int, tokens: int, ckpt: bool) -> float:
-    """Model FLOPs of one step: 6 P T (forward and backward), plus 2 P T for checkpointing's recompute."""
-    return (8 if ckpt else 6) * params * tokens
-
-
-def child_train(args: argparse.Namespace, job: Dict[str, Any]) -> Dict[str, Any]:
-    """Build one contender and run job["steps"] steps (the first job["warmup"] untimed)."""
-    import torch
-
-    shape = Shape(**job["shape"])
-    out: Dict[str, Any] = {"name": job["name"], "params": shape.params, "shape": job["shape"]}
-    trainer = None
-    try:
-        trainer = Trainer(
-            job["name"], shape, args, job["seq"], job["micro"], job["accum"], job["ckpt"], job["nvme_dir"]
-        )
-        print(
-            f"  [{job['name']}] {_p(shape.params)} built and initialised in {trainer.init_s:.1f} s",
-            flush=True,
-        )
-        rows = []
-        for i in range(job["warmup"] + job["steps"]):
-            t0 = time.perf_counter()
-            row = trainer.step()
-            row["step_s"] = time.perf_counter() - t0
-            print(
-                f"  [{job['name']}] step {i + 1}: {row['step_s']:.2f} s, loss {row['loss']:.4f}", flush=True
-            )
-            if i >= job["warmup"]:
-                rows.append(row)
-        out.update(status="ok", rows=rows, init_s=trainer.init_s, build_s=trainer.build_s)
-    except Exception as exc:  # noqa: BLE001 - every failure is a result of this try
-        from offload.config import ConfigError
-
-        kind = "refused" if isinstance(exc, ConfigError) else "oom" if _is_oom(exc) else "error"
-        out.update(status=kind, error=f"{type(exc).__name__}: {str(exc)[:500]}")
-        print(f"  [{job['name']}] {kind}: {out['error'][:200]}", flush=True)
-    finally:
-        if trainer is not None:
-            trainer.close()
-    if args.device == "cuda":
-        out["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
-    return out
-
-
-def child_interleaved(args: argparse.Namespace, job: Dict[str, Any]) -> Dict[str, Any]:
-    """Several contenders in this process, steps alternating (A B A B ...); refused ones reported."""
-    from offload.config import ConfigError
-
-    shape = Shape(**job["shape"])
-    trainers: Dict[str, Trainer] = {}
-    result: Dict[str, Any] = {"params": shape.params, "shape": job["shape"], "contenders": {}}
-    for label, (name, ratio) in job["contenders"].items():
-        try:
-            trainers[label] = Trainer(
-                name, shape, args, job["seq"], job["micro"], job["accum"], job["ckpt"], job["nvme_dir"], ratio
-            )
-            print(f"  [{label}] initialised in {trainers[label].init_s:.1f} s", flush=True)
-        except ConfigError as exc:
-            result["contenders"][label] = {"status": "refused", "error": str(exc)[:500]}
-            print(f"  [{label}] refused by the engine: {exc}", flush=True)
-    losses: Dict[str, List[float]] = {label: [] for label in trainers}
-
-    def runner(label: str) -> Callable[[], Dict[str, float]]:
-        def run() -> Dict[str, float]:
-            row = trainers[label].step()
-            losses[label].append(row.pop("loss"))
-            return row
-
-        return run
-
-    if trainers:
-        res = interleave({label: runner(label) for label in trainers}, job["repeats"], warmup=job["warmup"])
-        for label, r in res.items():
-            result["contenders"][label] = {
-                "status": "ok",
-                "step_s": r.median,
-                "step_min_s": r.minimum,
-                "step_max_s": r.maximum,
-                "samples": r.samples,
-                "report": r.extra,
-                "losses": losses[label],
-            }
-    for t in trainers.values():
-        t.close()
-    return result
 
 
 # ---------------------------------------------------------------------------------------- the parent
@@ -462,6 +134,7 @@ def machine_limits(args: argparse.Namespace, nvme_dir: str) -> Any:
 
 
 def job_for(args: argparse.Namespace, name: str, k: int, nvme_dir: str, **kw: Any) -> Dict[str, Any]:
+    """A child job: configuration `name` at rung `k` with the capacity section's settings (`kw` overrides)."""
     job = dict(
         name=name,
         shape=asdict(rung(k, args)),
@@ -480,6 +153,8 @@ def job_for(args: argparse.Namespace, name: str, k: int, nvme_dir: str, **kw: An
 def section_capacity(
     args: argparse.Namespace, machine: Any, nvme_dir: str, deadline: float
 ) -> Dict[str, Any]:
+    """The largest rung each configuration fits by the estimate, verified by two training steps (one rung
+    down after an out of memory)."""
     out: Dict[str, Any] = {"configs": {}}
     names = [c for c in args.capacity_configs.split(",") if c]
     for idx, name in enumerate(names):
@@ -488,7 +163,7 @@ def section_capacity(
         entry["estimator_params"] = rung(k, args).params if k else 0
         entry["capped"] = k == args.max_rung  # the ladder ends here: larger ones may fit too
         print(
-            f"[capacity] {name}: estimator's largest: rung {k} ({_p(entry['estimator_params'])})",
+            f"[capacity] {name}: estimator's largest: rung {k} ({fmt_params(entry['estimator_params'])})",
             flush=True,
         )
         verified = 0
@@ -526,15 +201,16 @@ def section_capacity(
 
 
 def section_tflops(args: argparse.Namespace, machine: Any, nvme_dir: str, deadline: float) -> Dict[str, Any]:
-    k = next((k for k in range(1, args.max_rung + 1) if _stage0_bytes(rung(k, args)) > machine.gpu_bytes), 0)
+    """Model TFLOPS of the smallest rung that needs offload, at --tflops-seq with activation checkpointing."""
+    k = next((k for k in range(1, args.max_rung + 1) if stage0_bytes(rung(k, args)) > machine.gpu_bytes), 0)
     if k == 0:
         return {"status": "skipped", "error": f"no rung up to {args.max_rung} needs offload on this device"}
     shape = rung(k, args)
     act = activations(shape, args.tflops_micro, args.tflops_seq, True)
     est = estimate_row(args.tflops_config, shape, args, act, machine)
     print(
-        f"[tflops] rung {k} ({_p(shape.params)}; stage 0 without offload needs "
-        f"{_stage0_bytes(shape) / 2**30:.1f} GiB), {args.tflops_config}",
+        f"[tflops] rung {k} ({fmt_params(shape.params)}; stage 0 without offload needs "
+        f"{stage0_bytes(shape) / 2**30:.1f} GiB), {args.tflops_config}",
         flush=True,
     )
     job = job_for(
@@ -555,7 +231,7 @@ def section_tflops(args: argparse.Namespace, machine: Any, nvme_dir: str, deadli
         "params": shape.params,
         "config": args.tflops_config,
         "estimate": est,
-        "stage0_state_bytes": _stage0_bytes(shape),
+        "stage0_state_bytes": stage0_bytes(shape),
         "gpu_bytes": machine.gpu_bytes,
         "seq": args.tflops_seq,
         "tokens_per_step": args.tflops_seq * args.tflops_micro * args.tflops_accum,
@@ -569,17 +245,10 @@ def section_tflops(args: argparse.Namespace, machine: Any, nvme_dir: str, deadli
     return out
 
 
-def _stage0_bytes(shape: Shape) -> int:
-    """The estimator's training state at stage 0 without offload (bf16, AdamW), activations not counted."""
-    from offload.estimate import TrainingSetup, estimate
-
-    setup = TrainingSetup(shape.params, shape.largest_layer, precision="bf16", optimizer="adamw")
-    return estimate(setup, 0).per_gpu_bytes
-
-
 def section_interleaved(
     args: argparse.Namespace, contenders: Dict[str, Tuple[str, float]], nvme_dir: str, deadline: float
 ) -> Dict[str, Any]:
+    """The contenders' steps alternating in one child process (the overhead and ratio sections)."""
     job = job_for(
         args,
         "",
@@ -593,10 +262,6 @@ def section_interleaved(
         contenders=contenders,
     )
     return spawn(args, "interleaved", job, deadline - time.time())
-
-
-def _p(n: int) -> str:
-    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
 
 def _gib(v: Optional[float]) -> str:
@@ -615,11 +280,11 @@ def tables(res: Dict[str, Any]) -> str:
             rows.append(
                 [
                     name,
-                    _p(e["estimator_params"]) + (" (ladder's top)" if e["capped"] else ""),
+                    fmt_params(e["estimator_params"]) + (" (ladder's top)" if e["capped"] else ""),
                     _gib(est.get("per_gpu_bytes")),
                     _gib(est.get("per_cpu_bytes")),
                     _gib(est.get("nvme_bytes")),
-                    _p(e["verified_params"]) if e["verified_rung"] else "none verified",
+                    fmt_params(e["verified_params"]) if e["verified_rung"] else "none verified",
                     "" if e["x_torch"] is None else f"{e['x_torch']:.2f}",
                     tries,
                 ]
@@ -639,7 +304,7 @@ def tables(res: Dict[str, Any]) -> str:
     if tf.get("params"):
         row = [
             tf["config"],
-            _p(tf["params"]),
+            fmt_params(tf["params"]),
             tf["tokens_per_step"],
             tf.get("status", ""),
             f"{tf['step_s']:.2f}" if "step_s" in tf else "",
@@ -671,11 +336,12 @@ def tables(res: Dict[str, Any]) -> str:
                 ]
             )
         hdr = ["contender", "step s median (min-max)", "x baseline", "last loss"]
-        parts.append(f"### {title} ({_p(sec['params'])} params)\n\n" + markdown_table(hdr, rows))
+        parts.append(f"### {title} ({fmt_params(sec['params'])} params)\n\n" + markdown_table(hdr, rows))
     return "\n\n".join(parts)
 
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
+    """The command line; --smoke sets tiny CPU sizes, and the settings a child needs go to args.child_argv."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, in one process: seconds")
@@ -745,6 +411,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    """Run the chosen sections within --budget-s (or one child job with --child) and write the outputs."""
     args = parse_args(argv)
     if args.child:
         kind, job_path, out_path = args.child

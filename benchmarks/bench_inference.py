@@ -78,6 +78,7 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 # ------------------------------------------------------------------------------------------ checkpoint
 def llama_config(size: str, dtype: str) -> Any:
+    """transformers' LlamaConfig of preset size, in dtype."""
     import transformers
 
     s = SIZES[size]
@@ -376,6 +377,8 @@ def _run(args: argparse.Namespace, contender: str, ckpt: str, scratch: str) -> D
 
 
 def summarize(runs: List[Dict[str, Any]], weight_bytes: int, ceiling: Optional[float]) -> Dict[str, Any]:
+    """One contender over its runs: median times and tokens per second, peaks, disk reads against the
+    read ceiling."""
     ok = [r for r in runs if "error" not in r]
     if not ok:
         return {"error": runs[-1]["error"] if runs else "not run"}
@@ -423,6 +426,7 @@ def summarize(runs: List[Dict[str, Any]], weight_bytes: int, ceiling: Optional[f
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    """Run the contenders and write the JSON and table; with --child, one contender, its result printed."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", choices=sorted(SIZES), default="small")
     ap.add_argument("--smoke", action="store_true", help="tiny model, 1 round, a few tokens: for the test")

@@ -13,19 +13,27 @@ buffers for reads), and holds a reference to every buffer until `wait()` has see
 Device memory (CUDA tensors, CuPy arrays) is staged through a pinned host buffer: a read lands there and is
 copied to the device when the request completes; a write copies device -> pinned before it is queued.
 
-The module is long because it is the whole Python face of the I/O core: DeepSpeed's aio_handle API for
-tensors, numpy arrays and raw buffers, with the buffer-lifetime rules above in one place.
+How a buffer resolves to host memory, is staged and is kept alive is offload.aio_buffers (its
+`DeviceBuffer` and `TorchDeviceBuffer` are public here too); this module is the handle and its files, a
+little over 500 lines because AioHandle keeps every call of DeepSpeed's aio_handle, one short method each.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 import threading
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Protocol, Tuple, Union, runtime_checkable
+from typing import TYPE_CHECKING, Any, List, Optional, Protocol, Tuple, Union, runtime_checkable
 
 from offload import _aio
-from offload.pinned import HostBuffer, alloc_host_buffer, pinned_tensor
+from offload.aio_buffers import (
+    DeviceBuffer,
+    IORegion,
+    TorchDeviceBuffer,
+    describe_type,
+    pinned_view,
+    resolve_buffer,
+)
+from offload.pinned import alloc_host_buffer, pinned_tensor
 
 if TYPE_CHECKING:
     import torch
@@ -56,13 +64,19 @@ class FileAt(Protocol):
     `offload.swap.SwapFile` is one."""
 
     @property
-    def dir_fd(self) -> int: ...
+    def dir_fd(self) -> int:
+        """The open directory's descriptor."""
+        ...
 
     @property
-    def name(self) -> str: ...
+    def name(self) -> str:
+        """The file's plain name in that directory."""
+        ...
 
     @property
-    def path(self) -> str: ...
+    def path(self) -> str:
+        """What errors call the file."""
+        ...
 
 
 class FileInDir:
@@ -87,180 +101,6 @@ _BACKENDS = ("auto", "io_uring", "aio", "psync")
 _DIRECT_MODES = ("auto", "on", "off")
 
 
-class DeviceBuffer:
-    """Memory the kernel cannot read or write directly; AioHandle stages it through pinned host memory.
-
-    Subclass it to plug in another accelerator. `TorchDeviceBuffer` covers torch device tensors and objects
-    with `__cuda_array_interface__` (CuPy). `host` below is a 1-D uint8 CPU tensor of exactly `nbytes`.
-    """
-
-    nbytes: int
-
-    def copy_to_host(self, host: torch.Tensor) -> None:
-        """Copy the device bytes into `host`; must be complete when it returns."""
-        raise NotImplementedError
-
-    def copy_from_host(self, host: torch.Tensor) -> None:
-        """Copy `host` into the device bytes; must be complete (or ordered before any later use) on return."""
-        raise NotImplementedError
-
-
-class TorchDeviceBuffer(DeviceBuffer):
-    """A contiguous torch tensor on a non-CPU device, seen as bytes."""
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        import torch
-
-        if not tensor.is_contiguous():
-            raise ValueError(
-                f"{tensor.device} tensor of shape {tuple(tensor.shape)} with strides {tensor.stride()} "
-                "is not contiguous; call .contiguous() first (a hidden copy would not see data read into it)"
-            )
-        self.tensor = tensor
-        self._bytes = tensor.reshape(-1).view(torch.uint8)
-        self.nbytes = self._bytes.numel()
-
-    def copy_to_host(self, host: torch.Tensor) -> None:
-        host.copy_(self._bytes)  # blocking device -> host copy
-
-    def copy_from_host(self, host: torch.Tensor) -> None:
-        # Blocking: the pinned staging buffer is released right after this returns.
-        self._bytes.copy_(host)
-        if self._bytes.device.type == "cuda":
-            import torch
-
-            torch.cuda.current_stream(self._bytes.device).synchronize()
-
-
-class _Region:
-    """One request's host memory: (ptr, nbytes) plus whatever must stay alive until it completes."""
-
-    __slots__ = ("ptr", "nbytes", "keepalive", "device", "staging", "unhold")
-
-    def __init__(
-        self,
-        ptr: int,
-        nbytes: int,
-        keepalive: Any,
-        device: Optional[DeviceBuffer] = None,
-        staging: Optional[Tuple[HostBuffer, torch.Tensor]] = None,
-    ) -> None:
-        self.ptr = ptr
-        self.nbytes = nbytes
-        self.keepalive = keepalive
-        self.device = device
-        self.staging = staging
-        # Ends the hold on memory that can be freed explicitly (PinnedBuffer.release()): it stays mapped
-        # until the request is done, so a release() meanwhile cannot pull it from under the kernel.
-        self.unhold: Optional[Callable[[], None]] = _hold_io(keepalive)
-
-    def finish_read(self) -> None:
-        """After the kernel filled the host memory: move staged bytes on to the device."""
-        if self.device is not None and self.staging is not None:
-            self.device.copy_from_host(self.staging[1])
-
-    def release(self) -> None:
-        # Dropping the references frees a staging buffer at once (refcounting) unless a DeviceBuffer kept
-        # the host tensor; freeing it explicitly could pull memory from under such a reference.
-        self.staging = None
-        self.keepalive = None
-        self.device = None
-        unhold, self.unhold = self.unhold, None
-        if unhold is not None:
-            unhold()
-
-
-def _hold_io(keepalive: Any) -> Optional[Callable[[], None]]:
-    """Hold the memory behind a buffer that can be unmapped explicitly (an object with `hold_io`: a
-    PinnedBuffer, or the HostBuffer behind an `as_ctypes()` array) until the returned callable runs."""
-    if not isinstance(keepalive, tuple) or len(keepalive) != 3:
-        return None
-    _, view, obj = keepalive
-    exporters = (getattr(view, "obj", None), obj, getattr(obj, "obj", None))
-    for owner in [o for e in exporters for o in (e, getattr(e, "_zo_owner", None))]:
-        hold = getattr(owner, "hold_io", None)
-        if hold is not None:
-            hold()
-            return owner.unhold_io
-    return None
-
-
-def _describe(obj: Any) -> str:
-    return type(obj).__module__ + "." + type(obj).__qualname__
-
-
-def _torch_region(
-    torch: Any, t: torch.Tensor, for_read: bool
-) -> Tuple[int, int, Any, Optional[DeviceBuffer]]:
-    if t.layout != torch.strided:
-        raise TypeError(
-            f"tensor with layout {t.layout} cannot be used for file I/O; only strided tensors can"
-        )
-    if t.device.type == "meta":
-        raise ValueError(
-            f"meta tensor of shape {tuple(t.shape)} has no memory to read into or write from; materialize "
-            "it first (to_empty(device=...))"
-        )
-    if t.device.type != "cpu":
-        return 0, 0, t, TorchDeviceBuffer(t)
-    if not t.is_contiguous():
-        raise ValueError(
-            f"CPU tensor of shape {tuple(t.shape)} with strides {t.stride()} is not contiguous; call "
-            ".contiguous() first (a hidden copy would not see the data read into it)"
-        )
-    if t.is_conj() or t.is_neg():
-        raise ValueError(
-            "tensor has a lazy conjugate/negative bit set; call .resolve_conj()/.resolve_neg() first"
-        )
-    return t.data_ptr(), t.numel() * t.element_size(), t, None
-
-
-def _buffer_region(obj: Any, for_read: bool) -> Tuple[int, int, Any]:
-    import numpy as np
-
-    try:
-        view = memoryview(obj)
-    except TypeError:
-        raise TypeError(
-            f"{_describe(obj)} is not a usable I/O buffer: pass a contiguous CPU torch.Tensor, a numpy "
-            "array, a writable buffer-protocol object (bytearray, memoryview, mmap, PinnedBuffer), a CUDA "
-            "tensor, a CuPy array or an offload.aio.DeviceBuffer"
-        ) from None
-    if not view.c_contiguous:
-        shape, strides = view.shape, view.strides
-        view.release()
-        raise ValueError(
-            f"{_describe(obj)} buffer of shape {shape} with strides {strides} is not C-contiguous; "
-            "make a contiguous copy first (a hidden copy would not see the data read into it)"
-        )
-    if for_read and view.readonly:
-        view.release()
-        raise ValueError(f"{_describe(obj)} buffer is read-only and cannot be read into")
-    # numpy gives the address of any contiguous buffer, read-only ones included, without copying; the array
-    # holds the memoryview, which holds the export (so e.g. a bytearray cannot be resized while in flight).
-    arr = np.frombuffer(view, dtype=np.uint8) if view.nbytes else np.empty(0, np.uint8)
-    return arr.__array_interface__["data"][0], view.nbytes, (arr, view, obj)
-
-
-def _resolve(buffer: Any, for_read: bool) -> Tuple[int, int, Any, Optional[DeviceBuffer]]:
-    """(ptr, nbytes, keepalive, device) for any supported buffer; device set means staging is needed."""
-    if isinstance(buffer, DeviceBuffer):
-        return 0, 0, buffer, buffer
-    torch = sys.modules.get("torch")  # a tensor can only exist if torch was imported; never import it here
-    if torch is not None and isinstance(buffer, torch.Tensor):
-        return _torch_region(torch, buffer, for_read)
-    if hasattr(buffer, "__cuda_array_interface__"):
-        if torch is None or not torch.cuda.is_available():
-            raise TypeError(
-                f"{_describe(buffer)} lives in CUDA memory, but torch with CUDA is needed to stage it; "
-                "pass a host buffer instead"
-            )
-        t = torch.as_tensor(buffer, device="cuda")
-        return 0, 0, (buffer, t), TorchDeviceBuffer(t)
-    ptr, nbytes, keep = _buffer_region(buffer, for_read)
-    return ptr, nbytes, keep, None
-
-
 def _check_target(path_or_fd: PathOrFd) -> _Target:
     if isinstance(path_or_fd, bool):
         raise TypeError("file must be a path or an open file descriptor, not a bool")
@@ -279,7 +119,7 @@ def _check_target(path_or_fd: PathOrFd) -> _Target:
         path = os.fsdecode(os.fspath(path_or_fd))
     except TypeError:
         raise TypeError(
-            f"file must be a path or an open file descriptor (or a FileAt), got {_describe(path_or_fd)}"
+            f"file must be a path or an open file descriptor (or a FileAt), got {describe_type(path_or_fd)}"
         ) from None
     if "\0" in path:
         raise ValueError(f"path {path!r} contains a NUL byte: no file can have that name")
@@ -301,7 +141,7 @@ def _pick_target(path_or_fd: Optional[PathOrFd], filename: Optional[PathName], f
         raise TypeError(f"give one file, got {' and '.join(given)}")
     if fd is not None:
         if isinstance(fd, bool) or not isinstance(fd, int):
-            raise TypeError(f"fd must be an open file descriptor (an int), got {_describe(fd)}")
+            raise TypeError(f"fd must be an open file descriptor (an int), got {describe_type(fd)}")
         return fd
     if filename is not None:
         if isinstance(filename, int):
@@ -313,7 +153,7 @@ def _pick_target(path_or_fd: Optional[PathOrFd], filename: Optional[PathName], f
 
 def _check_offset(file_offset: int) -> int:
     if isinstance(file_offset, bool) or not isinstance(file_offset, int):
-        raise TypeError(f"file_offset must be an int, got {_describe(file_offset)}")
+        raise TypeError(f"file_offset must be an int, got {describe_type(file_offset)}")
     if file_offset < 0:
         raise ValueError(f"file_offset must be >= 0, got {file_offset}")
     return file_offset
@@ -369,29 +209,35 @@ class AioHandle:
         )
         self._lock = threading.Lock()  # guards the lists below
         self._wait_lock = threading.Lock()
-        self._inflight: List[_Region] = []  # queued requests' buffers, kept alive until wait()
-        self._reads_to_finish: List[_Region] = []
+        self._inflight: List[IORegion] = []  # queued requests' buffers, kept alive until wait()
+        self._reads_to_finish: List[IORegion] = []
         self._locked_tensors: dict = {}  # data_ptr -> tensor handed out by new_cpu_locked_tensor
 
     # -- configuration (DeepSpeed getters) ------------------------------------------------------------------
 
     @property
     def backend(self) -> str:
+        """The backend in use: io_uring, aio or psync."""
         return self._h.backend
 
     def get_block_size(self) -> int:
+        """Bytes per request piece (DeepSpeed's block_size)."""
         return self._h.block_size
 
     def get_queue_depth(self) -> int:
+        """Requests in flight per thread (DeepSpeed's queue_depth)."""
         return self._h.queue_depth
 
     def get_single_submit(self) -> bool:
+        """Whether requests are submitted one at a time (DeepSpeed's single_submit)."""
         return self._h.single_submit
 
     def get_overlap_events(self) -> bool:
+        """Whether submission overlaps completion (DeepSpeed's overlap_events)."""
         return self._h.overlap_events
 
     def get_intra_op_parallelism(self) -> int:
+        """Threads a request is split over (DeepSpeed's intra_op_parallelism)."""
         return self._h.intra_op_parallelism
 
     get_thread_count = get_intra_op_parallelism  # DeepSpeed < 0.15 name
@@ -401,6 +247,7 @@ class AioHandle:
         return self._h.alignment
 
     def pending(self) -> int:
+        """Asynchronous requests queued and not finished yet."""
         return self._h.pending()
 
     # -- registered files -----------------------------------------------------------------------------------
@@ -568,15 +415,15 @@ class AioHandle:
         for region in regions:
             region.release()
 
-    def _region(self, for_read: bool, buffer: Any) -> _Region:
-        ptr, nbytes, keep, device = _resolve(buffer, for_read)
+    def _region(self, for_read: bool, buffer: Any) -> IORegion:
+        ptr, nbytes, keep, device = resolve_buffer(buffer, for_read)
         if device is None:
-            return _Region(ptr, nbytes, keep)
+            return IORegion(ptr, nbytes, keep)
         if device.nbytes == 0:
-            return _Region(0, 0, keep, device)
+            return IORegion(0, 0, keep, device)
         host = alloc_host_buffer(device.nbytes)
-        staging = _pinned_view(host)
-        region = _Region(host.ptr, device.nbytes, keep, device, (host, staging))
+        staging = pinned_view(host)
+        region = IORegion(host.ptr, device.nbytes, keep, device, (host, staging))
         if not for_read:
             try:
                 device.copy_to_host(staging)
@@ -585,7 +432,9 @@ class AioHandle:
                 raise
         return region
 
-    def _call(self, for_read: bool, region: _Region, target: _Target, offset: int, asynchronous: bool) -> int:
+    def _call(
+        self, for_read: bool, region: IORegion, target: _Target, offset: int, asynchronous: bool
+    ) -> int:
         h = self._h
         if isinstance(target, int):
             fn = h.pread_fd if for_read else h.pwrite_fd
@@ -689,10 +538,3 @@ class AioHandle:
             f"queue_depth={self.get_queue_depth()}, intra_op_parallelism={self.get_intra_op_parallelism()}, "
             f"alignment={self.get_alignment()})"
         )
-
-
-def _pinned_view(host: HostBuffer) -> torch.Tensor:
-    """A 1-D uint8 tensor over a HostBuffer (keeps it alive)."""
-    import torch
-
-    return torch.frombuffer(host.as_ctypes(), dtype=torch.uint8)

@@ -12,31 +12,31 @@ import sys
 
 import pytest
 
-from benchmarks import bench_e2e
+from benchmarks import e2e_configs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_host_budget_values():
-    assert bench_e2e.host_budget("0", 1000) == 0
-    assert bench_e2e.host_budget("auto", 1000) == "auto"
-    assert bench_e2e.host_budget("0.5", 1000) == 500
-    assert bench_e2e.host_budget("25%", 1000) == 250
-    assert bench_e2e.host_budget("123", 1000) == 123
+    assert e2e_configs.host_budget("0", 1000) == 0
+    assert e2e_configs.host_budget("auto", 1000) == "auto"
+    assert e2e_configs.host_budget("0.5", 1000) == 500
+    assert e2e_configs.host_budget("25%", 1000) == 250
+    assert e2e_configs.host_budget("123", 1000) == 123
     with pytest.raises(ValueError):
-        bench_e2e.host_budget("half", 1000)
+        e2e_configs.host_budget("half", 1000)
 
 
 def test_tiers_config_places_the_keys():
-    cfg = bench_e2e.CONFIGS[bench_e2e.TIERS_BASE]
-    conf = bench_e2e.engine_config(cfg, "bf16", "/nvme", 1000, 2, False)
-    got = bench_e2e.tiers_config(conf, "int8", 500)
+    cfg = e2e_configs.CONFIGS[e2e_configs.TIERS_BASE]
+    conf = e2e_configs.engine_config(cfg, "bf16", "/nvme", 1000, 2, False)
+    got = e2e_configs.tiers_config(conf, "int8", 500)
     assert got["optimizer"]["params"]["state_dtype"] == "int8"
     assert got["zero_optimization"]["offload_optimizer"]["max_in_cpu"] == 500
     assert got["zero_optimization"]["offload_optimizer"]["device"] == "nvme"
     assert got["zero_optimization"]["offload_param"]["device"] == "nvme"
     assert "state_dtype" not in conf["optimizer"]["params"]  # the input is left as it was
-    plain = bench_e2e.tiers_config(conf, None, None)
+    plain = e2e_configs.tiers_config(conf, None, None)
     assert plain == conf
 
 

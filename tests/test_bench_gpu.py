@@ -45,22 +45,22 @@ def test_every_section_ran(smoke):
 
 
 def test_capacity_is_the_estimators_largest_and_was_trained(smoke):
-    from benchmarks import bench_gpu
+    from benchmarks import gpu_ladder
     from offload.estimate import MachineProfile
 
     args = _args(smoke)
     limits = smoke["machine_limits"]
     machine = MachineProfile(limits["gpu_bytes"], limits["ram_bytes"], limits["nvme_free_bytes"])
     configs = smoke["results"]["capacity"]["configs"]
-    assert set(configs) == set(bench_gpu.CAPACITY)
+    assert set(configs) == set(gpu_ladder.CAPACITY)
     for name, entry in configs.items():
         k = entry["estimator_rung"]
         assert k >= 1, name
         assert entry["estimate"]["per_gpu_bytes"] <= limits["gpu_bytes"], name
         if not entry["capped"]:  # one rung more does not fit: the search found the largest
-            bigger = bench_gpu.rung(k + 1, args)
-            act = bench_gpu.activations(bigger, args.micro, args.seq, False)
-            assert not bench_gpu.estimate_row(name, bigger, args, act, machine)["fits"], name
+            bigger = gpu_ladder.rung(k + 1, args)
+            act = gpu_ladder.activations(bigger, args.micro, args.seq, False)
+            assert not gpu_ladder.estimate_row(name, bigger, args, act, machine)["fits"], name
         # on the CPU nothing runs out of memory: the estimator's largest is the one verified, by 2 steps
         assert entry["verified_rung"] == k, entry["attempts"]
         last = entry["attempts"][-1]
@@ -73,14 +73,14 @@ def test_capacity_is_the_estimators_largest_and_was_trained(smoke):
 
 
 def test_tflops_model_needs_offload_and_flops_follow_from_the_steps(smoke):
-    from benchmarks import bench_gpu
+    from benchmarks import gpu_ladder
 
     args = _args(smoke)
     tf = smoke["results"]["tflops"]
     gpu = smoke["machine_limits"]["gpu_bytes"]
     assert tf["status"] == "ok" and tf["stage0_state_bytes"] > gpu
     if tf["rung"] > 1:  # the smallest such rung
-        assert bench_gpu._stage0_bytes(bench_gpu.rung(tf["rung"] - 1, args)) <= gpu
+        assert gpu_ladder.stage0_bytes(gpu_ladder.rung(tf["rung"] - 1, args)) <= gpu
     assert tf["tokens_per_step"] == args.tflops_seq * args.tflops_micro * args.tflops_accum
     step_s = sorted(r["step_s"] for r in tf["rows"])[len(tf["rows"]) // 2]
     assert tf["step_s"] == pytest.approx(step_s)

@@ -13,13 +13,13 @@ import torch
 import zero
 from offload.cli import estimate_memory
 from offload.estimate.errors import EstimateInputError
-from offload.estimate.formulas import SwapBufferSettings
 from offload.estimate.inference import (
     InferenceSetup,
     estimate_inference,
     kv_cache_shape,
     unit_numels,
 )
+from offload.estimate.setup import SwapBufferSettings
 
 transformers = pytest.importorskip("transformers")
 

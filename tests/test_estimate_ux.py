@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import zero
-from offload.cli.estimate_memory import build_parser, run
+from offload.cli.estimate_args import build_parser
+from offload.cli.estimate_memory import run
 from offload.estimate import SwapBufferSettings, TrainingSetup, check_fit, estimate_all, recommend
 from offload.estimate.machine import MachineProfile, host_bytes
 

@@ -335,7 +335,8 @@ def test_overlap_over_three_tiers_says_it_is_not_used(tmp_path, caplog):
 # ------------------------------------------------------------------------------------------ estimator
 def test_estimator_rows_follow_the_split():
     from offload.cli.estimate_memory import run as estimate_cli
-    from offload.estimate.formulas import SwapBufferSettings, TrainingSetup, estimate
+    from offload.estimate.formulas import estimate
+    from offload.estimate.setup import SwapBufferSettings, TrainingSetup
     from offload.estimate.split import apply_split
 
     bufs = SwapBufferSettings(sub_group_size=10**7)

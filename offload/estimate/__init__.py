@@ -6,20 +6,7 @@ from .counting import ParamCount, count_parameters, load_model_on_meta
 from .deepspeed_compat import DeepSpeedRow, deepspeed_rows, zero2_model_states, zero3_model_states
 from .ds_config import ConfigChoices, read_ds_config
 from .errors import EstimateInputError
-from .formulas import (
-    COMPONENTS,
-    ENGINE_PLACEMENT,
-    OPTIMIZER_STATES_PER_PARAM,
-    EnginePlacement,
-    MemoryEstimate,
-    SwapBufferSettings,
-    TrainingSetup,
-    check_combination,
-    estimate,
-    estimate_all,
-    largest_layer_heuristic,
-    valid_combinations,
-)
+from .formulas import estimate, estimate_all, largest_layer_heuristic
 from .machine import (
     FitCheck,
     MachineProfile,
@@ -29,6 +16,16 @@ from .machine import (
     nvme_io_seconds,
     recommend,
 )
+from .placement import (
+    COMPONENTS,
+    ENGINE_PLACEMENT,
+    OPTIMIZER_STATES_PER_PARAM,
+    EnginePlacement,
+    check_combination,
+    valid_combinations,
+)
+from .result import MemoryEstimate
+from .setup import SwapBufferSettings, TrainingSetup
 from .units import format_bytes, parse_count
 
 __all__ = [

@@ -16,7 +16,7 @@ from offload.config.zero import MIN_SUB_GROUP_SIZE
 
 from .counting import read_json_file
 from .errors import EstimateInputError
-from .formulas import OFFLOAD_DEVICES
+from .placement import OFFLOAD_DEVICES
 
 
 @dataclass(frozen=True)

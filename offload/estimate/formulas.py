@@ -5,251 +5,31 @@ parameters, 2 bytes of 16-bit gradients and K bytes of optimizer state per param
 fp32 master 4 + momentum 4 + variance 4); stage 1 partitions the optimizer state over the N data-parallel
 ranks, stage 2 also the gradients, stage 3 also the parameters. On top of that we count what our engine
 really keeps: an fp32 gradient partition for the optimizer, pinned staging buffers for NVMe swapping,
-the gathered layers of stage 3, and activations. Where each piece lives is ENGINE_PLACEMENT below.
+the gathered layers of stage 3, and activations. Where each piece lives is ENGINE_PLACEMENT
+(offload.estimate.placement); what an estimate is made for is a TrainingSetup (offload.estimate.setup) and
+what it gives a MemoryEstimate (offload.estimate.result).
 
-The module is long because it holds every formula of the estimate in one place, per stage and tier, so a
-change of the engine's placement is made (and reviewed) against all of them at once.
+Every formula of the estimate stays here in one place, per stage and tier, so a change of the engine's
+placement is made (and reviewed) against all of them at once.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Mapping, Optional, Tuple, Union
+from typing import Iterable, List, Optional, Tuple
 
-# the engine's slot sizing
-from offload.swap.slots import MIN_SLOT_NUMEL, QUANT_BLOCK, state_chunk, swap_chunk  # noqa: F401
-
-from .activations import ActivationSettings, activation_placement
-from .errors import EstimateInputError
-
-COMPONENTS: Tuple[str, ...] = (
-    "params_16bit",
-    "grads_16bit",
-    "master_params_fp32",
-    "optimizer_states",
-    "grads_fp32",
-    "swap_buffers",
-    "activations",
+from .activations import activation_placement
+from .placement import (
+    COMPONENTS,
+    ENGINE_PLACEMENT,
+    FP32_BYTES,
+    check_combination,
+    valid_combinations,
 )
-STAGES: Tuple[int, ...] = (0, 1, 2, 3)
-OFFLOAD_DEVICES: Tuple[str, ...] = ("none", "cpu", "nvme")
-PRECISIONS: Tuple[str, ...] = ("bf16", "fp16", "fp32")
-# Elements of optimizer state per parameter. sgd counts its momentum buffer (torch's SGD with
-# momentum=0 keeps none; the estimate is then 4 bytes/param high for the states).
-OPTIMIZER_STATES_PER_PARAM: Dict[str, int] = {"adam": 2, "adamw": 2, "adagrad": 1, "lion": 1, "sgd": 1}
-# Bytes per element of each optimizer-state dtype (optimizer.params.state_dtype); int8 states also keep one
-# fp32 absmax per QUANT_BLOCK elements of each state (TrainingSetup.optimizer_scale_bytes).
-STATE_DTYPE_BYTES: Dict[str, int] = {"fp32": 4, "bf16": 2, "int8": 1}
-NVME_COPIES: Tuple[Union[str, int], ...] = ("auto", 1, 2)
-FP32_BYTES = 4
-
-# ---------------------------------------------------------------------------------------------------
-# ENGINE_PLACEMENT: where the engine keeps each piece of state. THE table to adjust when the engine's
-# design changes; docs/estimator.md describes the same table. Tiers: "gpu", "cpu" (host memory, pinned
-# or pageable per the offload section's pin_memory), "nvme" (swap files).
-# ---------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class EnginePlacement:
-    # ZeRO stage from which each state is split over the data-parallel ranks (below it: a full copy).
-    """Where the engine keeps each state, per stage and offload setting: what the estimate follows."""
-
-    partitioned_from_stage: Mapping[str, int]
-    # offload_optimizer -> home of the fp32 master, the optimizer states and the fp32 gradient partition.
-    optimizer_homes: Mapping[str, Mapping[str, str]]
-    # offload_param -> home of the rank's parameter partition (stage 3).
-    param_homes: Mapping[str, str]
-    # Stages at which each offload is accepted.
-    offload_optimizer_stages: Tuple[int, ...]
-    offload_param_stages: Tuple[int, ...]
-    # Stage 3 working set on the GPU: gathered full layers (the current one plus prefetched ones).
-    stage3_live_layers: int
-    # Stage 3: this many layers' gradients wait on the GPU, for the copy to the host partition or the
-    # reduce-scatter.
-    grad_bucket_layers: int
-    # True: one flat 16-bit gradient buffer for the whole model stays on the GPU at stages 0-2, so stage 2
-    # saves no gradient memory on the GPU (the engine's first design). False (zero/layout/grad_buckets.py):
-    # ZeRO's stage-2 accounting - gradients pass through buckets of reduce_bucket_size elements (two with
-    # overlap_comm, one otherwise, never larger than the model; one parameter's worth with size 0), and the
-    # rank's partition stays on the GPU (model dtype) only when the optimizer is not offloaded. Stages 0-1
-    # keep the full buffer either way (DeepSpeed's stage 1). Measured on a GPU by tests/test_cuda_estimate.py.
-    full_grad_buffer_on_gpu: bool
-    # Host copies of offloaded state are pinned unless the config says pin_memory: false.
-    pin_memory_default: bool
-    # An NVMe staging buffer is never larger than the rank's partition it stages, and there are never
-    # more optimizer staging slots than sub-groups to stage.
-    cap_swap_buffers_to_partition: bool
-    # Copies of master + states kept on NVMe with nvme_copies "auto" or 2: the swapper writes each step's
-    # result to the other copy and switches only when the whole step succeeded, so a failed step leaves the
-    # previous state intact (SwapBufferSettings.optimizer_nvme_copies chooses; _nvme_copies).
-    optimizer_nvme_copies: int
-    # With the optimizer off the GPU, updated parameters go back to the GPU through this many pinned
-    # staging slots of one sub-group each (compute dtype). Stages 0-2 only: stage 3 writes updated weights
-    # into the parameter partitions through one pageable chunk (below).
-    param_copy_back_slots: int
-    # Stage 3 (zero/layout/units.py): the gradient partition is accumulated in the compute dtype (16-bit
-    # for mixed precision, no fp32 copy) in the optimizer's tier (pinned host memory when offloaded).
-    stage3_grad_partition_in_compute_dtype: bool
-    # Stage 3: the fp32 master is always its own copy (the parameter partitions live in their own tier,
-    # 16-bit or fp32), so fp32 training keeps the parameters twice.
-    stage3_master_separate: bool
-    # NVMe optimizer state (every stage) with nvme_copies "auto": the engine keeps optimizer_nvme_copies
-    # copies when nvme_path has room for them plus this headroom, else updates one copy in place.
-    stage3_nvme_copies_headroom: float
-    # Stage 3 updated-weights staging: one chunk of min(sub_group_size, partition) compute-dtype elements in
-    # pageable host memory (mixed precision only), and with NVMe parameters one pageable buffer of the
-    # largest layer's partition to assemble a unit before its swap file is written.
-    stage3_writer_chunks: int
-
-
-ENGINE_PLACEMENT = EnginePlacement(
-    partitioned_from_stage={"optimizer": 1, "grads": 2, "params": 3},
-    # With NVMe, master + states live in swap files and stream through pinned staging buffers of
-    # buffer_count x swap_chunk() elements x (4 + state bytes), DeepSpeed's buffer_count x sub_group x 4
-    # bytes; the fp32 gradient partition stays in host memory (accumulated during backward, read by the
-    # step).
-    optimizer_homes={
-        "none": {"master_params_fp32": "gpu", "optimizer_states": "gpu", "grads_fp32": "gpu"},
-        "cpu": {"master_params_fp32": "cpu", "optimizer_states": "cpu", "grads_fp32": "cpu"},
-        "nvme": {"master_params_fp32": "nvme", "optimizer_states": "nvme", "grads_fp32": "cpu"},
-    },
-    # With NVMe the host holds pinned read buffers of buffer_count x buffer_size compute-dtype elements.
-    param_homes={"none": "gpu", "cpu": "cpu", "nvme": "nvme"},
-    offload_optimizer_stages=(1, 2, 3),
-    offload_param_stages=(3,),
-    stage3_live_layers=2,
-    grad_bucket_layers=1,
-    full_grad_buffer_on_gpu=False,
-    pin_memory_default=True,
-    cap_swap_buffers_to_partition=True,
-    optimizer_nvme_copies=2,
-    param_copy_back_slots=2,
-    stage3_grad_partition_in_compute_dtype=True,
-    stage3_master_separate=True,
-    stage3_nvme_copies_headroom=1.05,
-    stage3_writer_chunks=1,
-)
-
-
-# DeepSpeed's defaults for the swap-buffer settings (our config schema is DeepSpeed-compatible).
-DEFAULT_OPTIMIZER_BUFFER_COUNT = 4
-DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
-DEFAULT_PARAM_BUFFER_COUNT = 5
-DEFAULT_PARAM_BUFFER_SIZE = 100_000_000
-DEFAULT_PARAM_MAX_IN_CPU = 1_000_000_000
-DEFAULT_REDUCE_BUCKET_SIZE = 500_000_000
+from .result import MemoryEstimate
+from .setup import SwapBufferSettings, TrainingSetup
 
 _TIERS = ("gpu", "cpu_pinned", "cpu_pageable", "nvme")
-
-
-@dataclass(frozen=True)
-class SwapBufferSettings:
-    """The buffer settings of a DeepSpeed-style config (zero_optimization.offload_* and sub_group_size)."""
-
-    optimizer_buffer_count: int = DEFAULT_OPTIMIZER_BUFFER_COUNT
-    sub_group_size: int = DEFAULT_SUB_GROUP_SIZE
-    param_buffer_count: int = DEFAULT_PARAM_BUFFER_COUNT
-    param_buffer_size: int = DEFAULT_PARAM_BUFFER_SIZE
-    optimizer_pin_memory: bool = ENGINE_PLACEMENT.pin_memory_default
-    param_pin_memory: bool = ENGINE_PLACEMENT.pin_memory_default
-    # offload_param.max_in_cpu: with NVMe parameters, partitions of up to this many elements in all stay
-    # in host memory (DeepSpeed's default 1e9 keeps a model under 1e9 parameters off the disk entirely).
-    param_max_in_cpu: int = DEFAULT_PARAM_MAX_IN_CPU
-    # offload_optimizer.nvme_copies: "auto" (two when nvme_path has room, else one), 1 or 2
-    optimizer_nvme_copies: Union[str, int] = "auto"
-    # zero_optimization.reduce_bucket_size / overlap_comm: stage 2's gradient buckets on the GPU.
-    reduce_bucket_size: int = DEFAULT_REDUCE_BUCKET_SIZE
-    overlap_comm: bool = False
-
-    def __post_init__(self) -> None:
-        if self.optimizer_nvme_copies not in NVME_COPIES or isinstance(self.optimizer_nvme_copies, bool):
-            raise EstimateInputError(
-                f'optimizer_nvme_copies must be "auto", 1 or 2, got {self.optimizer_nvme_copies!r}'
-            )
-        for name in ("optimizer_buffer_count", "sub_group_size", "param_buffer_count", "param_buffer_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise EstimateInputError(f"buffer setting {name} must be a positive integer, got {value!r}")
-        for name in ("param_max_in_cpu", "reduce_bucket_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise EstimateInputError(f"buffer setting {name} must be an integer >= 0, got {value!r}")
-
-
-@dataclass(frozen=True)
-class TrainingSetup:
-    """Everything that does not change between the rows of one estimate."""
-
-    params: int
-    largest_layer_params: int
-    gpus_per_node: int = 1
-    nodes: int = 1
-    precision: str = "bf16"
-    optimizer: str = "adam"
-    optimizer_state_dtype: str = "fp32"
-    buffers: SwapBufferSettings = field(default_factory=SwapBufferSettings)
-    activations: Optional[ActivationSettings] = None
-
-    def __post_init__(self) -> None:
-        for name in ("params", "largest_layer_params", "gpus_per_node", "nodes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise EstimateInputError(f"{name} must be a positive integer, got {value!r}")
-        if self.largest_layer_params > self.params:
-            raise EstimateInputError(
-                f"largest_layer_params ({self.largest_layer_params}) exceeds params ({self.params})"
-            )
-        if self.precision not in PRECISIONS:
-            raise EstimateInputError(
-                f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}"
-            )
-        if self.optimizer not in OPTIMIZER_STATES_PER_PARAM:
-            raise EstimateInputError(
-                f"optimizer must be one of {', '.join(OPTIMIZER_STATES_PER_PARAM)}, got {self.optimizer!r}"
-            )
-        if self.optimizer_state_dtype not in STATE_DTYPE_BYTES:
-            raise EstimateInputError(
-                f"optimizer_state_dtype must be one of {', '.join(STATE_DTYPE_BYTES)}, "
-                f"got {self.optimizer_state_dtype!r}"
-            )
-
-    @property
-    def world_size(self) -> int:
-        return self.gpus_per_node * self.nodes
-
-    @property
-    def mixed_precision(self) -> bool:
-        return self.precision != "fp32"
-
-    @property
-    def compute_bytes(self) -> int:
-        """Bytes of a parameter or gradient element as the model computes with it."""
-        return 2 if self.mixed_precision else FP32_BYTES
-
-    @property
-    def optimizer_state_bytes(self) -> int:
-        """K without the master copy: optimizer state bytes per parameter."""
-        return OPTIMIZER_STATES_PER_PARAM[self.optimizer] * STATE_DTYPE_BYTES[self.optimizer_state_dtype]
-
-    def optimizer_scale_bytes(self, numel: int) -> int:
-        """int8 states: the fp32 absmax scales of `numel` elements' states (0 for other dtypes)."""
-        if self.optimizer_state_dtype != "int8":
-            return 0
-        return OPTIMIZER_STATES_PER_PARAM[self.optimizer] * FP32_BYTES * math.ceil(numel / QUANT_BLOCK)
-
-    @property
-    def optimizer_bytes_per_param(self) -> float:
-        """Master + states per parameter (int8: with the scales), as the tiers hold them: 12 for fp32 Adam,
-        8 for bf16, 6 + 8/QUANT_BLOCK for int8."""
-        scales = self.optimizer_scale_bytes(QUANT_BLOCK) / QUANT_BLOCK
-        return FP32_BYTES + self.optimizer_state_bytes + scales
-
-    def nvme_chunk(self, part: int) -> int:
-        """Elements per chunk of NVMe optimizer state (the engine's `state_chunk`)."""
-        n_states = OPTIMIZER_STATES_PER_PARAM[self.optimizer]
-        return state_chunk(self.buffers.sub_group_size, part, n_states, self.optimizer_state_dtype)
 
 
 def _nvme_copies(
@@ -281,120 +61,6 @@ def _nvme_copies(
     return 1
 
 
-@dataclass(frozen=True)
-class MemoryEstimate:
-    """One configuration's bytes. GPU figures are per GPU; CPU and NVMe figures are per node."""
-
-    stage: int
-    offload_optimizer: str
-    offload_param: str
-    gpu: Dict[str, int]
-    cpu_pinned: Dict[str, int]
-    cpu_pageable: Dict[str, int]
-    nvme: Dict[str, int]
-    nvme_read_bytes_per_step: int = 0  # per node, one optimizer step (forward + backward + update)
-    nvme_write_bytes_per_step: int = 0
-    notes: Tuple[str, ...] = ()
-    # Stage 3 with NVMe optimizer state on a disk too small for two copies: the engine updates one copy in
-    # place. The least NVMe it can run with (equals nvme_bytes elsewhere); None: same as nvme_bytes.
-    nvme_min_bytes_value: Optional[int] = None
-
-    @property
-    def cpu(self) -> Dict[str, int]:
-        return {name: self.cpu_pinned[name] + self.cpu_pageable[name] for name in COMPONENTS}
-
-    @property
-    def per_gpu_bytes(self) -> int:
-        return sum(self.gpu.values())
-
-    @property
-    def per_cpu_pinned_bytes(self) -> int:
-        return sum(self.cpu_pinned.values())
-
-    @property
-    def per_cpu_pageable_bytes(self) -> int:
-        return sum(self.cpu_pageable.values())
-
-    @property
-    def per_cpu_bytes(self) -> int:
-        return self.per_cpu_pinned_bytes + self.per_cpu_pageable_bytes
-
-    @property
-    def nvme_bytes(self) -> int:
-        return sum(self.nvme.values())
-
-    @property
-    def nvme_min_bytes(self) -> int:
-        return self.nvme_bytes if self.nvme_min_bytes_value is None else self.nvme_min_bytes_value
-
-    @property
-    def options(self) -> str:
-        return (
-            f"stage={self.stage}, offload_optimizer={self.offload_optimizer}, "
-            f"offload_param={self.offload_param}"
-        )
-
-    def to_dict(self) -> Dict[str, object]:
-        return {
-            "stage": self.stage,
-            "offload_optimizer": self.offload_optimizer,
-            "offload_param": self.offload_param,
-            "per_gpu_bytes": self.per_gpu_bytes,
-            "per_cpu_bytes": self.per_cpu_bytes,
-            "per_cpu_pinned_bytes": self.per_cpu_pinned_bytes,
-            "per_cpu_pageable_bytes": self.per_cpu_pageable_bytes,
-            "nvme_bytes": self.nvme_bytes,
-            "nvme_min_bytes": self.nvme_min_bytes,
-            "breakdown": {
-                "gpu": dict(self.gpu),
-                "cpu": self.cpu,
-                "nvme": dict(self.nvme),
-                "cpu_pinned": dict(self.cpu_pinned),
-                "cpu_pageable": dict(self.cpu_pageable),
-            },
-            "nvme_read_bytes_per_step": self.nvme_read_bytes_per_step,
-            "nvme_write_bytes_per_step": self.nvme_write_bytes_per_step,
-            "notes": list(self.notes),
-        }
-
-
-def check_combination(stage: int, offload_optimizer: str, offload_param: str) -> None:
-    """Raise EstimateInputError with the reason when this stage/offload combination is not valid."""
-    if isinstance(stage, bool) or stage not in STAGES:
-        raise EstimateInputError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
-    for name, device in (("offload_optimizer", offload_optimizer), ("offload_param", offload_param)):
-        if device not in OFFLOAD_DEVICES:
-            raise EstimateInputError(f"{name} must be none, cpu or nvme, got {device!r}")
-    if offload_param != "none" and stage not in ENGINE_PLACEMENT.offload_param_stages:
-        raise EstimateInputError(
-            f"offload_param={offload_param} needs ZeRO stage 3 (stages 0-2 keep the full parameters on "
-            f"every GPU, so there is no partition to offload), got stage {stage}"
-        )
-    if offload_optimizer != "none" and stage not in ENGINE_PLACEMENT.offload_optimizer_stages:
-        raise EstimateInputError(
-            f"offload_optimizer={offload_optimizer} needs ZeRO stage 1, 2 or 3 (stage 0 does not partition "
-            f"the optimizer), got stage {stage}"
-        )
-
-
-def valid_combinations(
-    stages: Optional[Iterable[int]] = None,
-    offload_optimizers: Optional[Iterable[str]] = None,
-    offload_params: Optional[Iterable[str]] = None,
-) -> List[Tuple[int, str, str]]:
-    """Every valid (stage, offload_optimizer, offload_param) among the given choices (None = all)."""
-    combos = []
-    for stage in STAGES if stages is None else stages:
-        for opt in OFFLOAD_DEVICES if offload_optimizers is None else offload_optimizers:
-            for par in OFFLOAD_DEVICES if offload_params is None else offload_params:
-                try:
-                    check_combination(stage, opt, par)
-                except EstimateInputError:
-                    continue
-                combos.append((stage, opt, par))
-    return combos
-
-
 class _Ledger:
     """Per-rank bytes by tier and component."""
 
@@ -402,6 +68,7 @@ class _Ledger:
         self.bytes = {tier: dict.fromkeys(COMPONENTS, 0) for tier in _TIERS}
 
     def add(self, tier: str, component: str, nbytes: int) -> None:
+        """Count nbytes of component in tier."""
         self.bytes[tier][component] += int(nbytes)
 
 

@@ -36,7 +36,7 @@ from offload.config.zero import ZeroConfig
 from offload.swap.resident import resident_plan
 
 from .errors import EstimateInputError
-from .formulas import SwapBufferSettings
+from .setup import SwapBufferSettings
 from .units import format_bytes, format_count
 
 __all__ = [

@@ -15,7 +15,7 @@ from typing import Dict, Iterable, Optional, Sequence
 
 from .counting import read_json_file
 from .errors import EstimateInputError
-from .formulas import MemoryEstimate
+from .result import MemoryEstimate
 
 _TIER_RANK = {"none": 0, "cpu": 1, "nvme": 2}
 _PROFILE_FIELDS = ("ram_bytes", "gpu_bytes", "nvme_free_bytes", "nvme_read_gbps", "nvme_write_gbps")

@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Sequence
 
 from .deepspeed_compat import DeepSpeedRow
-from .formulas import MemoryEstimate, TrainingSetup
 from .machine import FitCheck, MachineProfile
+from .result import MemoryEstimate
+from .setup import TrainingSetup
 from .units import format_bytes, format_count, format_gib
 
 

@@ -16,7 +16,9 @@ import dataclasses
 import math
 from typing import Dict, Union
 
-from offload.estimate.formulas import FP32_BYTES, OPTIMIZER_STATES_PER_PARAM, MemoryEstimate, TrainingSetup
+from offload.estimate.placement import FP32_BYTES, OPTIMIZER_STATES_PER_PARAM
+from offload.estimate.result import MemoryEstimate
+from offload.estimate.setup import TrainingSetup
 from offload.swap.slots import swap_chunk
 from offload.swap.split import auto_max_in_cpu, split_numel
 

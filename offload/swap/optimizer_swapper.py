@@ -75,6 +75,7 @@ class SwapStats:
     chunks: int = 0
 
     def reset(self) -> None:
+        """Start the counts afresh."""
         self.bytes_read = self.bytes_written = self.chunks = 0
         self.io_wait_s = self.compute_s = self.gate_wait_s = self.write_back_wait_s = 0.0
 
@@ -187,14 +188,17 @@ class OptimizerSwapper:
 
     @property
     def buffer_count(self) -> int:
+        """Pinned staging slots."""
         return len(self._slots)
 
     @property
     def pinned_bytes(self) -> int:
+        """Bytes of the pinned staging slots."""
         return sum(s.numel() * FP32_BYTES for s in self._slots)
 
     @property
     def disk_bytes(self) -> int:
+        """Bytes allocated to the swap files (every copy)."""
         return sum(f.nbytes for f in self._files)
 
     @property
@@ -514,6 +518,8 @@ class OptimizerSwapper:
         self._fallback = previous if self._in_flight else None
 
     def abort(self) -> None:
+        """Drop the step under way: its writes to the spare copy are waited for and discarded; the live
+        copy stays the state."""
         self._pending = False
         if self._in_flight:
             # The aborted step's writes went to the spare copy, which is not the state: wait for them (the

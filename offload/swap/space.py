@@ -27,6 +27,10 @@ Paths: `nvme_path` must be a directory no other user can rename entries in (`che
 once, the lock file and directory are created relative to that descriptor (O_EXCL, O_NOFOLLOW), and the
 directory stays open for the space's life (`dir_fd`): swap files are created, grown, opened for I/O
 (`SwapFile` is an `offload.aio.FileAt`) and removed relative to it, never by path.
+
+The module is longer than most (about 620 lines): the lock-file protocol (create, release from a signal
+handler, reclaim a dead owner's directory) shares its names, stamp and descriptor checks with the space
+itself, and this security-relevant code is reviewed best in one place.
 """
 
 from __future__ import annotations
@@ -92,6 +96,7 @@ class SwapFile:
 
     @property
     def name(self) -> str:
+        """The file's name in its directory."""
         return os.path.basename(self.path)
 
     @property
@@ -186,16 +191,19 @@ class SwapSpace:
 
     @property
     def bytes_allocated(self) -> int:
+        """Bytes of every swap file in the space, as allocated on disk."""
         with self._lock:
             return sum(f.nbytes for f in self._files.values())
 
     @property
     def files(self) -> List[SwapFile]:
+        """The space's swap files."""
         with self._lock:
             return list(self._files.values())
 
     @property
     def closed(self) -> bool:
+        """Whether the space was closed (its files and directory removed)."""
         return not self._finalizer.alive
 
     @property
@@ -285,6 +293,7 @@ class _Lease:
 
     @classmethod
     def create(cls, root: str, prefix: str) -> _Lease:
+        """Create the lock file, then the directory under root, held by a new lease."""
         stamp = _stamp()
         root_fd = open_root(root, _swap_error)
         try:
@@ -342,6 +351,7 @@ class _Lease:
         return cls(path, lock_path, fd, root_fd, DirFd(dir_fd, path, _swap_error))
 
     def release(self) -> None:
+        """Remove the directory and then its lock file, once, from any thread or signal handler."""
         try:
             fd = self._state.pop()
         except IndexError:

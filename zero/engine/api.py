@@ -117,7 +117,7 @@ class EngineAPI:
             return
         for unit in part.units:
             part.repartition(unit)
-        part.store.drop_read_ahead()
+        part.drop_read_ahead()
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

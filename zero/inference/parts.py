@@ -290,7 +290,7 @@ class PartitionedLayout(_WeightsOnly):
         _cast_unpartitioned(model, place.device, place.dtype)
         self.module = model
         self.partitioner = _partitioner(model, config, place, pool)
-        self.pool = self.partitioner.store.pool  # built under zero.Init: the Init's pinned budget
+        self.pool = self.partitioner.pool  # built under zero.Init: the Init's pinned budget
         wanted = {id(p) for p in params}
         self.trainable_numel = sum(
             s.param_hi - s.param_lo
@@ -301,27 +301,27 @@ class PartitionedLayout(_WeightsOnly):
         self.partitioner.take_io_report()  # partitioning is not part of the first forward's counts
 
     def take_param_io(self) -> Optional[Dict[str, int]]:
-        """The parameter tier's counts since the last call (zero.stage3.partitioner.ParamIOReport)."""
+        """The parameter tier's counts since the last call (zero.stage3.io_report.ParamIOReport)."""
         return self.partitioner.take_io_report().as_dict()
 
     def quantization(self) -> Dict[str, int]:
         """What weight quantization holds on this rank: `units` stored quantized, their `quantized_numel`
         (weight elements as codes), `stored_bytes` of every partition on its tier and `unquantized_bytes`
         (the same partitions in the model dtype). Without quantization the two byte counts are equal."""
-        store = self.partitioner.store
-        units = self.partitioner.units
-        codecs = [c for c in (store.codec(u) for u in units) if c is not None]
+        part = self.partitioner
+        units = part.units
+        codecs = [c for c in (part.codec(u) for u in units) if c is not None]
         return {
             "units": len(codecs),
             "quantized_numel": sum(c.quantized_numel for c in codecs),
-            "stored_bytes": sum(store.stored_nbytes(u) for u in units),
+            "stored_bytes": sum(part.stored_nbytes(u) for u in units),
             "unquantized_bytes": sum(u.part_nbytes for u in units),
         }
 
     @property
     def param_nvme_bytes(self) -> int:
         """Bytes of the parameter partitions' swap files."""
-        return self.partitioner.store.bytes_on_disk
+        return self.partitioner.bytes_on_disk
 
     def module_state_dict(self) -> Dict[str, torch.Tensor]:
         """The whole model's state dict, gathered unit by unit (collective)."""
@@ -337,7 +337,7 @@ class PartitionedLayout(_WeightsOnly):
         q = self.quantization()
         quant = f", {q['units']} units quantized" if q["units"] else ""
         return (
-            f"stage=3, offload_param={self.partitioner.store.tier}, units={len(self.partitioner.units)}, "
+            f"stage=3, offload_param={self.partitioner.tier}, units={len(self.partitioner.units)}, "
             f"params={self.trainable_numel}{quant}, no optimizer"
         )
 
@@ -354,7 +354,7 @@ def _partitioner(model: nn.Module, config: Any, place: Placement, pool: PinnedPo
     sink = _DroppedGradients()
     owners = {id(p.ds_unit.owner): p.ds_unit.owner for p in model.parameters() if hasattr(p, "ds_unit")}
     if not wq.enabled or owners:
-        if wq.enabled and not all(o.store.quantizes for o in owners.values()):
+        if wq.enabled and not all(o.quantizes for o in owners.values()):
             raise ConfigError(
                 "weight_quantization: the model was partitioned without it (built under zero.Init?); its "
                 "weights are quantized as they are partitioned: build the model normally and pass it to "
@@ -363,7 +363,7 @@ def _partitioner(model: nn.Module, config: Any, place: Placement, pool: PinnedPo
         return Stage3Partitioner.for_model(model, config, grad_sink=sink, device=place.device, pool=pool)
     part = Stage3Partitioner(config, grad_sink=sink, device=place.device, pool=pool)
     try:
-        part.store.set_quantization(quantization_plan(model, wq))
+        part.set_quantization(quantization_plan(model, wq))
         part.attach(model)
     except BaseException:
         part.close()

@@ -482,7 +482,7 @@ def _stream(
             with safe_open(file, framework="pt") as f:
                 for index in sorted(by_unit):
                     unit = part.units[index]
-                    in_place = part.store.memory_partition(unit) is not None  # raw, in memory
+                    in_place = part.memory_partition(unit) is not None  # raw, in memory
                     if in_place:
                         values = part.read_partition(unit)  # the partition itself: filled in place
                     elif index in written:
@@ -498,9 +498,9 @@ def _stream(
                         nbytes += flat.numel() * flat.element_size()
                         bar.update(flat.numel() * flat.element_size())
                         del flat
-                    if part.store.codec(unit) is not None and index in written:
+                    if part.codec(unit) is not None and index in written:
                         # quantized: encode only this file's parameters (the others are not rounded twice)
-                        part.store.write(unit, values, only={i for _, i in by_unit[index]})
+                        part.write_partition(unit, values, only={i for _, i in by_unit[index]})
                     elif not in_place:
                         part.write_partition(unit, values)  # a swap file, or quantized: encoded as written
                     written.add(index)
@@ -628,11 +628,11 @@ def _load(
         try:
             part = Stage3Partitioner(loaded, device=compute_device(local_rank))
             if cache is not None:
-                part.store.use_swap_space(cache)  # the store closes it
+                part.use_swap_space(cache)  # the partitioner closes it
             if loaded.weight_quantization.enabled:  # each selected weight is quantized as it streams in
                 from zero.stage3.quant import quantization_plan
 
-                part.store.set_quantization(quantization_plan(model, loaded.weight_quantization))
+                part.set_quantization(quantization_plan(model, loaded.weight_quantization))
             part.partition_model(model)  # zero partitions; the pinned budget is checked here
             if cache is not None and reused:
                 cache.check_complete()
@@ -640,7 +640,7 @@ def _load(
             desc = "zero.from_pretrained: " + (
                 "building the swap cache" if cache is not None and not reused else "loading"
             )
-            skip = part.store.on_nvme if reused else None
+            skip = part.on_nvme if reused else None
             nbytes = _stream(part, model, plan, skip, tensors=tensors, desc=desc, rank=rank)
             if cache is not None:
                 cache.seal()  # every file fsync'd, then the manifest: complete from here on
@@ -664,7 +664,7 @@ def _load(
         swap_cache=None if cache is None else "reused" if reused else "built",
         swap_cache_dir=None if cache is None else cache.dir,
         checkpoint_bytes_read=nbytes,
-        swap_bytes_written=part.store.stats.bytes_written,
+        swap_bytes_written=part.swap_bytes_written,
         files=len(files),
         seconds=time.monotonic() - start,
     )
@@ -674,7 +674,7 @@ def _load(
         nbytes / 1e6,
         len(files),
         len(part.units),
-        part.store.tier,
+        part.tier,
         report.seconds,
         f" (swap cache {report.swap_cache}: {report.swap_cache_dir})" if cache is not None else "",
     )

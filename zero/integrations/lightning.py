@@ -11,6 +11,9 @@ LightningModule and the optimizer of `configure_optimizers` (or the config's opt
 `zero.initialize`; backward and the optimizer step are `engine.backward` / `engine.step`; `configure_model`
 runs under `zero.Init` at stage 3; checkpoints are the engine's (a directory per `trainer.save_checkpoint`
 path, Lightning's own state in its client state). One process on one device (docs/integrations.md).
+
+The module is a little over 500 lines: ZeroStrategy is Lightning's Strategy interface, one short method
+per hook, and a class split over modules would be harder to check against Lightning's than one.
 """
 
 from __future__ import annotations
@@ -175,6 +178,7 @@ class ZeroStrategy(Strategy):
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        """Take Lightning's precision plugin as a `ZeroPrecision`; others are refused (ValueError)."""
         if plugin is not None and type(plugin) in (Precision, MixedPrecision, HalfPrecision):
             plugin = ZeroPrecision(plugin.precision)
         elif plugin is not None and not isinstance(plugin, ZeroPrecision):

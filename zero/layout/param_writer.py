@@ -151,7 +151,7 @@ class UnitParamWriter:
         units = self.units
         for unit, a, z in units.units_in(start, n):
             base = units.offsets[unit.index] - start
-            mem = self.part.store.memory_partition(unit)
+            mem = self.part.memory_partition(unit)
             buf = mem if mem is not None else self._buffer(unit)
             for lo, hi in units.trainable_ranges(unit):
                 lo, hi = max(lo, a), min(hi, z)
@@ -174,7 +174,7 @@ class UnitParamWriter:
             if self.units.is_mixed(unit):  # frozen slices keep their stored values
                 # not through the staging slots: this may run on the optimizer thread during backward
                 buf = torch.empty(unit.part_numel, dtype=unit.dtype)
-                self.part.store.read_private(unit, buf)
+                self.part.read_partition_private(unit, buf)
             else:
                 buf = torch.empty(unit.part_numel, dtype=unit.dtype)
             self._assembly[unit.index] = buf

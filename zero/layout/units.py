@@ -101,7 +101,7 @@ class UnitLayout:
             model, config, grad_sink=self._sink, device=place.device, pool=pool
         )
         part = self.partitioner
-        self.pool = part.store.pool  # built under zero.Init: one pinned budget, the Init's
+        self.pool = part.pool  # built under zero.Init: one pinned budget, the Init's
 
         # -- the optimizer's partition: trainable units back to back
         wanted = {id(p) for p in params}
@@ -252,7 +252,7 @@ class UnitLayout:
 
     @property
     def param_nvme_bytes(self) -> int:
-        return self.partitioner.store.bytes_on_disk
+        return self.partitioner.bytes_on_disk
 
     # ------------------------------------------------------------------------------- state dicts
     def module_state_dict(self) -> Dict[str, torch.Tensor]:
@@ -303,7 +303,7 @@ class UnitLayout:
         self.partitioner.close()
 
     def describe(self) -> str:
-        return f"stage=3, offload_param={self.partitioner.store.tier}, units={len(self.units)}, " + (
+        return f"stage=3, offload_param={self.partitioner.tier}, units={len(self.units)}, " + (
             f"params={self.trainable_numel}"
         )
 

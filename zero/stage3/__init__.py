@@ -4,7 +4,8 @@ from zero.stage3.gathered import GatheredParameters
 from zero.stage3.grads import GradSink, SummingSink
 from zero.stage3.hooks import Stage3Hooks, register_external_parameter, unregister_external_parameter
 from zero.stage3.init import Init
-from zero.stage3.partitioner import ParamIOReport, Stage3Partitioner
+from zero.stage3.io_report import ParamIOReport
+from zero.stage3.partitioner import Stage3Partitioner
 from zero.stage3.store import PartitionStore, Stage3PinnedBudgetError
 from zero.stage3.unit import ParamSlice, PartitionStatus, Unit, ZeroParamStatus
 

@@ -7,19 +7,24 @@ This is the object the engine constructs for stage 3 (see docs/stage3.md, "The s
   (reference counted: a module called twice, a tied weight, a GatheredParameters block all hold it);
 * `read_partition` / `write_partition` and `memory_segments` give the optimizer its flat partitions and
   a way to write updated values back to memory or the swap file.
+* code outside zero.stage3 reaches the partitions only through its documented seam (`tier`, `pool`,
+  `on_nvme`, `memory_partition`, `codec`, ...; tests/test_stage3_seam.py), never through `store`.
 
 It is composed of parts, each in a module of its own: the unit builder that turns modules into units
 (`builder`, zero.stage3.builder), the use trace that drives prefetch and reuse
 (`use_trace`, zero.stage3.trace), gradient reduction into the gradient sink given at construction
 (`grads`, zero.stage3.reduction and zero.stage3.grads), the module hooks (`hooks`, zero.stage3.hooks) and
-whole-model state dicts (zero.stage3.state_dict). The partitioner owns what they share: which units are
-whole, and how many elements are gathered (`live_numel`).
+whole-model state dicts (zero.stage3.state_dict), and its I/O counts (zero.stage3.io_report). The
+partitioner owns what they share: which units are whole, and how many elements are gathered (`live_numel`).
+
+The module is longer than most (about 580 lines): some 90 of them are the seam's short delegations to the
+store, which keep the store private to stage 3, and the gather / free logic beside them is one piece of
+state (references, backward holds, units kept for reuse, live counts) that a split would spread out.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any, Dict, Iterable, List, Optional, Union
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -33,6 +38,8 @@ from zero.stage3.comm import all_gather_flat, dist_info
 from zero.stage3.config import default_pinned_pool, load_stage3_config
 from zero.stage3.grads import GradSink
 from zero.stage3.hooks import Stage3Hooks
+from zero.stage3.io_report import ParamIOReport, take_io_report
+from zero.stage3.quant import PartitionCodec, QuantTarget
 from zero.stage3.reduction import GradReduction
 from zero.stage3.state_dict import gathered_state_dict, load_shard
 from zero.stage3.store import PartitionStore
@@ -40,35 +47,6 @@ from zero.stage3.trace import UseTrace
 from zero.stage3.unit import PartitionStatus, Unit, set_partition_tensors, set_status
 
 __all__ = ["ParamIOReport", "Stage3Partitioner"]
-
-
-@dataclass
-class ParamIOReport:
-    """The parameter tier's counts over one interval (`Stage3Partitioner.take_io_report`)."""
-
-    param_nvme_read_bytes: int = 0
-    param_nvme_write_bytes: int = 0
-    param_cpu_read_bytes: int = 0  # read from partitions in host memory (cpu tier, nvme's max_in_cpu share)
-    param_reads: int = 0  # partition reads from NVMe (prefetched or on demand)
-    param_prefetches: int = 0
-    param_prefetch_hits: int = 0  # gathers that found their prefetch done or in flight
-    gathers: int = 0  # units made whole
-    peak_full_bytes: int = 0  # most bytes of whole (gathered) units alive at once, over the interval
-    device_to_host_bytes: int = 0  # gradients copied to the host partition parameter by parameter
-    host_to_device_bytes: int = 0  # partitions copied from host memory (tier or staging slot) to a GPU
-    peak_prefetch_depth: int = 0  # most prefetches in flight at once over the interval
-    peak_read_ahead_bytes: int = 0  # most bytes of host partitions copied ahead to the device at once
-    param_staged_bytes: int = 0  # NVMe bytes copied out of a staging slot into a gathered buffer
-    param_in_place_bytes: int = 0  # NVMe bytes used where they landed: viewed (or decoded) in a staging slot
-    param_direct_bytes: int = 0  # NVMe bytes read straight into a gathered buffer in host memory
-    param_read_wait_s: float = 0.0  # seconds gathers blocked on NVMe reads (not hidden by a prefetch)
-    quantized_matmuls: int = 0  # Linear/Conv1D/Embedding forwards computed from quantized codes (fused.py)
-    quantized_block_matmuls: int = 0  # of those, Linear/Conv1D forwards decoded block by block for a GEMM
-    transposed_linears: int = 0  # fp32 Linear forwards computed as (W x^T)^T, same bits (linear_layout.py)
-
-    def as_dict(self) -> Dict[str, Any]:
-        """The counts by field name."""
-        return asdict(self)
 
 
 _HOST_ALIGN = 4096
@@ -434,9 +412,72 @@ class Stage3Partitioner:
             self._maybe_free(u)
 
     # ---------------------------------------------------------------------------------- the engine's seam
+    # Code outside zero.stage3 reaches the partitions through these methods, never through `store`
+    # (tests/test_stage3_seam.py checks it): the store's bookkeeping stays the partitioner's to change.
+    @property
+    def tier(self) -> str:
+        """Where the partitions live: "none" (the compute device), "cpu" or "nvme" (offload_param.device)."""
+        return self.store.tier
+
+    @property
+    def pool(self) -> PinnedPool:
+        """The pinned pool the partitions and staging slots come from (a zero.Init's: its budget)."""
+        return self.store.pool
+
+    @property
+    def bytes_on_disk(self) -> int:
+        """Bytes allocated to the partitions' swap files (0 without NVMe)."""
+        return self.store.bytes_on_disk
+
+    @property
+    def swap_bytes_written(self) -> int:
+        """Bytes written to the swap files since the last `take_io_report` (or construction)."""
+        return self.store.stats.bytes_written
+
+    def on_nvme(self, unit: Unit) -> bool:
+        """Whether the unit's partition lives in a swap file."""
+        return self.store.on_nvme(unit)
+
+    def memory_partition(self, unit: Unit) -> Optional[torch.Tensor]:
+        """The unit's partition itself when it lives in memory (a view into `memory_segments()`), else None
+        (a swap file, or stored quantized: its bytes are not values)."""
+        return self.store.memory_partition(unit)
+
+    def memory_location(self, unit: Unit) -> Optional[Tuple[int, int]]:
+        """(segment index, element offset) of a memory-tier partition in `memory_segments()`, else None."""
+        return self.store.memory_location(unit)
+
     def memory_segments(self) -> List[torch.Tensor]:
-        """Flat tensors holding every memory-tier partition back to back (see `store.memory_location`)."""
+        """Flat tensors holding every memory-tier partition back to back (see `memory_location`)."""
         return list(self.store.arena.segments)
+
+    # weight quantization (zero.stage3.quant)
+    def set_quantization(self, plan: Dict[str, QuantTarget]) -> None:
+        """Store the weights `plan` selects (zero.stage3.quant.quantization_plan) quantized, in every unit
+        partitioned from now on: call it before `partition_model` / `attach`."""
+        self.store.set_quantization(plan)
+
+    @property
+    def quantizes(self) -> bool:
+        """Whether a quantization plan was set (`set_quantization`)."""
+        return self.store.quantizes
+
+    def codec(self, unit: Unit) -> Optional[PartitionCodec]:
+        """The unit's codec when its partition is stored quantized, else None."""
+        return self.store.codec(unit)
+
+    def stored_nbytes(self, unit: Unit) -> int:
+        """Bytes the unit's partition occupies on its tier and moves per read (quantized: encoded)."""
+        return self.store.stored_nbytes(unit)
+
+    def use_swap_space(self, space: Any) -> None:
+        """Create the swap files of the units partitioned from now on in `space` (a SwapSpace or
+        zero.stage3.swap_cache.SwapCache; the partitioner closes it) instead of a private one."""
+        self.store.use_swap_space(space)
+
+    def drop_read_ahead(self) -> None:
+        """Drop the copies of host partitions read ahead to the device and not used yet."""
+        self.store.drop_read_ahead()
 
     def read_partition(self, unit: Unit, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """This rank's partition of `unit` (a view when it lives in memory and `out` is None)."""
@@ -448,11 +489,18 @@ class Stage3Partitioner:
         self.store.read(unit, out)
         return out
 
-    def write_partition(self, unit: Unit, values: torch.Tensor) -> None:
+    def read_partition_private(self, unit: Unit, out: torch.Tensor) -> None:
+        """`read_partition` into `out` (host memory) without the staging slots, through a handle of its
+        own: for the thread that writes partitions (the optimizer's) while the main thread gathers."""
+        self.store.read_private(unit, out)
+
+    def write_partition(self, unit: Unit, values: torch.Tensor, only: Optional[set] = None) -> None:
         """Replace this rank's partition (updated weights); a gathered copy is refreshed or dropped.
+        `only` (indices of the unit's parameters), for a unit stored quantized: re-encode just those
+        parameters and keep the others as stored (no second rounding).
 
         Collective for world_size > 1 while the unit is held (its full buffer is re-gathered)."""
-        self.store.write(unit, values)
+        self.store.write(unit, values, only)
         if unit.full is None or unit.full is self.partition_as_full(unit):
             return
         if self.world_size == 1:
@@ -509,41 +557,7 @@ class Stage3Partitioner:
 
     def take_io_report(self) -> ParamIOReport:
         """The counts since the last call (or since construction), and start counting afresh."""
-        st = self.store.stats
-        layouts = self.hooks.layouts if self.hooks is not None else None
-        report = ParamIOReport(
-            param_nvme_read_bytes=st.bytes_read,
-            param_nvme_write_bytes=st.bytes_written,
-            param_cpu_read_bytes=st.cpu_bytes_read,
-            param_reads=st.reads,
-            param_prefetches=st.prefetches,
-            param_prefetch_hits=st.prefetch_hits,
-            gathers=self.gathers,
-            peak_full_bytes=self.peak_full_bytes,
-            device_to_host_bytes=self.grads.device_to_host_bytes,
-            host_to_device_bytes=self.host_to_device_bytes,
-            peak_prefetch_depth=st.peak_inflight,
-            peak_read_ahead_bytes=st.peak_ahead_bytes,
-            param_staged_bytes=st.staged_bytes,
-            param_in_place_bytes=st.in_place_bytes,
-            param_direct_bytes=st.direct_bytes,
-            param_read_wait_s=st.read_wait_s,
-            quantized_matmuls=self.hooks.fused.forwards if self.hooks is not None else 0,
-            quantized_block_matmuls=self.hooks.fused.block_forwards if self.hooks is not None else 0,
-            transposed_linears=layouts.transposed if layouts is not None else 0,
-        )
-        st.bytes_read = st.bytes_written = st.reads = st.prefetches = st.prefetch_hits = st.cpu_bytes_read = 0
-        st.staged_bytes = st.in_place_bytes = st.direct_bytes = 0
-        st.read_wait_s = 0.0
-        st.peak_inflight = len([u for u in self.units if self.store.prefetching(u)])
-        st.peak_ahead_bytes = st.ahead_bytes
-        self.gathers = self.grads.device_to_host_bytes = self.host_to_device_bytes = 0
-        if self.hooks is not None:
-            self.hooks.fused.forwards = self.hooks.fused.block_forwards = 0
-        if layouts is not None:
-            layouts.transposed = 0
-        self.peak_full_bytes = self.live_full_bytes
-        return report
+        return take_io_report(self)
 
     def units_of(self, params: Iterable[nn.Parameter]) -> List[Unit]:
         """The units (of this partitioner) holding `params`, each once, in order of first appearance."""

@@ -1,0 +1,142 @@
+"""What one estimate is made for: the model's size, the machine's ranks, the precision and optimizer
+(TrainingSetup) and the buffer settings of a DeepSpeed-style config (SwapBufferSettings), checked as they
+are built."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+from offload.swap.slots import QUANT_BLOCK, state_chunk  # the engine's slot sizing
+
+from .activations import ActivationSettings
+from .errors import EstimateInputError
+from .placement import (
+    ENGINE_PLACEMENT,
+    FP32_BYTES,
+    NVME_COPIES,
+    OPTIMIZER_STATES_PER_PARAM,
+    PRECISIONS,
+    STATE_DTYPE_BYTES,
+)
+
+__all__ = ["SwapBufferSettings", "TrainingSetup"]
+
+# DeepSpeed's defaults for the swap-buffer settings (our config schema is DeepSpeed-compatible).
+DEFAULT_OPTIMIZER_BUFFER_COUNT = 4
+DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
+DEFAULT_PARAM_BUFFER_COUNT = 5
+DEFAULT_PARAM_BUFFER_SIZE = 100_000_000
+DEFAULT_PARAM_MAX_IN_CPU = 1_000_000_000
+DEFAULT_REDUCE_BUCKET_SIZE = 500_000_000
+
+
+@dataclass(frozen=True)
+class SwapBufferSettings:
+    """The buffer settings of a DeepSpeed-style config (zero_optimization.offload_* and sub_group_size)."""
+
+    optimizer_buffer_count: int = DEFAULT_OPTIMIZER_BUFFER_COUNT
+    sub_group_size: int = DEFAULT_SUB_GROUP_SIZE
+    param_buffer_count: int = DEFAULT_PARAM_BUFFER_COUNT
+    param_buffer_size: int = DEFAULT_PARAM_BUFFER_SIZE
+    optimizer_pin_memory: bool = ENGINE_PLACEMENT.pin_memory_default
+    param_pin_memory: bool = ENGINE_PLACEMENT.pin_memory_default
+    # offload_param.max_in_cpu: with NVMe parameters, partitions of up to this many elements in all stay
+    # in host memory (DeepSpeed's default 1e9 keeps a model under 1e9 parameters off the disk entirely).
+    param_max_in_cpu: int = DEFAULT_PARAM_MAX_IN_CPU
+    # offload_optimizer.nvme_copies: "auto" (two when nvme_path has room, else one), 1 or 2
+    optimizer_nvme_copies: Union[str, int] = "auto"
+    # zero_optimization.reduce_bucket_size / overlap_comm: stage 2's gradient buckets on the GPU.
+    reduce_bucket_size: int = DEFAULT_REDUCE_BUCKET_SIZE
+    overlap_comm: bool = False
+
+    def __post_init__(self) -> None:
+        if self.optimizer_nvme_copies not in NVME_COPIES or isinstance(self.optimizer_nvme_copies, bool):
+            raise EstimateInputError(
+                f'optimizer_nvme_copies must be "auto", 1 or 2, got {self.optimizer_nvme_copies!r}'
+            )
+        for name in ("optimizer_buffer_count", "sub_group_size", "param_buffer_count", "param_buffer_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise EstimateInputError(f"buffer setting {name} must be a positive integer, got {value!r}")
+        for name in ("param_max_in_cpu", "reduce_bucket_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise EstimateInputError(f"buffer setting {name} must be an integer >= 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class TrainingSetup:
+    """Everything that does not change between the rows of one estimate."""
+
+    params: int
+    largest_layer_params: int
+    gpus_per_node: int = 1
+    nodes: int = 1
+    precision: str = "bf16"
+    optimizer: str = "adam"
+    optimizer_state_dtype: str = "fp32"
+    buffers: SwapBufferSettings = field(default_factory=SwapBufferSettings)
+    activations: Optional[ActivationSettings] = None
+
+    def __post_init__(self) -> None:
+        for name in ("params", "largest_layer_params", "gpus_per_node", "nodes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise EstimateInputError(f"{name} must be a positive integer, got {value!r}")
+        if self.largest_layer_params > self.params:
+            raise EstimateInputError(
+                f"largest_layer_params ({self.largest_layer_params}) exceeds params ({self.params})"
+            )
+        if self.precision not in PRECISIONS:
+            raise EstimateInputError(
+                f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}"
+            )
+        if self.optimizer not in OPTIMIZER_STATES_PER_PARAM:
+            raise EstimateInputError(
+                f"optimizer must be one of {', '.join(OPTIMIZER_STATES_PER_PARAM)}, got {self.optimizer!r}"
+            )
+        if self.optimizer_state_dtype not in STATE_DTYPE_BYTES:
+            raise EstimateInputError(
+                f"optimizer_state_dtype must be one of {', '.join(STATE_DTYPE_BYTES)}, "
+                f"got {self.optimizer_state_dtype!r}"
+            )
+
+    @property
+    def world_size(self) -> int:
+        """Data-parallel ranks: GPUs per node times nodes."""
+        return self.gpus_per_node * self.nodes
+
+    @property
+    def mixed_precision(self) -> bool:
+        """Whether the model computes in 16 bits (bf16 or fp16)."""
+        return self.precision != "fp32"
+
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes of a parameter or gradient element as the model computes with it."""
+        return 2 if self.mixed_precision else FP32_BYTES
+
+    @property
+    def optimizer_state_bytes(self) -> int:
+        """K without the master copy: optimizer state bytes per parameter."""
+        return OPTIMIZER_STATES_PER_PARAM[self.optimizer] * STATE_DTYPE_BYTES[self.optimizer_state_dtype]
+
+    def optimizer_scale_bytes(self, numel: int) -> int:
+        """int8 states: the fp32 absmax scales of `numel` elements' states (0 for other dtypes)."""
+        if self.optimizer_state_dtype != "int8":
+            return 0
+        return OPTIMIZER_STATES_PER_PARAM[self.optimizer] * FP32_BYTES * math.ceil(numel / QUANT_BLOCK)
+
+    @property
+    def optimizer_bytes_per_param(self) -> float:
+        """Master + states per parameter (int8: with the scales), as the tiers hold them: 12 for fp32 Adam,
+        8 for bf16, 6 + 8/QUANT_BLOCK for int8."""
+        scales = self.optimizer_scale_bytes(QUANT_BLOCK) / QUANT_BLOCK
+        return FP32_BYTES + self.optimizer_state_bytes + scales
+
+    def nvme_chunk(self, part: int) -> int:
+        """Elements per chunk of NVMe optimizer state (the engine's `state_chunk`)."""
+        n_states = OPTIMIZER_STATES_PER_PARAM[self.optimizer]
+        return state_chunk(self.buffers.sub_group_size, part, n_states, self.optimizer_state_dtype)
