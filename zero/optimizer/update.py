@@ -78,7 +78,8 @@ class UpdatePass:
             settle(dist.all_reduce(sq, async_op=True))
         return sq
 
-    def _set_norm_from_chunks(self, sq: List[float], grad_scale: float) -> None:
+    def set_norm_from_chunks(self, sq: List[float], grad_scale: float) -> None:
+        """Set the step's gradient norm from the squares a pass summed chunk by chunk (`sq`)."""
         total = float(self._sum_over_ranks(torch.tensor([sum(sq)], dtype=torch.float64)).item())
         self._norm = math.sqrt(total) / grad_scale if math.isfinite(total) else math.inf
 
@@ -136,7 +137,7 @@ class UpdatePass:
             settle(dist.all_reduce(flag, op=dist.ReduceOp.MIN, async_op=True))
             ok = bool(flag.item() > 0)
         if sq_chunks is not None:
-            self._set_norm_from_chunks(sq_chunks, grad_scale)
+            self.set_norm_from_chunks(sq_chunks, grad_scale)
         return opt.end_pass(ok, step, rep, h2d0)
 
     # --------------------------------------------------------------- optimizer steps during backward
@@ -195,7 +196,7 @@ class UpdatePass:
             moved = getattr(self.layout, "moved_grad_bytes", None)  # stage 2: what its buckets moved
             if moved is not None:
                 rep.device_to_host_bytes += moved()
-        self._set_norm_from_chunks(self._overlap_sq, self.loss_scale() * self.world_size)
+        self.set_norm_from_chunks(self._overlap_sq, self.loss_scale() * self.world_size)
         return self.opt.end_pass(ok, step, rep, self._h2d0)
 
     def drop_overlapped(self) -> None:
