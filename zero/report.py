@@ -54,6 +54,9 @@ class StepReport:
     gradient_wait_s: float = 0.0
     optimizer_chunks: int = 0  # chunks (sub-groups) the optimizer pass updated
     optimizer_chunks_in_backward: int = 0  # of those, updated while backward still ran (overlap)
+    # chunks stepped during backward with clipping coefficient 1 and redone after it because clipping
+    # triggered (zero.optimizer.speculative)
+    optimizer_chunks_redone: int = 0
     # zero_offload.delayed_update: the host pass of the previous step, applied in this step's window
     host_step_s: float = 0.0  # how long the host optimizer pass(es) applied in this window ran
     host_step_hidden_s: float = 0.0  # of that, what ran while forward/backward did (off the critical path)

@@ -193,12 +193,13 @@ def enable_overlap(
 ) -> None:
     """Step NVMe sub-groups during backward (offload_optimizer.pipeline_read / pipeline_write) when a
     pass can be dropped (two copies; with a share of the state in memory, that share steps after
-    backward) and needs no gradient still to come: no clipping (global norm first), one rank (the
-    reduction ends with backward). Elsewhere the optimizer runs after backward; with the delayed update
+    backward) and needs no gradient still to come: one rank (the reduction ends with backward). With
+    gradient clipping the steps are speculative, validated once the norm is known
+    (zero.optimizer.speculative). Elsewhere the optimizer runs after backward; with the delayed update
     (zero.optimizer.delayed) it runs during the next step's forward and backward instead."""
     if delayed or off is None or not bool(off.pipeline) or offload_device != "nvme":
         return
-    if world_size > 1 or clipping > 0:
+    if world_size > 1:
         return
     chunks = opt.prepare_overlap()
     if chunks is None:
