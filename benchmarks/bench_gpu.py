@@ -21,8 +21,9 @@ device in bf16. Sections:
   activation checkpointing) at sequence 2048 with activation checkpointing, for the smallest rung whose
   training state (the estimator's stage 0 without offload, activations not counted) does not fit in the
   GPU's memory, trained with --tflops-config (ZeRO-2, optimizer on CPU). Goal: 150 TFLOPS on an H100.
-* ``overhead``: plain torch against --overhead-config for a model that fits (rung --overhead-rung), the
-  same batches, steps alternating A B A B in one process; medians and the ratio.
+* ``overhead``: plain torch against --overhead-config, and against it with ``zero_offload.delayed_update``
+  when CONFIGS has its ``-delayed`` twin, for a model that fits (rung --overhead-rung), the same batches,
+  steps alternating A B C A B C in one process; medians and the ratio.
 * ``ratio``: ``offload_optimizer.ratio`` 0 / 0.5 / 1 (the part of the optimizer state kept on the CPU; the
   rest stays on the GPU), step times alternating in one process. A value the engine refuses (ConfigError)
   is reported as refused, with the engine's message.
@@ -64,7 +65,10 @@ CONFIGS: Dict[str, Optional[Tuple[int, str, str]]] = {
     "zero3-opt-cpu-param-cpu": (3, "cpu", "cpu"),
     "zero3-opt-nvme-param-nvme": (3, "nvme", "nvme"),
     "zero3-opt-cpu": (3, "cpu", "none"),  # DeepSpeed's partial offload (ratio) is a stage-3 feature
+    # zero_offload.delayed_update: the host step of step t behind step t+1's forward and backward
+    "zero2-opt-cpu-delayed": (2, "cpu", "none"),
 }
+DELAYED = "-delayed"  # a configuration whose name ends so runs with the delayed update
 CAPACITY = ("torch", "zero2-opt-cpu", "zero3-opt-cpu-param-cpu", "zero3-opt-nvme-param-nvme")
 RATIOS = (0.0, 0.5, 1.0)
 TORCH_BYTES_PER_PARAM = (
@@ -136,13 +140,16 @@ def engine_config(
                 p.update(nvme_path=nvme_dir, max_in_cpu=0, buffer_count=5)
                 p["buffer_size"] = max(100_000_000, shape.largest_layer)
             zo["offload_param"] = p
-    return {
+    conf: Dict[str, Any] = {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": accum,
         "bf16": {"enabled": True},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}},
         "zero_optimization": zo,
     }
+    if name.endswith(DELAYED):
+        conf["zero_offload"] = {"delayed_update": {"enabled": True, "warmup_steps": 1}}
+    return conf
 
 
 def activations(shape: Shape, micro: int, seq: int, ckpt: bool) -> Any:
@@ -790,6 +797,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                 res[name] = section_tflops(args, machine, nvme_dir, deadline)
             elif name == "overhead":
                 contenders = {"torch": ("torch", 1.0), args.overhead_config: (args.overhead_config, 1.0)}
+                if args.overhead_config + DELAYED in CONFIGS:
+                    delayed = args.overhead_config + DELAYED
+                    contenders[delayed] = (delayed, 1.0)
                 res[name] = section_interleaved(args, contenders, nvme_dir, deadline)
             else:
                 contenders = {f"ratio={r}": (args.ratio_config, r) for r in RATIOS}
