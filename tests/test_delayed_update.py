@@ -196,3 +196,15 @@ def test_placements_without_a_host_step_to_hide_are_refused(change, message) -> 
     cfg["zero_optimization"]["offload_optimizer"].update(change)
     with pytest.raises(ValueError, match=message):
         zero.initialize(model=_model(), config=cfg)
+
+
+def test_stage_3_and_several_ranks_are_refused_before_anything_is_built() -> None:
+    from zero.optimizer.delayed import check_delayed
+
+    cfg = load_config(_config())
+    with pytest.raises(ValueError, match="stage 0-2"):
+        check_delayed(cfg, offload_device="cpu", stage=3)
+    with pytest.raises(ValueError, match="one rank"):
+        check_delayed(cfg, offload_device="cpu", stage=2, world=2)
+    check_delayed(cfg, offload_device="nvme", stage=2)  # served
+    check_delayed(load_config(_config(enabled=False)), offload_device="none", stage=3, world=8)  # off

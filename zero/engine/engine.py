@@ -193,7 +193,9 @@ class ZeroEngine(EngineAPI):
         `groups`: the optimizer's param groups (zero.optimizer.param_groups.build_groups)."""
         inference.refuse_weight_quantization(self.config)
         zcfg = self.config.zero_optimization
-        check_delayed(self.config, offload_device=self.offload_device, stage=self.stage)
+        check_delayed(
+            self.config, offload_device=self.offload_device, stage=self.stage, world=self.world_size
+        )
         self.layout: Layout
         if self.stage == 3:
             from zero.layout.units import UnitLayout

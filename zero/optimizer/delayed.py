@@ -187,11 +187,12 @@ class DelayedUpdate:
         self.opt.writer.finish()
 
 
-def check_delayed(cfg: ZeroOffloadConfig, *, offload_device: str, stage: int) -> None:
+def check_delayed(cfg: ZeroOffloadConfig, *, offload_device: str, stage: int, world: int = 1) -> None:
     """ValueError, before anything is built, for placements `zero_offload.delayed_update` does not serve:
     an optimizer on the training device (no host step to hide), stage 3 (its parameters are written per
     unit), Twin-Flow's device share (`offload_optimizer.ratio` below 1.0: updated in place on the device
-    while the next forward would read it). Nothing when the delayed update is off."""
+    while the next forward would read it), several ranks (a settle outside `step()` would have to gather
+    every rank's partition). Nothing when the delayed update is off."""
     if not cfg.zero_offload.delayed_update.enabled:
         return
     where = "zero_offload.delayed_update.enabled=true"
@@ -200,6 +201,11 @@ def check_delayed(cfg: ZeroOffloadConfig, *, offload_device: str, stage: int) ->
             f"{where}: the optimizer steps on the training device (offload_optimizer.device="
             f"{offload_device!r}), so there is no host step to hide; offload the optimizer to 'cpu' or "
             "'nvme', or turn the delayed update off"
+        )
+    if world > 1:
+        raise ValueError(
+            f"{where} runs on one rank for now ({world} ranks here: applying a pending update outside "
+            "step() would need every rank's partition gathered); use one rank, or turn it off"
         )
     if stage >= 3:
         raise ValueError(
