@@ -21,8 +21,9 @@ device in bf16. Sections:
   activation checkpointing) at sequence 2048 with activation checkpointing, for the smallest rung whose
   training state (the estimator's stage 0 without offload, activations not counted) does not fit in the
   GPU's memory, trained with --tflops-config (ZeRO-2, optimizer on CPU). Goal: 150 TFLOPS on an H100.
-* ``overhead``: plain torch against --overhead-config for a model that fits (rung --overhead-rung), the
-  same batches, steps alternating A B A B in one process; medians and the ratio.
+* ``overhead``: plain torch against --overhead-config, and against it with ``zero_offload.delayed_update``
+  when CONFIGS has its ``-delayed`` twin, for a model that fits (rung --overhead-rung), the same batches,
+  steps alternating A B C A B C in one process; medians and the ratio.
 * ``ratio``: ``offload_optimizer.ratio`` 0 / 0.5 / 1 (the part of the optimizer state kept on the CPU; the
   rest stays on the GPU), step times alternating in one process. A value the engine refuses (ConfigError)
   is reported as refused, with the engine's message.
@@ -52,6 +53,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from benchmarks.gpu_ladder import (
     CAPACITY,
     CONFIGS,
+    DELAYED,
     RATIOS,
     activations,
     estimate_row,
@@ -397,7 +399,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
             overhead_micro=2,
             repeats=2,
             sub_group=1 << 16,
-            budget_s=min(args.budget_s, 120.0),
+            budget_s=min(args.budget_s, 150.0),  # four sections, the overhead one with three contenders
         ).items():
             setattr(args, key, value)
     if args.device == "cpu" and args.device_mem is None and not args.child:
@@ -457,6 +459,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                 res[name] = section_tflops(args, machine, nvme_dir, deadline)
             elif name == "overhead":
                 contenders = {"torch": ("torch", 1.0), args.overhead_config: (args.overhead_config, 1.0)}
+                if args.overhead_config + DELAYED in CONFIGS:
+                    delayed = args.overhead_config + DELAYED
+                    contenders[delayed] = (delayed, 1.0)
                 res[name] = section_interleaved(args, contenders, nvme_dir, deadline)
             else:
                 contenders = {f"ratio={r}": (args.ratio_config, r) for r in RATIOS}

@@ -15,7 +15,10 @@ CONFIGS: Dict[str, Optional[Tuple[int, str, str]]] = {
     "zero3-opt-cpu-param-cpu": (3, "cpu", "cpu"),
     "zero3-opt-nvme-param-nvme": (3, "nvme", "nvme"),
     "zero3-opt-cpu": (3, "cpu", "none"),  # DeepSpeed's partial offload (ratio) is a stage-3 feature
+    # zero_offload.delayed_update: the host step of step t behind step t+1's forward and backward
+    "zero2-opt-cpu-delayed": (2, "cpu", "none"),
 }
+DELAYED = "-delayed"  # a configuration whose name ends so runs with the delayed update
 CAPACITY = ("torch", "zero2-opt-cpu", "zero3-opt-cpu-param-cpu", "zero3-opt-nvme-param-nvme")
 RATIOS = (0.0, 0.5, 1.0)
 TORCH_BYTES_PER_PARAM = (
@@ -90,13 +93,16 @@ def engine_config(
                 p.update(nvme_path=nvme_dir, max_in_cpu=0, buffer_count=5)
                 p["buffer_size"] = max(100_000_000, shape.largest_layer)
             zo["offload_param"] = p
-    return {
+    conf: Dict[str, Any] = {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": accum,
         "bf16": {"enabled": True},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}},
         "zero_optimization": zo,
     }
+    if name.endswith(DELAYED):
+        conf["zero_offload"] = {"delayed_update": {"enabled": True, "warmup_steps": 1}}
+    return conf
 
 
 def activations(shape: Shape, micro: int, seq: int, ckpt: bool) -> Any:

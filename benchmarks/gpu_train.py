@@ -113,6 +113,10 @@ class Trainer:
         rep = None if self.engine is None else self.engine.last_report
         if rep is not None:
             out.update(forward_s=rep.forward_s, backward_s=rep.backward_s, optimizer_s=rep.optimizer_s)
+            # this engine's pinned bytes (rep.pinned_bytes_in_use is the process's: every contender's), and
+            # the delayed update's host step and the part of it hidden behind forward and backward
+            out.update(pinned_bytes=self.engine.pinned_bytes, host_step_s=rep.host_step_s)
+            out.update(host_step_hidden_s=rep.host_step_hidden_s)
         return out
 
     def close(self) -> None:

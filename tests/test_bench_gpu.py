@@ -100,6 +100,14 @@ def test_overhead_runs_both_on_the_same_batches(smoke):
     assert ours["losses"][0] == pytest.approx(torch_run["losses"][0], rel=1e-3)
 
 
+def test_overhead_runs_the_delayed_update_too(smoke):
+    sec = smoke["results"]["overhead"]["contenders"]
+    ours, delayed = sec["zero2-opt-cpu"], sec["zero2-opt-cpu-delayed"]
+    assert delayed["status"] == "ok" and len(delayed["samples"]) == smoke["settings"]["repeats"]
+    # warm-up step 1 is an ordinary one: the same weights for the first two losses, then one step stale
+    assert delayed["losses"][:2] == pytest.approx(ours["losses"][:2], rel=1e-3)
+
+
 def test_ratio_values_run_or_are_refused_by_name(smoke):
     sec = smoke["results"]["ratio"]["contenders"]
     assert set(sec) == {"ratio=0.0", "ratio=0.5", "ratio=1.0"}

@@ -135,4 +135,9 @@ def test_zenflow_is_refused_naming_what_to_use():
     msg = _error({"zero_optimization": {"stage": 2, "zenflow": {"topk_ratio": 0.1}}})
     assert msg.startswith("zero_optimization.zenflow in <dict>:")
     assert "offload_optimizer.ratio" in msg and "pipeline_read" in msg
+    assert "zero_offload.delayed_update" in msg
+    # what it names is a key this config accepts
+    assert load_config(
+        {"zero_offload": {"delayed_update": {"enabled": True}}}
+    ).zero_offload.delayed_update.enabled
     assert load_config({"zero_optimization": {"zenflow": None}}).zero_optimization.stage == 0

@@ -141,12 +141,40 @@ def test_overflow_in_overlapped_pass_is_undone(tmp_path, in_ram, device):
     _same(plain, overlapped)
 
 
-def test_clipping_falls_back_to_stepping_after_backward(tmp_path):
-    cfg = _config(str(tmp_path), True, gradient_clipping=0.5)
-    plain = _train(_config(str(tmp_path), False, gradient_clipping=0.5), steps=2)
-    clipped = _train(cfg, steps=2)
-    assert not clipped["early"]  # the global norm is needed before any update
-    _same(plain, clipped)
+@pytest.mark.parametrize("in_ram", IN_RAM)
+@pytest.mark.parametrize("clip", [0.05, 1e6], ids=["clipping-triggers", "clipping-idle"])
+def test_speculative_steps_with_clipping_match_steps_after_backward(tmp_path, clip, in_ram, device):
+    """With clipping the sub-groups are stepped during backward with coefficient 1 and validated after
+    it (zero/optimizer/speculative.py): kept when clipping does not trigger, undone from the old NVMe copy
+    and redone with the true coefficient when it does - bit-identical to stepping after backward."""
+    plain = _train(_config(str(tmp_path), False, in_ram=in_ram, gradient_clipping=clip), steps=3)
+    spec = _train(_config(str(tmp_path), True, in_ram=in_ram, gradient_clipping=clip), steps=3)
+    assert spec["early"]
+    _same(plain, spec)
+    assert spec["state"]["step"] == 3
+    rep = spec["report"]
+    assert rep.optimizer_chunks == plain["report"].optimizer_chunks
+    if clip < 1:  # every sub-group stepped during backward was redone
+        assert rep.optimizer_chunks_redone > 0 and rep.optimizer_chunks_in_backward == 0
+    else:  # the speculation stood
+        assert rep.optimizer_chunks_redone == 0 and rep.optimizer_chunks_in_backward > 0
+
+
+@pytest.mark.parametrize("clip", [0.05, 1e6], ids=["clipping-triggers", "clipping-idle"])
+def test_speculative_steps_with_clipping_and_accumulation(tmp_path, clip):
+    plain = _train(_config(str(tmp_path), False, gradient_clipping=clip), steps=2, gas=2)
+    spec = _train(_config(str(tmp_path), True, gradient_clipping=clip), steps=2, gas=2)
+    _same(plain, spec)
+
+
+@pytest.mark.parametrize("in_ram", IN_RAM)
+def test_speculative_steps_with_clipping_and_fp16_overflow(tmp_path, in_ram):
+    """fp16 with clipping: overflowing steps are dropped and skipped, the others validated as above."""
+    plain = _train(_config(str(tmp_path), False, "fp16", in_ram, gradient_clipping=0.5), steps=8)
+    spec = _train(_config(str(tmp_path), True, "fp16", in_ram, gradient_clipping=0.5), steps=8)
+    assert spec["early"] and 0 < spec["skipped"] < 8
+    _same(plain, spec)
+    assert spec["report"].optimizer_chunks_redone + spec["report"].optimizer_chunks_in_backward > 0
 
 
 @pytest.mark.parametrize("in_ram", IN_RAM)

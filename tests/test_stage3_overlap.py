@@ -67,6 +67,16 @@ def test_overlapped_steps_match_steps_after_backward(tmp_path, param, device):
         assert overlapped["param_io"]["param_nvme_write_bytes"] == plain["param_io"]["param_nvme_write_bytes"]
 
 
+@pytest.mark.parametrize("clip", [0.05, 1e6], ids=["clipping-triggers", "clipping-idle"])
+def test_speculative_steps_with_clipping_match_steps_after_backward(tmp_path, clip):
+    """Clipping: sub-groups stepped during backward with coefficient 1, kept or undone and redone once the
+    norm is known (zero/optimizer/speculative.py); the NVMe parameter partitions follow either way."""
+    plain = run(config("nvme", tmp_path, False, gradient_clipping=clip), steps=3)
+    spec = run(config("nvme", tmp_path, True, gradient_clipping=clip), steps=3)
+    assert spec["early"] and spec["state"]["step"] == 3
+    assert_same(plain, spec)
+
+
 @pytest.mark.parametrize("param", ["none", "nvme"])
 def test_a_share_of_the_state_in_ram(tmp_path, param):
     """max_in_cpu: the swapped sub-groups are stepped during backward, the resident ones after it; their

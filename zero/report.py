@@ -54,6 +54,14 @@ class StepReport:
     gradient_wait_s: float = 0.0
     optimizer_chunks: int = 0  # chunks (sub-groups) the optimizer pass updated
     optimizer_chunks_in_backward: int = 0  # of those, updated while backward still ran (overlap)
+    # chunks stepped during backward with clipping coefficient 1 and redone after it because clipping
+    # triggered (zero.optimizer.speculative)
+    optimizer_chunks_redone: int = 0
+    # zero_offload.delayed_update: the host pass of the previous step, applied in this step's window
+    host_step_s: float = 0.0  # how long the host optimizer pass(es) applied in this window ran
+    host_step_hidden_s: float = 0.0  # of that, what ran while forward/backward did (off the critical path)
+    optimizer_chunks_hidden: int = 0  # chunks that pass had updated before the engine waited for it
+    delayed_updates: int = 0  # delayed passes applied in this window (0 or 1)
     nvme_read_bytes: int = 0
     nvme_write_bytes: int = 0
     device_to_host_bytes: int = 0  # gradients to the host tier
@@ -92,6 +100,10 @@ class StepReport:
         ]
         if self.comm_s:
             parts.append(f"comm {self.comm_s * 1e3:.1f} ms")
+        if self.delayed_updates:
+            parts.append(
+                f"host step {self.host_step_s * 1e3:.1f} ms ({self.host_step_hidden_s * 1e3:.1f} hidden)"
+            )
         if self.nvme_read_bytes or self.nvme_write_bytes:
             parts.append(
                 f"nvme r {format_bytes(self.nvme_read_bytes)} w {format_bytes(self.nvme_write_bytes)} "

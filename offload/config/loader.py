@@ -119,9 +119,18 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class DelayedUpdateConfig:
+    """`zero_offload.delayed_update`: the host optimizer step of step t runs while step t+1's forward and
+    backward run (one step of staleness, after `warmup_steps` ordinary steps); zero/optimizer/delayed.py."""
+
+    enabled: bool = False
+    warmup_steps: int = 0
+
+
+@dataclass(frozen=True)
 class ZeroOffloadSection:
-    """Our own keys (DeepSpeed has none of them): the per-step report, the pinned-memory cap, and int8
-    activations for the products of quantized weights."""
+    """Our own keys (DeepSpeed has none of them): the per-step report, the pinned-memory cap, int8
+    activations for the products of quantized weights, and the delayed host update."""
 
     report: bool = False
     report_every: int = 1
@@ -131,6 +140,7 @@ class ZeroOffloadSection:
     # CPU inference forwards of weight_quantization's Linears: activations rounded to int8 per group too
     # (offload.ops.qmatmul.quantized_linear); needs weight_quantization.
     int8_activations: bool = False
+    delayed_update: DelayedUpdateConfig = field(default_factory=DelayedUpdateConfig)
 
 
 @dataclass(frozen=True)
@@ -273,13 +283,21 @@ def _parse(raw: Any, ctx: Context, world_size: int) -> ZeroOffloadConfig:
 
 def _parse_zero_offload(raw: Any, ctx: Context) -> ZeroOffloadSection:
     s = Section(
-        raw, "zero_offload", ctx, ("report", "report_every", "pinned_budget_bytes", "int8_activations")
+        raw,
+        "zero_offload",
+        ctx,
+        ("report", "report_every", "pinned_budget_bytes", "int8_activations", "delayed_update"),
     )
+    d = Section(s.mapping("delayed_update"), "zero_offload.delayed_update", ctx, ("enabled", "warmup_steps"))
     return ZeroOffloadSection(
         report=s.bool("report", ZeroOffloadSection.report),
         report_every=s.int("report_every", ZeroOffloadSection.report_every, min=1),
         pinned_budget_bytes=s.int("pinned_budget_bytes", None, min=0, allow_none=True),
         int8_activations=s.bool("int8_activations", ZeroOffloadSection.int8_activations),
+        delayed_update=DelayedUpdateConfig(
+            enabled=bool(d.bool("enabled", DelayedUpdateConfig.enabled)),
+            warmup_steps=int(d.int("warmup_steps", DelayedUpdateConfig.warmup_steps, min=0) or 0),
+        ),
     )
 
 

@@ -157,6 +157,9 @@ FIELD_USAGE: Dict[str, Usage] = {
     "zero_offload.report_every": _r("zero/engine/engine.py"),
     "zero_offload.pinned_budget_bytes": _r("zero/engine/engine.py, zero/stage3 (pinned pool cap)"),
     "zero_offload.int8_activations": _r("zero/stage3/fused.py (integer products of quantized Linears)"),
+    "zero_offload.delayed_update": _r("zero/optimizer/delayed.py (section)"),
+    "zero_offload.delayed_update.enabled": _r("zero/optimizer/delayed.py (DelayedUpdate)"),
+    "zero_offload.delayed_update.warmup_steps": _r("zero/optimizer/delayed.py (ordinary steps first)"),
     "checkpoint": _r("zero/checkpoint/save.py (section)"),
     "data_types": _r("offload/config/data_types.py (section)"),
     "data_types.grad_accum_dtype": _r(

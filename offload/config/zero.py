@@ -119,9 +119,11 @@ STAGE3_SHORT_NAMES = (
 
 _ZENFLOW_INSTEAD = (
     "ZenFlow (the zenflow section) is not supported; what zero-offload offers for the same goal - keeping"
-    " the GPU busy while the CPU steps the optimizer - is offload_optimizer.ratio below 1.0 (Twin-Flow: that"
-    " share of the optimizer state stepped on the device) and offload_optimizer.pipeline_read /"
-    " pipeline_write (NVMe sub-groups stepped while backward runs); remove the zenflow section"
+    " the GPU busy while the CPU steps the optimizer - is zero_offload.delayed_update (the host step of"
+    " step t runs during step t+1's forward and backward, one step stale, as ZenFlow's asynchronous"
+    " update), offload_optimizer.pipeline_read / pipeline_write (NVMe sub-groups stepped while backward"
+    " runs, speculatively under gradient clipping) and offload_optimizer.ratio below 1.0 (Twin-Flow: that"
+    " share of the optimizer state stepped on the device); remove the zenflow section"
 )
 
 # Keys that only tune logging, debugging or zero.Init memory use: accepted, warned about, not acted on.

@@ -143,7 +143,8 @@ def build_optimizer_state(
         offload=off,
         aio=cfg.aio,
         rank=rank,
-        alias=layout.master_alias(),
+        # a delayed update puts the weights in at its join: the master cannot be the parameters
+        alias=None if cfg.zero_offload.delayed_update.enabled else layout.master_alias(),
         device_staging_bytes=staging,
         swap_copies=copies,
         state_dtype=state_dtype,
@@ -188,14 +189,17 @@ def enable_overlap(
     offload_device: str,
     world_size: int,
     clipping: float,
+    delayed: bool = False,
 ) -> None:
     """Step NVMe sub-groups during backward (offload_optimizer.pipeline_read / pipeline_write) when a
     pass can be dropped (two copies; with a share of the state in memory, that share steps after
-    backward) and needs no gradient still to come: no clipping (global norm first), one rank (the
-    reduction ends with backward). Elsewhere the optimizer runs after backward."""
-    if off is None or not bool(off.pipeline) or offload_device != "nvme":
+    backward) and needs no gradient still to come: one rank (the reduction ends with backward). With
+    gradient clipping the steps are speculative, validated once the norm is known
+    (zero.optimizer.speculative). Elsewhere the optimizer runs after backward; with the delayed update
+    (zero.optimizer.delayed) it runs during the next step's forward and backward instead."""
+    if delayed or off is None or not bool(off.pipeline) or offload_device != "nvme":
         return
-    if world_size > 1 or clipping > 0:
+    if world_size > 1:
         return
     chunks = opt.prepare_overlap()
     if chunks is None:

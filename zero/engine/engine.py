@@ -57,6 +57,7 @@ from zero.engine.unused import UnusedParameterCheck
 from zero.inference import parts as inference
 from zero.layout.base import GradMemory, Layout, Placement, trainable_params
 from zero.layout.flat import FlatLayout
+from zero.optimizer.delayed import DelayedUpdate, check_delayed, make_delayed
 from zero.optimizer.integrity import StateGuard
 from zero.optimizer.loss_scaler import build_loss_scaler
 from zero.optimizer.overlap import OverlapPass
@@ -161,6 +162,7 @@ class ZeroEngine(EngineAPI):
         pool = PinnedPool(default_pinned_budget(cfg.zero_offload.pinned_budget_bytes))
         place = Placement(self.device, self.dtype, rank, world_size, self.stage, self.offload_device)
         self.overlap = OverlapPass()  # the optimizer pass during backward (enabled below when it can run)
+        self._delayed: Optional[DelayedUpdate] = None  # zero_offload.delayed_update (zero.optimizer.delayed)
         try:
             if cfg.activation_checkpointing != ActivationCheckpointingConfig():
                 # as if zero.checkpointing.configure had been called with this config (DeepSpeed needs that)
@@ -191,6 +193,9 @@ class ZeroEngine(EngineAPI):
         `groups`: the optimizer's param groups (zero.optimizer.param_groups.build_groups)."""
         inference.refuse_weight_quantization(self.config)
         zcfg = self.config.zero_optimization
+        check_delayed(
+            self.config, offload_device=self.offload_device, stage=self.stage, world=self.world_size
+        )
         self.layout: Layout
         if self.stage == 3:
             from zero.layout.units import UnitLayout
@@ -230,6 +235,7 @@ class ZeroEngine(EngineAPI):
             offload_device=self.offload_device,
             world_size=self.world_size,
             clipping=self.gradient_clipping,
+            delayed=self.config.zero_offload.delayed_update.enabled,
         )
         self._update = UpdatePass(
             self.layout,
@@ -243,6 +249,7 @@ class ZeroEngine(EngineAPI):
             check_overflow=self.check_overflow,
             loss_scale=lambda: self.loss_scale,
         )
+        self._delayed = make_delayed(self.config, self._update, self._opt, self.layout)
         self._unused = None if zcfg.ignore_unused_parameters else UnusedParameterCheck(self.module, params)
         if self.layout.partitioner is not None:
             self.layout.take_param_io()  # building and initialising are not part of the first step's report
@@ -344,7 +351,8 @@ class ZeroEngine(EngineAPI):
         if boundary:
             # NVMe: the first sub-groups' states do not depend on the gradients; read them during backward.
             self._update.drop_overlapped()  # a second boundary backward without step(): start over
-            self._opt.tier.prefetch()
+            if self._delayed is None:  # (a delayed pass walks the tier now)
+                self._opt.tier.prefetch()
         early = boundary and self.overlap.enabled and not retain_graph
         if early:
             self._update.start_overlapped()
@@ -429,7 +437,7 @@ class ZeroEngine(EngineAPI):
             rep.comm_bytes += reducer.bytes_sent
             reducer.bytes_sent = 0
         with self._clock.phase("optimizer_s"):
-            overflow = self._update.run(rep)
+            overflow = (self._delayed or self._update).run(rep)
         if not overflow and self.layout.gathers_after_step:
             with self._clock.phase("comm_s"):
                 self.layout.after_step()
@@ -588,6 +596,7 @@ class ZeroEngine(EngineAPI):
         self.check_open()
         self.check_state_usable()
         self._update.drop_overlapped()
+        self.settle_update()
         self._opt.settle_write_back()
         self.check_state_usable()
 
@@ -599,12 +608,14 @@ class ZeroEngine(EngineAPI):
         if self.optimizer is None:
             return  # no master to rebuild
         self._update.drop_overlapped()
+        self.settle_update()
         self._opt.rebuild_master(self.layout.master_from_module())
 
     # --------------------------------------------------------------------------- optimizer state I/O
     def optimizer_state_dict(self) -> Dict[str, Any]:
         """This rank's optimizer state: rule, hyperparameters, step, partition, master and states."""
         self._update.drop_overlapped()  # between backward and step: the committed state, as without overlap
+        self.settle_update()
         self._opt.settle_write_back()
         master, states = self._opt.master_and_states()
         return {
@@ -624,6 +635,7 @@ class ZeroEngine(EngineAPI):
             )
         self.optimizer.check_hyperparameters(sd["param_groups"], "load_optimizer_state_dict")
         self._update.drop_overlapped()
+        self.settle_update()
         self._opt.load_values(sd["master"], sd["states"])
         self.optimizer.load_hyperparameters(sd["param_groups"], "load_optimizer_state_dict")
         self.optimizer.step_count = int(sd["step"])
@@ -633,10 +645,12 @@ class ZeroEngine(EngineAPI):
         self, fn: Callable[[int, int, torch.Tensor, List[torch.Tensor]], None]
     ) -> None:
         """`fn(start, n, master, states)` over the committed state, chunk by chunk (checkpoint writes)."""
+        self.settle_update()
         self._opt.stream_out(fn)
 
     def load_optimizer_state(self, fn: Callable[[int, int, torch.Tensor, List[torch.Tensor]], None]) -> None:
         """`fn(start, n, master, states)` fills the state chunk by chunk (checkpoint reads)."""
+        self.settle_update()
         self._opt.stream_in(fn)
 
     def consolidated_state_dict(self, fp32: bool = False) -> Dict[str, torch.Tensor]:
@@ -650,6 +664,7 @@ class ZeroEngine(EngineAPI):
     def fp32_master_state_dict(self) -> Dict[str, torch.Tensor]:
         """The trainable parameters' fp32 master values, whole (collective)."""
         self._update.drop_overlapped()
+        self.settle_update()
         self._opt.settle_write_back()
         master, _ = self._opt.master_and_states()
         return self.layout.master_state_dict(master)
@@ -733,6 +748,18 @@ class ZeroEngine(EngineAPI):
         if self.optimizer is None:
             raise inference.no_optimizer_error(what)
 
+    @property
+    def delayed_update(self) -> Optional[DelayedUpdate]:
+        """The delayed host update (`zero_offload.delayed_update`), or None when it is off."""
+        return self._delayed
+
+    def settle_update(self) -> None:
+        """With `zero_offload.delayed_update`: apply the optimizer update still pending (wait for its host
+        pass, commit it, put its weights into the parameters), e.g. before evaluating the model. Without
+        one pending (or the delayed update off), nothing happens. Checkpoints and `close()` call it."""
+        if self._delayed is not None and not self._closed:
+            self._delayed.settle(self._clock.current)
+
     def check_open(self) -> None:
         """Raise RuntimeError if the engine was closed."""
         if self._closed:
@@ -744,6 +771,11 @@ class ZeroEngine(EngineAPI):
         Also frees what a failed construction had built (parts not built yet are skipped)."""
         if self._closed:
             return
+        pending_error: Optional[BaseException] = None
+        try:
+            self.settle_update()  # the delayed update still pending is part of the trained weights
+        except BaseException as e:  # noqa: BLE001 - raised once the parts are freed
+            pending_error = e
         self._closed = True
         overlap, unused = getattr(self, "overlap", None), getattr(self, "_unused", None)
         opt, layout = getattr(self, "_opt", None), getattr(self, "layout", None)
@@ -762,6 +794,8 @@ class ZeroEngine(EngineAPI):
             self._opt = None  # type: ignore[assignment]
             if layout is not None:
                 layout.close()
+        if pending_error is not None:
+            raise pending_error
 
     def __enter__(self) -> ZeroEngine:
         return self

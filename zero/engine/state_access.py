@@ -134,6 +134,7 @@ class StateAccess:
         """Before touching the optimizer state: the committed state, no pass in flight."""
         e.check_open()
         e._update.drop_overlapped()
+        e.settle_update()
         e._opt.settle_write_back()
 
     # ------------------------------------------------------------------------------ master and states

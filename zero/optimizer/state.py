@@ -521,7 +521,8 @@ class OptimizerState:
         chunk's sum of squared (raw) gradients is appended to it first: the step's gradient norm, taken
         while the pass walks the gradients anyway (on NVMe, under the reads and writes in flight)."""
         rule, writer, atomic_from = self.rule, self.writer, self.atomic_from
-        groups = self.optimizer.param_groups
+        # A snapshot: a pass on a worker thread keeps this step's hyperparameters when a scheduler steps
+        groups = [dict(g) for g in self.optimizer.param_groups]
         group = groups[self.first_group]  # the hyperparameters of every chunk while the groups agree
         spans = self.spans if self.spans is not None and groups_differ(groups, self._used) else None
         if spans is not None and rule.format.quantized:

@@ -21,6 +21,7 @@ from zero.comm import settle
 from zero.layout.base import Layout
 from zero.optimizer.overlap import OverlapPass
 from zero.optimizer.rules import ZeroOptimizer
+from zero.optimizer.speculative import validate
 from zero.optimizer.state import OptimizerState, sum_of_squares
 from zero.report import StepReport
 
@@ -78,7 +79,8 @@ class UpdatePass:
             settle(dist.all_reduce(sq, async_op=True))
         return sq
 
-    def _set_norm_from_chunks(self, sq: List[float], grad_scale: float) -> None:
+    def set_norm_from_chunks(self, sq: List[float], grad_scale: float) -> None:
+        """Set the step's gradient norm from the squares a pass summed chunk by chunk (`sq`)."""
         total = float(self._sum_over_ranks(torch.tensor([sum(sq)], dtype=torch.float64)).item())
         self._norm = math.sqrt(total) / grad_scale if math.isfinite(total) else math.inf
 
@@ -136,14 +138,26 @@ class UpdatePass:
             settle(dist.all_reduce(flag, op=dist.ReduceOp.MIN, async_op=True))
             ok = bool(flag.item() > 0)
         if sq_chunks is not None:
-            self._set_norm_from_chunks(sq_chunks, grad_scale)
+            self.set_norm_from_chunks(sq_chunks, grad_scale)
         return opt.end_pass(ok, step, rep, h2d0)
 
     # --------------------------------------------------------------- optimizer steps during backward
+    @property
+    def speculative_scale(self) -> float:
+        """The gradient divisor the pass during backward uses: loss scale and world size, clipping
+        coefficient 1 (zero.optimizer.speculative validates it once backward ended)."""
+        return float(self._overlap_args[3])
+
+    @property
+    def speculative_grads(self) -> torch.Tensor:
+        """The gradients the pass during backward reads (zero.optimizer.speculative)."""
+        return self._overlap_args[0]
+
     def start_overlapped(self) -> None:
-        """Start the pass on the overlap's worker thread; it steps each chunk once its gradients are final."""
+        """Start the pass on the overlap's worker thread; it steps each chunk once its gradients are final
+        (with clipping, speculatively: zero.optimizer.speculative)."""
         opt = self.opt
-        fused_check = self.check_overflow  # no clipping here; an overflow stops the pass, nothing committed
+        fused_check = self.check_overflow  # an overflow stops the pass, nothing committed
         grad_scale = self.loss_scale() * self.world_size
         step = self.zopt.step_count + 1
         grad = self.layout.early_grads(self.overlap.fetch is not None)
@@ -179,6 +193,10 @@ class UpdatePass:
         """Wait for the pass started in backward, then commit it or keep the previous state."""
         result = self.overlap.join()
         assert result is not None
+        if self.gradient_clipping > 0:
+            decided = validate(self, result, rep)
+            if decided is not None:
+                return decided
         step = self.zopt.step_count + 1
         rep.optimizer_chunks_in_backward += self.overlap.chunks_in_backward
         try:
@@ -195,7 +213,8 @@ class UpdatePass:
             moved = getattr(self.layout, "moved_grad_bytes", None)  # stage 2: what its buckets moved
             if moved is not None:
                 rep.device_to_host_bytes += moved()
-        self._set_norm_from_chunks(self._overlap_sq, self.loss_scale() * self.world_size)
+        if self.gradient_clipping <= 0:  # with clipping `validate` took the norm as after backward
+            self.set_norm_from_chunks(self._overlap_sq, self.loss_scale() * self.world_size)
         return self.opt.end_pass(ok, step, rep, self._h2d0)
 
     def drop_overlapped(self) -> None:
