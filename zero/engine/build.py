@@ -14,6 +14,7 @@ The loss scaler is `zero.optimizer.loss_scaler.build_loss_scaler`, the one place
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -26,16 +27,10 @@ from zero.layout.base import Layout, allocate_pinned
 from zero.optimizer.integrity import StateGuard
 from zero.optimizer.overlap import OverlapPass
 from zero.optimizer.param_groups import check_quantized_groups, group_spans
-from zero.optimizer.rules import (
-    DeviceState,
-    UpdateRule,
-    ZeroOptimizer,
-    rule_from_client_optimizer,
-    rule_from_config,
-)
-from zero.optimizer.state import FusedDeviceStep, OptimizerState, build_tier, swap_copies
-from zero.optimizer.tiers.device_part import TorchDevicePart, wants_torch_part
-from zero.optimizer.tiers.split import SplitTier
+from zero.optimizer.rules import UpdateRule, ZeroOptimizer, rule_from_client_optimizer, rule_from_config
+from zero.optimizer.state import OptimizerState
+from zero.optimizer.tiers.build import TierSpec, TorchPart, build_tier, fused_device_step, swap_copies
+from zero.optimizer.tiers.device_part import wants_torch_part
 
 __all__ = [
     "build_optimizer_state",
@@ -114,9 +109,12 @@ def build_optimizer_state(
     device_part: str,
     guard: StateGuard,
     on_step_lost: Callable[[], None],
+    world_size: int = 1,
 ) -> OptimizerState:
-    """fp32 master and states on the offload tier, with the writer that copies weights back."""
+    """fp32 master and states on the offload tier, with the writer that copies weights back (the NVMe
+    chunks in the order a pass during backward steps them, when `overlap_wanted`)."""
     off = cfg.zero_optimization.offload_optimizer
+    clipping = float(cfg.gradient_clipping or 0.0)
     n_states, part = rule.n_states, layout.part_numel
     spans = group_spans(layout.param_spans(), optimizer.param_groups, part)
     check_quantized_groups(rule, optimizer.param_groups, spans)
@@ -131,40 +129,29 @@ def build_optimizer_state(
 
     if offload_device == "nvme":
         swap_copies(off.nvme_path, 0, n_states, state_dtype, off.nvme_copies)  # a bad nvme_path: now
-    tier, space = build_tier(
-        part,
-        n_states,
-        layout.master_init(),
+    torch_part = wants_torch_part(device_part, device) and offload_device != "none"
+    spec = TierSpec(
         tier=offload_device,
         device=device,
-        pool=pool,
-        pinned=lambda numel, what: allocate_pinned(pool, numel, what),
         sub_group=sub_group,
         offload=off,
         aio=cfg.aio,
         rank=rank,
-        alias=layout.master_alias(),
+        state_dtype=state_dtype,
         device_staging_bytes=staging,
         swap_copies=copies,
-        state_dtype=state_dtype,
+        last_first=overlap_wanted(
+            off, offload_device=offload_device, world_size=world_size, clipping=clipping
+        ),
+        torch_part=TorchPart(rule, optimizer.param_groups, spans) if torch_part else None,
+    )
+    pinned = partial(allocate_pinned, pool)
+    tier, space = build_tier(
+        part, n_states, layout.master_init(), spec, pool=pool, pinned=pinned, alias=layout.master_alias()
     )
     device_step = None
     if device.type == "cuda" and offload_device == "none":
-        device_step = FusedDeviceStep(rule, optimizer, tier, spans)  # type: ignore[arg-type]
-    torch_part = wants_torch_part(device_part, device) and offload_device != "none"
-    whole = isinstance(tier, DeviceState) and tier.numel > 0 and not tier.pinned_bytes  # ratio 0
-    if torch_part and (whole or (isinstance(tier, SplitTier) and tier.on_device)):
-        try:  # Twin-Flow: the device share stepped by torch (zero.optimizer.tiers.device_part)
-            groups = optimizer.param_groups
-            if isinstance(tier, SplitTier):
-                tier.use_device_part(TorchDevicePart(rule, groups, tier.front, spans=spans))
-            else:
-                tier = TorchDevicePart(rule, groups, tier, spans=spans)  # type: ignore[arg-type]
-        except BaseException:
-            tier.close()
-            if space is not None:
-                space.close()
-            raise
+        device_step = fused_device_step(tier, rule, optimizer, spans)
     return OptimizerState(
         tier,
         space,
@@ -177,6 +164,16 @@ def build_optimizer_state(
         device_step=device_step,
         spans=spans,
     )
+
+
+def overlap_wanted(
+    off: Optional[OffloadOptimizerConfig], *, offload_device: str, world_size: int, clipping: float
+) -> bool:
+    """Whether the config asks to step NVMe sub-groups during backward and nothing rules it out before the
+    tier is built: no clipping (global norm first), one rank (the reduction ends with backward)."""
+    if off is None or not bool(off.pipeline) or offload_device != "nvme":
+        return False
+    return world_size <= 1 and clipping <= 0
 
 
 def enable_overlap(
@@ -193,9 +190,7 @@ def enable_overlap(
     pass can be dropped (two copies; with a share of the state in memory, that share steps after
     backward) and needs no gradient still to come: no clipping (global norm first), one rank (the
     reduction ends with backward). Elsewhere the optimizer runs after backward."""
-    if off is None or not bool(off.pipeline) or offload_device != "nvme":
-        return
-    if world_size > 1 or clipping > 0:
+    if not overlap_wanted(off, offload_device=offload_device, world_size=world_size, clipping=clipping):
         return
     chunks = opt.prepare_overlap()
     if chunks is None:
