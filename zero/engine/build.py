@@ -125,9 +125,10 @@ def build_optimizer_state(
     state_dtype = rule.state_dtype
 
     def copies(swapped: int) -> int:  # decided for the swapped share (max_in_cpu keeps the rest in RAM)
+        assert off is not None  # only an NVMe tier asks, and it has its offload_optimizer block
         return swap_copies(off.nvme_path, swapped, n_states, state_dtype, off.nvme_copies)
 
-    if offload_device == "nvme":
+    if offload_device == "nvme" and off is not None:
         swap_copies(off.nvme_path, 0, n_states, state_dtype, off.nvme_copies)  # a bad nvme_path: now
     torch_part = wants_torch_part(device_part, device) and offload_device != "none"
     spec = TierSpec(

@@ -96,14 +96,15 @@ def describe_placement(
         return (
             f"optimizer state: {format_bytes(device)} on the training device (offload_optimizer.device=none)"
         )
-    parts = [f"{format_bytes(device)} on the training device (ratio={offload.ratio})"] if device else []
+    off = offload if offload is not None else OffloadOptimizerConfig()  # the defaults when no block
+    parts = [f"{format_bytes(device)} on the training device (ratio={off.ratio})"] if device else []
     if info.tier == "cpu":
         parts.append(f"{format_bytes(host)} in pinned RAM (offload_optimizer.device=cpu)")
         return "optimizer state: " + ", ".join(parts)
     swapped = fmt.whole_bytes(info.swapped_numel)
     copies = f" ({info.copies} cop{'ies' if info.copies > 1 else 'y'} on disk)" if swapped else ""
     parts += [f"{format_bytes(host)} in pinned RAM", f"{format_bytes(swapped)} on NVMe{copies}"]
-    want = offload.max_in_cpu
+    want = off.max_in_cpu
     if want != "auto":
         why = f"max_in_cpu={want}"
     elif info.swapped_numel == 0:
