@@ -25,7 +25,8 @@ from test_state_integrity import assert_same, weights
 import zero
 from offload.config import load_config
 from zero.engine import ZeroEngine
-from zero.optimizer.rules import DeviceState, UpdateRule
+from zero.optimizer.rules import UpdateRule
+from zero.optimizer.tiers.device import DeviceState
 from zero.optimizer.tiers.device_part import TorchDevicePart, wants_torch_part
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

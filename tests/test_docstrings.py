@@ -30,3 +30,20 @@ def test_public_classes_and_functions_have_docstrings() -> None:
             if is_def and not node.name.startswith("_") and not ast.get_docstring(node):
                 missing.append(f"{path}:{node.lineno} {node.name}")
     assert missing == []
+
+
+def test_public_methods_of_the_optimizer_package_have_docstrings() -> None:
+    """zero/optimizer/ (the optimizer and its state tiers): every public method too, not only top level."""
+    missing = []
+    for path in _public_modules():
+        if not path.startswith(os.path.join("zero", "optimizer") + os.sep):
+            continue
+        tree = ast.parse(open(os.path.join(REPO, path)).read())
+        for cls in tree.body:
+            if not isinstance(cls, ast.ClassDef) or cls.name.startswith("_"):
+                continue
+            for node in cls.body:
+                is_def = isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                if is_def and not node.name.startswith("_") and not ast.get_docstring(node):
+                    missing.append(f"{path}:{node.lineno} {cls.name}.{node.name}")
+    assert missing == []

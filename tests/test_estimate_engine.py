@@ -134,7 +134,7 @@ def _stage3_setup(count, sub_group: int) -> TrainingSetup:
 def test_stage3_pinned_and_nvme_bytes_match_the_engine(tmp_path, param, optim, monkeypatch):
     import shutil
 
-    from zero.optimizer import state as optimizer_state
+    from zero.optimizer.tiers import build as optimizer_state
 
     sub_group = 20_000
     torch.manual_seed(0)

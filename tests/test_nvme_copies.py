@@ -89,7 +89,7 @@ def test_one_copy_write_error_poisons_until_a_checkpoint_is_loaded(tmp_path, sta
 
 
 def test_two_copies_on_a_short_disk_fail_with_the_sizes(tmp_path, monkeypatch):
-    from zero.optimizer import state as optimizer_state
+    from zero.optimizer.tiers import build as optimizer_state
 
     monkeypatch.setattr(optimizer_state, "_disk_free", lambda path: 1000)
     with pytest.raises(ValueError, match=r"nvme_copies=2: .* 1000 bytes free, two copies .* need \d+ bytes"):

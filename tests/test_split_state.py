@@ -27,6 +27,7 @@ from test_engine import DATA, TINY, base_config, make_model, train
 from test_state_integrity import assert_same, fail_nth_write, weights
 
 import zero
+from offload.config.zero import OffloadOptimizerConfig
 from offload.swap.slots import swap_chunk
 from offload.swap.split import auto_max_in_cpu, host_granule, split_numel, swap_file_bytes, swap_pass_bytes
 from zero import StateCorruptedError
@@ -133,12 +134,10 @@ def test_ratio_on_two_ranks_is_bit_identical(tmp_path):
 def test_ratio_on_cuda_plans_a_device_share():
     """On CUDA the device share is planned as on the CPU (torch's fused Adam steps it: test_device_part)."""
 
-    class Off:
-        ratio, max_in_cpu, buffer_count = 0.5, 0, 4
-
+    off = OffloadOptimizerConfig(device="cpu", ratio=0.5, max_in_cpu=0, buffer_count=4)
     for dev in ("cuda", "cpu"):
         plan = plan_split(
-            10_000, 2, tier="cpu", offload=Off(), sub_group=1000, device=torch.device(dev),
+            10_000, 2, tier="cpu", offload=off, sub_group=1000, device=torch.device(dev),
             cap_bytes=1 << 30, in_use_bytes=0, reserved_bytes=0, alignment=4096,
         )  # fmt: skip
         assert (plan.device, plan.host, plan.offload) == (5000, 0, 5000)

@@ -287,7 +287,7 @@ def test_pinned_budget_too_small_for_largest_layer_fails_at_initialize(tmp_path)
 
 def test_in_place_optimizer_state_when_the_disk_is_short(tmp_path, monkeypatch, reference):  # noqa: F811
     """One NVMe copy of the optimizer state (ZeRO-Infinity scale): same numbers, half the disk."""
-    from zero.optimizer import state as optimizer_state
+    from zero.optimizer.tiers import build as optimizer_state
 
     ref_losses, _ = reference
     monkeypatch.setattr(optimizer_state, "_disk_free", lambda path: 1)

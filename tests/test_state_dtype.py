@@ -140,7 +140,7 @@ def test_low_bit_with_backward_overlap_equals_no_offload(tmp_path, bf16_referenc
 def test_cuda_fused_device_step_refuses_low_bit_states():
     """offload none on CUDA steps with torch's fused Adam, which keeps fp32 states: refused, not dropped."""
     from zero.optimizer.rules import UpdateRule
-    from zero.optimizer.state import FusedDeviceStep
+    from zero.optimizer.tiers.device_part import FusedDeviceStep
 
     with pytest.raises(NotImplementedError, match="state_dtype='bf16'.*offload_optimizer.device cpu or nvme"):
         FusedDeviceStep(UpdateRule("adamw", "bf16"), None, None)

@@ -40,7 +40,7 @@ def s3_config(param: str, optim: str, tmp, **extra):
 
 def one_copy(monkeypatch) -> None:
     """Make the optimizer's NVMe state single-copy (updated in place), as on a disk too short for two."""
-    from zero.optimizer import state as optimizer_state
+    from zero.optimizer.tiers import build as optimizer_state
 
     monkeypatch.setattr(optimizer_state, "_disk_free", lambda path: 1)
 

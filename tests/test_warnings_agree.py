@@ -12,7 +12,7 @@ from test_engine import base_config, make_model
 
 import zero
 from offload.config import load_config
-from zero.optimizer import state as optimizer_state
+from zero.optimizer.tiers import build as optimizer_state
 
 
 @pytest.mark.parametrize(

@@ -7,13 +7,16 @@ from typing import Any, Callable, Dict, Optional, Tuple, Union
 import torch
 from torch import nn
 
+from offload.config.loader import ZeroOffloadConfig
 from zero.deepspeed_api import init_distributed
 from zero.engine.engine import ZeroEngine
 
 __all__ = ["initialize"]
 
 
-def _data_loader(dataset: Any, cfg: Any, rank: int, world_size: int, collate_fn: Optional[Callable]) -> Any:
+def _data_loader(
+    dataset: Any, cfg: ZeroOffloadConfig, rank: int, world_size: int, collate_fn: Optional[Callable]
+) -> Any:
     from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
     if world_size > 1:

@@ -173,6 +173,10 @@ class ZeroOffloadConfig:
         return _jsonable(dataclasses.asdict(self))
 
 
+# What the public entry points take as a config: a loaded one, a dict, a JSON path, or None (defaults)
+ConfigInput = Union[ZeroOffloadConfig, Mapping[str, Any], str, os.PathLike, None]
+
+
 def _jsonable(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _jsonable(v) for k, v in value.items()}

@@ -115,16 +115,18 @@ FIELD_USAGE: Dict[str, Usage] = {
     _Z + "override_module_apply": _i("zero.Init always gathers parameters for module.apply", True),
     _Z + "enable_sanity_checks": _r("zero/stage3/gathered.py (GatheredParameters without modifier_rank)"),
     _OO + "device": _r("zero/engine/engine.py (optimizer tier)"),
-    _OO + "nvme_path": _r("zero/optimizer/state.py (swap space)"),
+    _OO + "nvme_path": _r("zero/optimizer/tiers/build.py (swap space)"),
     _OO + "pin_memory": _i(
         "host buffers of the cpu/nvme tiers are always page-locked, up to zero_offload.pinned_budget_bytes",
         True,
     ),
-    _OO + "buffer_count": _r("zero/optimizer/state.py (staging slots)"),
+    _OO + "buffer_count": _r("zero/optimizer/tiers/build.py (staging slots)"),
     _OO + "pipeline_read": _r("zero/engine/engine.py (optimizer steps during backward, via .pipeline)"),
     _OO + "pipeline_write": _r("zero/engine/engine.py (optimizer steps during backward, via .pipeline)"),
     _OO + "fast_init": _i("the initial NVMe state is always written in full", False),
-    _OO + "nvme_copies": _r("zero/optimizer/state.py (swap_copies: NVMe copies of the optimizer state)"),
+    _OO + "nvme_copies": _r(
+        "zero/optimizer/tiers/build.py (swap_copies: NVMe copies of the optimizer state)"
+    ),
     _OO + "ratio": _r(
         "zero/optimizer/tiers/split.py (share of sub-groups on the offload tier, the rest on the device)"
     ),

@@ -113,7 +113,10 @@ class OptimizerSwapper:
         copies: int = 2,
         defer_writes: bool = True,
         state_dtype: str = "fp32",
+        last_first: bool = False,
     ) -> None:
+        """`defer_writes`: a step returns with its last writes in flight (two copies only; module doc).
+        `last_first`: steps visit the chunks last to first (`step_order`)."""
         if numel <= 0:
             raise ValueError(f"numel must be positive, got {numel}")
         if chunk_numel <= 0:
@@ -158,9 +161,11 @@ class OptimizerSwapper:
         self._held = False
         self._prefetched = 0  # chunks at positions 0..n-1 of _prefetch_order queued into slots 0..n-1
         self._prefetch_order: List[int] = []
-        # The order `step` (and `prefetch`) visit chunks in. The engine reverses it when it steps
-        # sub-groups during backward, which produces the last parameters' gradients first.
+        # The order `step` (and `prefetch`) visit chunks in: last first when the engine steps sub-groups
+        # during backward, which produces the last parameters' gradients first.
         self.step_order: List[int] = list(range(len(self.chunks)))
+        if last_first:
+            self.step_order.reverse()
         try:
             n_slots = min(buffer_count, len(self.chunks))
             for _ in range(n_slots):
@@ -188,7 +193,7 @@ class OptimizerSwapper:
 
     @property
     def buffer_count(self) -> int:
-        """Pinned staging slots."""
+        """Pinned staging slots (each with its own aio handle)."""
         return len(self._slots)
 
     @property
@@ -198,8 +203,33 @@ class OptimizerSwapper:
 
     @property
     def disk_bytes(self) -> int:
-        """Bytes allocated to the swap files (every copy)."""
+        """Bytes of the swap files (every copy)."""
         return sum(f.nbytes for f in self._files)
+
+    # The tier protocol's placement (zero.optimizer.tiers.base.StateTier): every element is swapped.
+    device_numel = 0
+    device_part = None  # every chunk is stepped by the chunk walk
+    resident_share = (0, 0)  # a pass during backward covers every chunk
+
+    @property
+    def swapped_numel(self) -> int:
+        """Elements whose state is in the swap files: all."""
+        return self.numel
+
+    @property
+    def atomic_from(self) -> int:
+        """0 with two copies (a failed pass leaves the committed copy); `numel` in place."""
+        return 0 if self.copies > 1 else self.numel
+
+    @property
+    def overlap_chunks(self) -> Optional[List[Tuple[int, int]]]:
+        """The chunks a pass during backward waits on (in `step`'s `ready` order: chunk indices), or None
+        with one copy (a pass dropped part way could not be rolled back)."""
+        return list(self.chunks) if self.copies > 1 else None
+
+    def step_resident(self, fn: ChunkFn) -> bool:
+        """Nothing is left after `step`: every chunk is swapped."""
+        return True
 
     @property
     def state_bytes(self) -> int:

@@ -19,14 +19,14 @@ from __future__ import annotations
 import logging
 import threading
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, List, Optional
+from typing import Any, Callable, Iterator, List, Optional, Union
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
-from offload.config import load_config
 from offload.config.activation import ActivationCheckpointingConfig
 from offload.config.aio import AioConfig
+from offload.config.loader import ConfigInput, ZeroOffloadConfig, load_config
 from offload.pinned import PinnedPool, default_pinned_budget
 from zero.activations.nvme import NvmeTier
 from zero.activations.stash import ActivationStash, CheckpointingReport
@@ -157,20 +157,21 @@ def _nested(function: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-def _section(deepspeed_config: Any) -> ActivationCheckpointingConfig:
+def _section(
+    deepspeed_config: Union[ConfigInput, ActivationCheckpointingConfig],
+) -> ActivationCheckpointingConfig:
     if deepspeed_config is None:
         return ActivationCheckpointingConfig()
     if isinstance(deepspeed_config, ActivationCheckpointingConfig):
         return deepspeed_config
-    cfg = getattr(deepspeed_config, "activation_checkpointing", None)
-    if isinstance(cfg, ActivationCheckpointingConfig):
-        return cfg
+    if isinstance(deepspeed_config, ZeroOffloadConfig):
+        return deepspeed_config.activation_checkpointing
     return load_config(deepspeed_config).activation_checkpointing
 
 
 def configure(
     mpu_: Any = None,
-    deepspeed_config: Any = None,
+    deepspeed_config: Union[ConfigInput, ActivationCheckpointingConfig] = None,
     partition_activations: Optional[bool] = None,
     contiguous_checkpointing: Optional[bool] = None,
     num_checkpoints: Optional[int] = None,

@@ -18,6 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from offload.config.aio import AioConfig
 from offload.pinned import PinnedPool
 from offload.swap.space import SwapFile, SwapSpace, align_up
 from zero.activations.tiers import Entry, HostBuffers, HostTier, Tier, bytes_view
@@ -50,7 +51,7 @@ class NvmeTier(Tier):
 
     name = "nvme"
 
-    def __init__(self, nvme_path: str, aio: Any, pool: PinnedPool, slots: Optional[int] = None) -> None:
+    def __init__(self, nvme_path: str, aio: AioConfig, pool: PinnedPool, slots: Optional[int] = None) -> None:
         self.space = SwapSpace(nvme_path, prefix="zero-offload-act-")
         try:
             self._aio = aio.handle()

@@ -11,6 +11,8 @@ from typing import Any, Callable, Dict, List, Optional, Protocol
 import torch
 from torch import nn
 
+from offload.config.loader import ZeroOffloadConfig
+
 __all__ = ["CheckpointEngine"]
 
 VisitFn = Callable[[int, int, torch.Tensor, List[torch.Tensor]], None]
@@ -22,7 +24,7 @@ class CheckpointEngine(Protocol):
     stage: int
     device: torch.device
     dtype: torch.dtype
-    config: Any
+    config: ZeroOffloadConfig
     module: nn.Module
     optimizer: Any
     rule: Any

@@ -23,6 +23,9 @@ from typing import Any, Iterable, Optional, Set, Tuple
 
 import torch
 
+from offload.config.loader import ZeroOffloadConfig
+from offload.config.zero import OffloadOptimizerConfig, OffloadParamConfig
+
 __all__ = ["EngineAPI", "OffloadDeviceEnum", "OffloadStateTypeEnum"]
 
 logger = logging.getLogger("zero")
@@ -49,7 +52,7 @@ class OffloadStateTypeEnum(str, enum.Enum):
 class EngineAPI:
     """DeepSpeed's accessors and memory calls over a ZeroEngine's config and parts (see the module doc)."""
 
-    config: Any
+    config: ZeroOffloadConfig
     device: torch.device
     stage: int
     fp16: bool
@@ -74,11 +77,11 @@ class EngineAPI:
         """The ZeRO stage, 0 to 3."""
         return self.stage
 
-    def zero_offload_optimizer(self) -> Any:
+    def zero_offload_optimizer(self) -> Optional[OffloadOptimizerConfig]:
         """The config's `zero_optimization.offload_optimizer` section (None when not given)."""
         return self.config.zero_optimization.offload_optimizer
 
-    def zero_offload_param(self) -> Any:
+    def zero_offload_param(self) -> Optional[OffloadParamConfig]:
         """The config's `zero_optimization.offload_param` section (None when not given)."""
         return self.config.zero_optimization.offload_param
 
@@ -138,7 +141,8 @@ class EngineAPI:
         it on the host."""
         if self.optimizer is None:
             raise RuntimeError("offload_states() needs a training engine: this engine has no optimizer")
-        param_tier = getattr(self.zero_offload_param(), "device", "none")
+        offload_param = self.zero_offload_param()
+        param_tier = offload_param.device if offload_param is not None else "none"
         if param_tier != "none":
             raise ValueError(
                 f"offload_states(): parameters are offloaded already (offload_param.device={param_tier!r});"

@@ -14,6 +14,7 @@ The loss scaler is `zero.optimizer.loss_scaler.build_loss_scaler`, the one place
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -26,16 +27,10 @@ from zero.layout.base import Layout, allocate_pinned
 from zero.optimizer.integrity import StateGuard
 from zero.optimizer.overlap import OverlapPass
 from zero.optimizer.param_groups import check_quantized_groups, group_spans
-from zero.optimizer.rules import (
-    DeviceState,
-    UpdateRule,
-    ZeroOptimizer,
-    rule_from_client_optimizer,
-    rule_from_config,
-)
-from zero.optimizer.state import FusedDeviceStep, OptimizerState, build_tier, swap_copies
-from zero.optimizer.tiers.device_part import TorchDevicePart, wants_torch_part
-from zero.optimizer.tiers.split import SplitTier
+from zero.optimizer.rules import UpdateRule, ZeroOptimizer, rule_from_client_optimizer, rule_from_config
+from zero.optimizer.state import OptimizerState
+from zero.optimizer.tiers.build import TierSpec, TorchPart, build_tier, fused_device_step, swap_copies
+from zero.optimizer.tiers.device_part import wants_torch_part
 
 __all__ = [
     "build_optimizer_state",
@@ -114,9 +109,12 @@ def build_optimizer_state(
     device_part: str,
     guard: StateGuard,
     on_step_lost: Callable[[], None],
+    world_size: int = 1,
 ) -> OptimizerState:
-    """fp32 master and states on the offload tier, with the writer that copies weights back."""
+    """fp32 master and states on the offload tier, with the writer that copies weights back (the NVMe
+    chunks in the order a pass during backward steps them, when `overlap_wanted`)."""
     off = cfg.zero_optimization.offload_optimizer
+    delayed = cfg.zero_offload.delayed_update.enabled
     n_states, part = rule.n_states, layout.part_numel
     spans = group_spans(layout.param_spans(), optimizer.param_groups, part)
     check_quantized_groups(rule, optimizer.param_groups, spans)
@@ -127,45 +125,34 @@ def build_optimizer_state(
     state_dtype = rule.state_dtype
 
     def copies(swapped: int) -> int:  # decided for the swapped share (max_in_cpu keeps the rest in RAM)
+        assert off is not None  # only an NVMe tier asks, and it has its offload_optimizer block
         return swap_copies(off.nvme_path, swapped, n_states, state_dtype, off.nvme_copies)
 
-    if offload_device == "nvme":
+    if offload_device == "nvme" and off is not None:
         swap_copies(off.nvme_path, 0, n_states, state_dtype, off.nvme_copies)  # a bad nvme_path: now
-    tier, space = build_tier(
-        part,
-        n_states,
-        layout.master_init(),
+    torch_part = wants_torch_part(device_part, device) and offload_device != "none"
+    spec = TierSpec(
         tier=offload_device,
         device=device,
-        pool=pool,
-        pinned=lambda numel, what: allocate_pinned(pool, numel, what),
         sub_group=sub_group,
         offload=off,
         aio=cfg.aio,
         rank=rank,
-        # a delayed update puts the weights in at its join: the master cannot be the parameters
-        alias=None if cfg.zero_offload.delayed_update.enabled else layout.master_alias(),
+        state_dtype=state_dtype,
         device_staging_bytes=staging,
         swap_copies=copies,
-        state_dtype=state_dtype,
+        last_first=overlap_wanted(off, offload_device=offload_device, world_size=world_size, delayed=delayed),
+        torch_part=TorchPart(rule, optimizer.param_groups, spans) if torch_part else None,
+    )
+    pinned = partial(allocate_pinned, pool)
+    # a delayed update puts the weights in at its join: the master cannot be the parameters
+    alias = None if delayed else layout.master_alias()
+    tier, space = build_tier(
+        part, n_states, layout.master_init(), spec, pool=pool, pinned=pinned, alias=alias
     )
     device_step = None
     if device.type == "cuda" and offload_device == "none":
-        device_step = FusedDeviceStep(rule, optimizer, tier, spans)  # type: ignore[arg-type]
-    torch_part = wants_torch_part(device_part, device) and offload_device != "none"
-    whole = isinstance(tier, DeviceState) and tier.numel > 0 and not tier.pinned_bytes  # ratio 0
-    if torch_part and (whole or (isinstance(tier, SplitTier) and tier.on_device)):
-        try:  # Twin-Flow: the device share stepped by torch (zero.optimizer.tiers.device_part)
-            groups = optimizer.param_groups
-            if isinstance(tier, SplitTier):
-                tier.use_device_part(TorchDevicePart(rule, groups, tier.front, spans=spans))
-            else:
-                tier = TorchDevicePart(rule, groups, tier, spans=spans)  # type: ignore[arg-type]
-        except BaseException:
-            tier.close()
-            if space is not None:
-                space.close()
-            raise
+        device_step = fused_device_step(tier, rule, optimizer, spans)
     return OptimizerState(
         tier,
         space,
@@ -180,6 +167,17 @@ def build_optimizer_state(
     )
 
 
+def overlap_wanted(
+    off: Optional[OffloadOptimizerConfig], *, offload_device: str, world_size: int, delayed: bool = False
+) -> bool:
+    """Whether the config asks to step NVMe sub-groups during backward and nothing rules it out before the
+    tier is built: one rank (the reduction ends with backward), no delayed update (which steps during the
+    next step's forward and backward instead). With gradient clipping the steps are speculative."""
+    if delayed or off is None or not bool(off.pipeline) or offload_device != "nvme":
+        return False
+    return world_size <= 1
+
+
 def enable_overlap(
     overlap: OverlapPass,
     opt: OptimizerState,
@@ -188,7 +186,6 @@ def enable_overlap(
     *,
     offload_device: str,
     world_size: int,
-    clipping: float,
     delayed: bool = False,
 ) -> None:
     """Step NVMe sub-groups during backward (offload_optimizer.pipeline_read / pipeline_write) when a
@@ -197,9 +194,7 @@ def enable_overlap(
     gradient clipping the steps are speculative, validated once the norm is known
     (zero.optimizer.speculative). Elsewhere the optimizer runs after backward; with the delayed update
     (zero.optimizer.delayed) it runs during the next step's forward and backward instead."""
-    if delayed or off is None or not bool(off.pipeline) or offload_device != "nvme":
-        return
-    if world_size > 1:
+    if not overlap_wanted(off, offload_device=offload_device, world_size=world_size, delayed=delayed):
         return
     chunks = opt.prepare_overlap()
     if chunks is None:

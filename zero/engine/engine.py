@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from offload.config.activation import ActivationCheckpointingConfig
+from offload.config.loader import ZeroOffloadConfig
 from offload.pinned import PINNED_BUDGET_ENV, PinnedPool, default_pinned_budget, pinned_bytes_in_use
 from zero.accelerator import compute_device
 from zero.activations import checkpointer as checkpointing
@@ -65,10 +66,8 @@ from zero.optimizer.param_groups import build_groups
 from zero.optimizer.rules import (
     ZeroOptimizer,
 )
-from zero.optimizer.state import (
-    StateInfo,
-    describe_placement,
-)
+from zero.optimizer.tiers.base import StateInfo
+from zero.optimizer.tiers.build import describe_placement
 from zero.optimizer.tiers.device_part import wants_torch_part
 from zero.optimizer.update import UpdatePass
 from zero.report import InferenceReport, PhaseClock, StepReport
@@ -89,7 +88,7 @@ class ZeroEngine(EngineAPI):
     def __init__(
         self,
         model: nn.Module,
-        cfg: Any,
+        cfg: ZeroOffloadConfig,
         *,
         optimizer: Optional[Union[torch.optim.Optimizer, Callable[..., torch.optim.Optimizer]]] = None,
         model_parameters: Optional[Any] = None,
@@ -222,6 +221,7 @@ class ZeroEngine(EngineAPI):
             device_part=self._device_part,
             guard=self._guard,
             on_step_lost=self.zero_grad,
+            world_size=self.world_size,
         )
         off = zcfg.offload_optimizer
         if self.rank == 0:
@@ -234,7 +234,6 @@ class ZeroEngine(EngineAPI):
             off,
             offload_device=self.offload_device,
             world_size=self.world_size,
-            clipping=self.gradient_clipping,
             delayed=self.config.zero_offload.delayed_update.enabled,
         )
         self._update = UpdatePass(
@@ -562,8 +561,8 @@ class ZeroEngine(EngineAPI):
 
     @property
     def optimizer_state(self) -> Any:
-        """The optimizer state's tier object (zero.optimizer.state.StateTier), for I/O fault injection
-        and inspection; stepping it directly bypasses the engine's commit and restore logic."""
+        """The optimizer state's tier object (zero.optimizer.tiers.base.StateTier), for I/O fault
+        injection and inspection; stepping it directly bypasses the engine's commit and restore logic."""
         return self._opt.tier
 
     # ------------------------------------------------------------------------------------- state integrity

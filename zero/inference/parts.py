@@ -30,10 +30,11 @@ import torch
 from torch import nn
 
 from offload.config import ConfigError, load_config
+from offload.config.loader import ZeroOffloadConfig
 from offload.pinned import PinnedPool
 from zero.errors import NoOptimizerError
 from zero.layout.base import Placement, cast_parameters
-from zero.optimizer.state import StateInfo
+from zero.optimizer.tiers.base import StateInfo
 from zero.report import ForwardMeter, InferenceReport, inference_report
 from zero.stage3.unit import Unit
 
@@ -92,8 +93,8 @@ def no_optimizer_error(what: str) -> NoOptimizerError:
     )
 
 
-def _value(cfg: Any, path: str) -> Any:
-    obj = cfg
+def _value(cfg: ZeroOffloadConfig, path: str) -> Any:
+    obj: Any = cfg
     for name in path.split("."):
         if obj is None:  # a section left out: its defaults
             return _value(_defaults(int(cfg.zero_optimization.stage)), path)
@@ -101,7 +102,7 @@ def _value(cfg: Any, path: str) -> Any:
     return obj
 
 
-def refuse_weight_quantization(cfg: Any) -> None:
+def refuse_weight_quantization(cfg: ZeroOffloadConfig) -> None:
     """The training engine's check: `weight_quantization` (weights stored quantized, never updated) is
     for an engine without an optimizer; with one it is a ConfigError."""
     if cfg.weight_quantization.enabled:
@@ -112,7 +113,7 @@ def refuse_weight_quantization(cfg: Any) -> None:
         )
 
 
-def check_inference_config(cfg: Any, lr_scheduler: Optional[Any]) -> None:
+def check_inference_config(cfg: ZeroOffloadConfig, lr_scheduler: Optional[Any]) -> None:
     """Refuse a scheduler (the config's `scheduler` block or `lr_scheduler=`): it has no optimizer to
     drive; refuse `weight_quantization` below stage 3 (nothing is partitioned there). Warn once, naming
     them, about training-only keys given with a non-default value."""
@@ -280,7 +281,12 @@ class PartitionedLayout(_WeightsOnly):
     no fp32 copy of the weights: a model given in fp32 and run in 16 bits is cast as it is partitioned."""
 
     def __init__(
-        self, model: nn.Module, params: List[nn.Parameter], place: Placement, pool: PinnedPool, config: Any
+        self,
+        model: nn.Module,
+        params: List[nn.Parameter],
+        place: Placement,
+        pool: PinnedPool,
+        config: ZeroOffloadConfig,
     ) -> None:
         """`params`: the trainable parameters (counted for `trainable_numel`, this rank's share)."""
         from zero.layout.units import _cast_unpartitioned, _check_dtypes
@@ -342,7 +348,7 @@ class PartitionedLayout(_WeightsOnly):
         )
 
 
-def _partitioner(model: nn.Module, config: Any, place: Placement, pool: PinnedPool) -> Any:
+def _partitioner(model: nn.Module, config: ZeroOffloadConfig, place: Placement, pool: PinnedPool) -> Any:
     """The stage-3 partitioner of an inference engine: the one that partitioned the model (zero.Init,
     zero.from_pretrained), else a new one - with the config's weight quantization set before the model is
     partitioned, so each selected weight is stored quantized from the start."""
@@ -372,7 +378,11 @@ def _partitioner(model: nn.Module, config: Any, place: Placement, pool: PinnedPo
 
 
 def inference_layout(
-    model: nn.Module, params: List[nn.Parameter], place: Placement, pool: PinnedPool, config: Any
+    model: nn.Module,
+    params: List[nn.Parameter],
+    place: Placement,
+    pool: PinnedPool,
+    config: ZeroOffloadConfig,
 ) -> Union[ReplicatedLayout, PartitionedLayout]:
     """The layout of an engine without an optimizer at `place.stage`, its forwards metered."""
     if place.stage == 3:

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from offload.config.zero import ZeroConfig
 from offload.pinned import PinnedPool
 from zero.comm import settle
 from zero.layout.base import Fill, GradMemory, Placement, allocate_pinned, cast_parameters, index_names
@@ -47,7 +48,7 @@ class FlatLayout:
         params: List[nn.Parameter],
         place: Placement,
         pool: PinnedPool,
-        zcfg: Any,
+        zcfg: ZeroConfig,
         on_grad: Any = None,
     ) -> None:
         self.place = place

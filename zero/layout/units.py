@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from offload.config.loader import ZeroOffloadConfig
 from offload.pinned import PinnedPool
 from zero.comm import settle
 from zero.layout.base import Fill, Placement, allocate_pinned, cast_parameters, index_names
@@ -82,7 +83,7 @@ class UnitLayout:
         params: List[nn.Parameter],
         place: Placement,
         pool: PinnedPool,
-        config: Any,
+        config: ZeroOffloadConfig,
         on_grad: Optional[Callable[[int], None]] = None,
     ) -> None:
         self.place = place

@@ -18,6 +18,8 @@ from typing import Any, Dict, Iterable, Mapping, Optional
 
 import torch
 
+from offload.config.precision import FP16Config
+
 logger = logging.getLogger(__name__)
 
 
@@ -57,18 +59,23 @@ class LossScalerBase:
 
     @property
     def loss_scale(self) -> float:
+        """The current scale the loss is multiplied by."""
         return self.cur_scale
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """`loss` times the current scale (what backward runs on)."""
         return loss * self.cur_scale
 
     def update_scale(self, overflow: bool) -> None:
+        """After a step: adjust the scale to whether its gradients overflowed."""
         raise NotImplementedError
 
     def state_dict(self) -> Dict[str, Any]:
+        """The scaler's state for a checkpoint."""
         raise NotImplementedError
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Take a saved `state_dict` back."""
         raise NotImplementedError
 
 
@@ -84,9 +91,11 @@ class StaticLossScaler(LossScalerBase):
         """A static scale never changes; an overflowing step is still skipped by the caller."""
 
     def state_dict(self) -> Dict[str, Any]:
+        """The fixed scale, for a checkpoint."""
         return {"dynamic": False, "cur_scale": self.cur_scale}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Take a saved static scale back (a dynamic one is refused)."""
         if state.get("dynamic", False):
             raise ValueError("cannot load a dynamic loss scaler's state into a static one")
         self.cur_scale = float(state["cur_scale"])
@@ -127,7 +136,7 @@ class DynamicLossScaler(LossScalerBase):
         self.cur_hysteresis = self.delayed_shift
 
     @classmethod
-    def from_config(cls, fp16: Any, **kwargs: Any) -> DynamicLossScaler:
+    def from_config(cls, fp16: FP16Config, **kwargs: Any) -> DynamicLossScaler:
         """From an ``FP16Config`` (``cfg.fp16``)."""
         return cls(
             init_scale=float(2**fp16.initial_scale_power),
@@ -170,6 +179,7 @@ class DynamicLossScaler(LossScalerBase):
         self.cur_iter += 1
 
     def state_dict(self) -> Dict[str, Any]:
+        """Scale, iteration counters and hysteresis, for a checkpoint."""
         return {
             "dynamic": True,
             "cur_scale": self.cur_scale,
@@ -194,7 +204,7 @@ class DynamicLossScaler(LossScalerBase):
         self.cur_hysteresis = min(int(state["cur_hysteresis"]), self.delayed_shift)
 
 
-def build_loss_scaler(fp16: Any, **kwargs: Any) -> Optional[LossScalerBase]:
+def build_loss_scaler(fp16: FP16Config, **kwargs: Any) -> Optional[LossScalerBase]:
     """The scaler for a config's ``fp16`` section, the one place that decides it: dynamic when
     ``dynamic_loss_scale`` (``loss_scale`` 0), static at ``loss_scale`` otherwise, and none when fp16 is
     disabled (fp32 and bf16 train without scaling; the engine's ``loss_scale`` is then 1.0)."""

@@ -48,6 +48,7 @@ class OverlapPass:
 
     # ---------------------------------------------------------------------------------------- state
     def enable(self, gate: GradReadiness, fetch: Optional[DeviceGradFetch] = None) -> None:
+        """Let boundary backwards step the optimizer, gated on `gate` (and `fetch` from a GPU)."""
         self._gate = gate
         self._fetch = fetch
 
@@ -63,6 +64,7 @@ class OverlapPass:
 
     @property
     def fetch(self) -> Optional[DeviceGradFetch]:
+        """The copy of ready gradients from a GPU to the host, or None."""
         return self._fetch
 
     def ready_fn(self) -> ReadyFn:

@@ -1,15 +1,10 @@
-"""The optimizer side of the engine: update rules, where the fp32 state lives (tiers), the torch face.
+"""The optimizer side of the engine: update rules and the torch face.
 
-A rank owns one partition of the flat parameter buffer. Its fp32 master copy and optimizer states live in
-one of three tiers, all driven the same way - `step(fn)` calls `fn(start, n, master, states)` on chunks of
-the partition and the engine's `fn` runs the fused CPU kernel of `offload.ops` on them:
-
-* `DeviceState` ("none"): tensors on the training device (plain host memory on a CPU-only machine);
-* `DeviceState` over pinned tensors from the PinnedPool ("cpu");
-* `offload.swap.OptimizerSwapper` ("nvme"): swap files, pipelined through pinned staging slots. Its step
-  returns with the last chunks' writes still in flight (they overlap the next forward); the next prefetch,
-  step, read_all, load or close settles them, and a write that failed then comes back from the next `step`
-  as a `DeferredWriteError` with the state back at the step before (see offload/swap/optimizer_swapper.py).
+A rank owns one partition of the flat parameter buffer. Its fp32 master copy and optimizer states live on a
+tier (zero.optimizer.tiers: device or pinned host memory, NVMe swap files, or a split of those), all driven
+the same way - `step(fn)` calls `fn(start, n, master, states)` on chunks of the partition and the engine's
+`fn` runs the `UpdateRule`'s fused CPU kernel of `offload.ops` on them. `ZeroOptimizer` is what
+`zero.initialize` returns: torch's optimizer face (param groups, schedulers), stepped by the engine.
 """
 
 from __future__ import annotations
@@ -20,10 +15,9 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 import torch
 
 from offload.config.optimizer import OPTIMIZER_DEFAULTS
-from offload.swap.optimizer_swapper import ChunkFn, SwapStats
 from offload.swap.slots import QUANT_BLOCK, STATE_DTYPES, StateFormat
 
-__all__ = ["DeviceState", "UpdateRule", "ZeroOptimizer", "rule_from_client_optimizer", "rule_from_config"]
+__all__ = ["UpdateRule", "ZeroOptimizer", "rule_from_client_optimizer", "rule_from_config"]
 
 N_STATES = {"adam": 2, "adamw": 2, "adagrad": 1, "lion": 1}
 # The kernels' names of each rule's states (their int8 scales are `<name>_absmax`), and which are signed.
@@ -53,6 +47,7 @@ class UpdateRule:
 
     @property
     def n_states(self) -> int:
+        """State tensors per element (Adam: 2, Adagrad and Lion: 1)."""
         return N_STATES[self.kind]
 
     @property
@@ -228,93 +223,6 @@ def rule_from_client_optimizer(opt: torch.optim.Optimizer) -> Tuple[UpdateRule, 
     return UpdateRule(kind, state_dtype), hyper
 
 
-class DeviceState:
-    """Master + states as ordinary tensors (device memory, or pinned host memory for the "cpu" tier).
-
-    Updates happen in place, so there is nothing to roll back: the engine checks gradients for overflow
-    before it calls `step` on this tier.
-    """
-
-    def __init__(
-        self,
-        master: torch.Tensor,
-        states: List[torch.Tensor],
-        chunk_numel: int,
-        pinned: bool,
-        fmt: Optional[StateFormat] = None,
-    ) -> None:
-        self.master = master
-        self.states = states  # the states in their dtype, then (int8) one absmax tensor per state
-        self.numel = master.numel()
-        self.fmt = fmt or StateFormat(len(states))
-        self.n_states = self.fmt.n_states
-        chunk = max(1, min(int(chunk_numel), self.numel))
-        if self.fmt.quantized and chunk < self.numel:  # a chunk's scales start at its first element
-            chunk = max(QUANT_BLOCK, chunk // QUANT_BLOCK * QUANT_BLOCK)
-        self.chunk_numel = chunk
-        self.stats = SwapStats()
-        self._pinned = pinned
-
-    @property
-    def pinned_bytes(self) -> int:
-        if not self._pinned:
-            return 0
-        return sum(t.numel() * t.element_size() for t in [self.master, *self.states])
-
-    disk_bytes = 0
-
-    @property
-    def state_bytes(self) -> int:
-        """Bytes of master + states (int8: with the absmax scales)."""
-        return self.fmt.whole_bytes(self.numel)
-
-    def _chunks(self) -> Iterable[Tuple[int, int]]:
-        for s in range(0, self.numel, self.chunk_numel):
-            yield s, min(self.chunk_numel, self.numel - s)
-
-    def _views(self, s: int, n: int) -> List[torch.Tensor]:
-        values = [t[s : s + n] for t in self.states[: self.n_states]]
-        lo, hi = s // QUANT_BLOCK, -(-(s + n) // QUANT_BLOCK)
-        return values + [t[lo:hi] for t in self.states[self.n_states :]]
-
-    def step(self, fn: ChunkFn) -> bool:
-        for s, n in self._chunks():
-            if not fn(s, n, self.master[s : s + n], self._views(s, n)):
-                return False
-        return True
-
-    writes_in_flight = False  # updates are in place in memory: nothing is ever left to write
-
-    def prefetch(self) -> None:
-        pass  # already in memory
-
-    def settle(self) -> None:
-        pass
-
-    def commit(self) -> None:
-        pass
-
-    def abort(self) -> None:
-        pass
-
-    def read_all(self, fn: Callable[[int, int, torch.Tensor, List[torch.Tensor]], None]) -> None:
-        for s, n in self._chunks():
-            fn(s, n, self.master[s : s + n], self._views(s, n))
-
-    def load(self, fn: Callable[[int, int, torch.Tensor, List[torch.Tensor]], None]) -> None:
-        self.read_all(fn)
-
-    def rewrite(self, fn: Callable[[int, int, torch.Tensor, List[torch.Tensor]], None]) -> None:
-        """`fn` changes each chunk's views in place (the swapper's `rewrite`, for this tier)."""
-        self.read_all(fn)
-
-    def take_lost(self) -> None:
-        return None  # nothing is written back later on this tier
-
-    def close(self) -> None:
-        pass
-
-
 _OPTIMIZER_ADD_PARAM_GROUP = getattr(
     torch.optim.Optimizer.add_param_group, "__wrapped__", torch.optim.Optimizer.add_param_group
 )
@@ -337,16 +245,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.engine: Any = None
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """Add a param group as torch does, without its dynamo guard (below)."""
         # torch wraps add_param_group in torch._disable_dynamo, whose first call imports torch._dynamo: over
         # a second of every engine's start-up, for a guard that matters only when torch.compile traces it.
         _OPTIMIZER_ADD_PARAM_GROUP(self, param_group)
 
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        """RuntimeError: the engine steps (`engine.step()`)."""
         raise RuntimeError(
             "the ZeRO optimizer is stepped by the engine: call engine.step() after engine.backward()"
         )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """The engine's `zero_grad`."""
         if self.engine is not None:
             self.engine.zero_grad()
 
@@ -380,6 +291,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return self.engine.optimizer_state_dict()
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """The engine's `load_optimizer_state_dict`."""
         if self.engine is None:
             raise RuntimeError("optimizer is not attached to an engine")
         self.engine.load_optimizer_state_dict(state_dict)

@@ -24,6 +24,8 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
+from offload.config.optimizer import SchedulerConfig, parse_scheduler
+
 logger = logging.getLogger(__name__)
 
 LrSpec = Union[float, Sequence[float]]
@@ -164,6 +166,7 @@ class WarmupLR(_IterationScheduler):
         return 1.0
 
     def lr_at(self, iteration: int) -> List[float]:
+        """The lr per param group after ``iteration`` batches."""
         if iteration < 0:
             return list(self.min_lrs)
         gamma = self._gamma(iteration)
@@ -240,6 +243,7 @@ class WarmupCosineLR(_IterationScheduler):
         self._start()
 
     def lr_ratio(self, iteration: int) -> float:
+        """The fraction of the base lr after ``iteration`` batches."""
         if iteration < 0:
             return 0.0
         if iteration < self.warmup_num_steps:
@@ -252,6 +256,7 @@ class WarmupCosineLR(_IterationScheduler):
         return max(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * cosine)
 
     def lr_at(self, iteration: int) -> List[float]:
+        """The lr per param group after ``iteration`` batches."""
         ratio = self.lr_ratio(iteration)
         return [lr * ratio for lr in self.base_lrs]
 
@@ -341,6 +346,7 @@ class OneCycle(_IterationScheduler):
         return scale
 
     def lr_at(self, iteration: int) -> List[float]:
+        """The lr per param group after ``iteration`` batches."""
         if iteration < self.total_size:
             scale = self._scale_factor(iteration)
             return [lo + (hi - lo) * scale for lo, hi in zip(self.min_lrs, self.max_lrs)]
@@ -391,6 +397,7 @@ class LRRangeTest(_IterationScheduler):
         self._start()
 
     def lr_at(self, iteration: int) -> List[float]:
+        """The lr per param group after ``iteration`` batches."""
         interval = (iteration + 1) / self.step_size
         if self.staircase:
             interval = math.floor(interval)
@@ -406,13 +413,14 @@ SCHEDULERS = {
 }
 
 
-def build_scheduler(scheduler_config: Any, optimizer: Optimizer) -> Optional[_IterationScheduler]:
+def build_scheduler(
+    scheduler_config: Union[SchedulerConfig, Mapping[str, Any], None], optimizer: Optimizer
+) -> Optional[_IterationScheduler]:
     """The schedule a config's ``scheduler`` section describes, attached to ``optimizer`` (None: none).
 
     ``scheduler_config`` is a ``SchedulerConfig`` (``cfg.scheduler``) or a raw ``{"type", "params"}`` dict,
     which is validated first with the same rules as ``load_config``.
     """
-    from offload.config import SchedulerConfig, parse_scheduler
     from offload.config._reader import Context
 
     if scheduler_config is None:

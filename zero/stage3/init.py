@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from offload.config.loader import ConfigInput
 from zero.deepspeed_api import start_process_group
 from zero.stage3.comm import dist_info
 from zero.stage3.config import load_stage3_config
@@ -86,8 +87,8 @@ class Init:
         mem_efficient_linear: bool = True,
         remote_device: Optional[str] = None,
         pin_memory: Optional[bool] = None,
-        config_dict_or_path: Any = None,
-        config: Any = None,
+        config_dict_or_path: ConfigInput = None,
+        config: ConfigInput = None,
         enabled: bool = True,
         dtype: Optional[torch.dtype] = None,
         mpu: Any = None,

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from offload.config.loader import ConfigInput
 from offload.config.zero import OffloadParamConfig
 from offload.pinned import PinnedPool
 from zero.accelerator import compute_device
@@ -68,7 +69,7 @@ class Stage3Partitioner:
 
     def __init__(
         self,
-        config: Any = None,
+        config: ConfigInput = None,
         *,
         device: Optional[Union[str, torch.device]] = None,
         group: Optional[dist.ProcessGroup] = None,
@@ -129,7 +130,12 @@ class Stage3Partitioner:
 
     @classmethod
     def for_model(
-        cls, model: nn.Module, config: Any = None, *, grad_sink: Optional[GradSink] = None, **kwargs: Any
+        cls,
+        model: nn.Module,
+        config: ConfigInput = None,
+        *,
+        grad_sink: Optional[GradSink] = None,
+        **kwargs: Any,
     ) -> Stage3Partitioner:
         """The partitioner to train `model` with, attached, its gradients going to `grad_sink`: the one its
         parameters were partitioned by under `Init` (config and kwargs are then ignored), else a new one

@@ -9,7 +9,7 @@ the pass's one divisor, applied to both shares; the overflow check happened befo
 state is not atomic, so its overflow is always checked first), so neither share is ever stepped on an
 overflowing gradient.
 
-The part presents `StateTier` (zero.optimizer.state) by delegating to its `DeviceState`, so checkpoints,
+The part presents `StateTier` (zero.optimizer.tiers.base) by delegating to its `DeviceState`, so checkpoints,
 `read_all` / `load` / `rewrite` and the split's index arithmetic are those of any other tier; only its `step`
 differs: the update was already queued by `launch`, so `step` calls nothing.
 
@@ -20,15 +20,18 @@ device_part="torch")`), with torch's single-tensor Adam/AdamW instead of the fus
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
-from zero.optimizer.rules import DeviceState, UpdateRule
+from zero.optimizer.rules import UpdateRule, ZeroOptimizer
+from zero.optimizer.tiers.base import ChunkFn, ReadyFn, TierStats, VisitFn
+from zero.optimizer.tiers.device import DeviceState
 
 __all__ = [
     "DEVICE_PART_CHOICES",
+    "FusedDeviceStep",
     "TorchAdamSpans",
     "TorchDevicePart",
     "check_device_part_rule",
@@ -36,7 +39,6 @@ __all__ = [
 ]
 
 DEVICE_PART_CHOICES = ("auto", "torch", "kernels")
-VisitFn = Callable[[int, int, torch.Tensor, List[torch.Tensor]], None]
 Span = Tuple[int, int, int]  # [start, end) of the master and its param group (zero.optimizer.param_groups)
 
 
@@ -130,6 +132,7 @@ class TorchAdamSpans:
             p.grad = None
 
     def close(self) -> None:
+        """Drop torch's references to the state tensors."""
         self.opt.state.clear()
 
 
@@ -161,7 +164,7 @@ class TorchDevicePart:
         self.state = state
         self.numel = state.numel
         self.chunk_numel = state.chunk_numel
-        self.stats = state.stats
+        self.stats: TierStats = state.stats
         self.launches = 0  # updates queued: one per committed pass
         dev = state.master.device
         self.fused = dev.type == "cuda" if fused is None else bool(fused)
@@ -178,7 +181,34 @@ class TorchDevicePart:
 
     @property
     def pinned_bytes(self) -> int:
+        """Pinned bytes of the share (0: device memory)."""
         return self.state.pinned_bytes
+
+    @property
+    def chunks(self) -> List[Tuple[int, int]]:
+        """(start, numel) of the share's chunks (read_all, load, rewrite visit them)."""
+        return self.state.chunks
+
+    @property
+    def device_numel(self) -> int:
+        """Elements of the share in device memory."""
+        return self.state.device_numel
+
+    copies = 1
+    pass_bytes = 0
+    swapped_numel = 0
+    overlap_chunks: Optional[List[Tuple[int, int]]] = None  # stepped in place: never during backward
+    resident_share = (0, 0)
+
+    @property
+    def atomic_from(self) -> int:
+        """Updated in place: a failed pass leaves no element committed."""
+        return self.numel
+
+    @property
+    def device_part(self) -> TorchDevicePart:
+        """This share: stepped by `launch`, apart from the chunk walk."""
+        return self
 
     def launch(
         self,
@@ -200,12 +230,12 @@ class TorchDevicePart:
 
     # ------------------------------------------------------------------------------ StateTier
     def prefetch(self) -> None:
-        pass  # in memory
+        """Nothing to read: in memory."""
 
     def settle(self) -> None:
-        pass
+        """Nothing is written back later."""
 
-    def step(self, fn: Callable[..., bool]) -> bool:
+    def step(self, fn: ChunkFn, ready: Optional[ReadyFn] = None) -> bool:
         """The share was stepped by `launch` before the pass walked the offloaded chunks; `fn` (the CPU
         kernels' chunk update) is not called on device memory."""
         if not self._launched:
@@ -213,12 +243,17 @@ class TorchDevicePart:
         self._launched = False
         return True
 
+    def step_resident(self, fn: ChunkFn) -> bool:
+        """Nothing is left after `step`."""
+        return True
+
     writes_in_flight = False
 
     def commit(self) -> None:
-        pass
+        """Updated in place: nothing to commit."""
 
     def abort(self) -> None:
+        """Forget this pass's launch."""
         self._launched = False
 
     def read_all(self, fn: VisitFn) -> None:
@@ -226,14 +261,54 @@ class TorchDevicePart:
         self.state.read_all(fn)
 
     def load(self, fn: VisitFn) -> None:
+        """Fill master and states chunk by chunk, in place."""
         self.state.load(fn)
 
     def rewrite(self, fn: VisitFn) -> None:
+        """Let `fn` change every chunk in place."""
         self.state.rewrite(fn)
 
-    def take_lost(self) -> None:
-        return None
+    def take_lost(self) -> Optional[OSError]:
+        """None: nothing is written back later (or what `keep_lost` kept)."""
+        return self.state.take_lost()
+
+    def keep_lost(self, err: OSError) -> None:
+        """Keep a failure a discarded pass had taken, for the next `take_lost`."""
+        self.state.keep_lost(err)
 
     def close(self) -> None:
+        """Drop torch's optimizer and the share."""
         self.torch.close()
         self.state.close()
+
+
+class FusedDeviceStep:
+    """offload none on CUDA: torch's fused Adam/AdamW on the flat fp32 partition in device memory, one torch
+    param group per param group (`spans`: zero.optimizer.param_groups.group_spans; None: one group)."""
+
+    def __init__(
+        self,
+        rule: UpdateRule,
+        optimizer: ZeroOptimizer,
+        state: DeviceState,
+        spans: Optional[List[Tuple[int, int, int]]] = None,
+    ) -> None:
+        if rule.kind not in ("adam", "adamw"):
+            raise NotImplementedError(
+                f"optimizer {rule.kind!r} without offload on CUDA is not supported; "
+                "use offload_optimizer.device cpu or nvme"
+            )
+        if rule.state_dtype != "fp32":
+            raise NotImplementedError(
+                f"optimizer.params.state_dtype={rule.state_dtype!r} (fp32_optimizer_states false) without "
+                "offload on CUDA is not supported: the device step is torch's fused Adam, which keeps fp32 "
+                "states; use offload_optimizer.device cpu or nvme for 16-bit or 8-bit states"
+            )
+        self.optimizer = optimizer
+        spans = spans or [(0, state.numel, 0)]
+        self.torch = TorchAdamSpans(optimizer.param_groups, spans, state.master, state.states, fused=True)
+
+    def step(self, grad: torch.Tensor, step: int, group: Dict[str, Any]) -> None:
+        """One update of the master with the fp32 gradient `grad` (already unscaled); each param group's
+        current hyperparameters (`group` is the first one's)."""
+        self.torch.step(grad, step, self.optimizer.param_groups)

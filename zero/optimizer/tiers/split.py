@@ -17,7 +17,7 @@ Two features share this composition:
 Both nest: `[device | pinned host | NVMe]` is `SplitTier(device, SplitTier(pinned, swapper))`. A split always
 falls on a sub-group boundary, so chunks never straddle two tiers.
 
-The split state presents `StateTier` (zero.optimizer.state): `step` walks the back tier first (its first
+The split state presents `StateTier` (zero.optimizer.tiers.base): `step` walks the back tier first (its first
 reads were prefetched during backward), then the front; `read_all` / `load` / `rewrite` visit the front
 then the back, with the back's element offsets shifted by the front's size; `stats` adds the two tiers'
 counters (the front's only compute time).
@@ -46,15 +46,16 @@ from typing import Any, Callable, List, Optional, Tuple, Union
 
 import torch
 
-from offload.swap.optimizer_swapper import ChunkFn, OptimizerSwapper, SwapStats
+from offload.config.zero import OffloadOptimizerConfig
+from offload.swap.optimizer_swapper import SwapStats
+from offload.swap.space import SwapSpace
 from offload.swap.split import auto_max_in_cpu, split_numel
-from zero.optimizer.tiers.device_part import TorchDevicePart
+from zero.optimizer.tiers.base import ChunkFn, DevicePart, ReadyFn, StateTier, TierStats, VisitFn
 
 __all__ = ["SplitPlan", "SplitStats", "SplitTier", "build_split", "plan_split"]
 
-VisitFn = Callable[[int, int, torch.Tensor, List[torch.Tensor]], None]
 # build(numel, init, tier, alias) -> (tier object, swap space or None): one plain tier of a part
-PartBuilder = Callable[[int, Any, str, Optional[torch.Tensor]], Tuple[Any, Any]]
+PartBuilder = Callable[[int, Any, str, Optional[torch.Tensor]], Tuple[StateTier, Optional[SwapSpace]]]
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ def plan_split(
     n_states: int,
     *,
     tier: str,
-    offload: Any,
+    offload: Optional[OffloadOptimizerConfig],
     sub_group: int,
     device: torch.device,
     cap_bytes: int,
@@ -85,9 +86,9 @@ def plan_split(
     """How `offload_optimizer.ratio` and `max_in_cpu` split a partition of `numel` elements (the arithmetic
     is offload.swap.split's; "auto" takes what the pinned budget has left after `in_use_bytes` and
     `reserved_bytes`, at the bytes per element of `state_dtype`)."""
-    ratio = float(getattr(offload, "ratio", 1.0)) if offload is not None else 1.0
-    want = getattr(offload, "max_in_cpu", 0) if offload is not None else 0
-    if want == "auto" and tier == "nvme":
+    ratio = float(offload.ratio) if offload is not None else 1.0
+    want = offload.max_in_cpu if offload is not None else 0
+    if want == "auto" and tier == "nvme" and offload is not None:
         rest = split_numel(numel, sub_group, tier=tier, ratio=ratio, max_in_cpu=0).offload
         want = auto_max_in_cpu(
             rest,
@@ -107,11 +108,11 @@ def build_split(
     init: Union[torch.Tensor, Callable[..., None]],
     alias: Optional[torch.Tensor],
     build: PartBuilder,
-) -> Tuple[Any, Any]:
+) -> Tuple[StateTier, Optional[SwapSpace]]:
     """The tiers of `plan` (each from `build`, over its slice of `init` and `alias`), nested into
     SplitTiers; returns (tier, swap space or None)."""
     parts = [(n, t) for n, t in ((plan.device, "none"), (plan.host, "cpu"), (plan.offload, plan.tier)) if n]
-    built: List[Any] = []
+    built: List[StateTier] = []
     space = None
     start = 0
     try:
@@ -145,7 +146,7 @@ class SplitStats:
     """The counters of a split state: the back tier's plus the front's own (compute time, chunks), read and
     reset like `SwapStats`."""
 
-    def __init__(self, own: SwapStats, back: Any) -> None:
+    def __init__(self, own: SwapStats, back: TierStats) -> None:
         self._own, self._back = own, back
 
     def _sum(self, name: str) -> Any:
@@ -160,15 +161,18 @@ class SplitStats:
     chunks = property(lambda self: self._sum("chunks"))
 
     def reset(self) -> None:
+        """Zero both tiers' counters."""
         self._own.reset()
         self._back.reset()
 
 
 class SplitTier:
     """`front` holds elements [0, front.numel), `back` the rest, both as one `StateTier` (module doc).
-    `on_device`: the front is the training device's share (Twin-Flow), not pinned host memory."""
+    `on_device`: the front is the training device's share (Twin-Flow), not pinned host memory. The back must
+    not defer its writes (an NVMe error must surface from `step`, never after a commit): the builder makes
+    its swapper with `defer_writes=False`."""
 
-    def __init__(self, front: Any, back: Any, *, on_device: bool = False) -> None:
+    def __init__(self, front: StateTier, back: StateTier, *, on_device: bool = False) -> None:
         self.front, self.back = front, back
         self.on_device = bool(on_device)
         self.split = int(front.numel)
@@ -176,66 +180,52 @@ class SplitTier:
         self.chunk_numel = max(int(front.chunk_numel), int(back.chunk_numel))
         self._own = SwapStats()
         self.stats = SplitStats(self._own, back.stats)
-        for t in (front, back):
-            if isinstance(t, OptimizerSwapper):
-                t.defer_writes = False  # an NVMe error must surface from step(), never after a commit
 
     # ------------------------------------------------------------------------------------ chunks
     @property
     def chunks(self) -> List[Tuple[int, int]]:
         """(start, numel) of every chunk a pass visits, in element coordinates: the front's, then the
         back's."""
-        return _chunks_of(self.front) + [(self.split + s, n) for s, n in _chunks_of(self.back)]
+        return list(self.front.chunks) + [(self.split + s, n) for s, n in self.back.chunks]
 
     @property
     def atomic_from(self) -> int:
         """The first element whose state lives on a two-copy swapper up to the end (updated out of place,
         so a failed pass leaves it committed); `numel` when the tail is updated in place."""
-        if isinstance(self.back, OptimizerSwapper):
-            return self.split if self.back.copies > 1 else self.numel
-        if isinstance(self.back, SplitTier):
-            return self.split + self.back.atomic_from
-        return self.numel
+        return self.split + self.back.atomic_from
 
     @property
     def overlappable(self) -> bool:
         """Whether the pass may step the swapped share during backward (module doc): one two-copy swapper
         behind an in-memory front that this tier's chunk walk steps."""
+        back, front = self.back, self.front
         return (
-            isinstance(self.back, OptimizerSwapper)
-            and self.back.copies > 1
-            and not isinstance(self.front, (OptimizerSwapper, SplitTier, TorchDevicePart))
+            back.overlap_chunks is not None
+            and back.resident_share == (0, 0)
+            and front.swapped_numel == 0
+            and front.device_part is None
         )
 
-    def use_device_part(self, part: TorchDevicePart) -> None:
-        """Step the device share with `part` (a `TorchDevicePart` over the current front): the pass launches
-        it before this tier's `step`, whose visit of the front then only checks that it was."""
-        if not self.on_device or int(part.numel) != self.split:
-            raise ValueError(
-                f"a device part of {part.numel} elements cannot replace this split's front "
-                f"({self.split} elements, on the device: {self.on_device})"
-            )
-        self.front = part
+    @property
+    def overlap_chunks(self) -> Optional[List[Tuple[int, int]]]:
+        """The gate's chunks of a pass during backward (`chunks`), or None when not `overlappable`."""
+        return self.chunks if self.overlappable else None
 
     @property
-    def device_part(self) -> Any:
-        """The front when it is stepped apart from the chunk walk (`use_device_part`), else None."""
-        return self.front if isinstance(self.front, TorchDevicePart) else None
+    def resident_share(self) -> Tuple[int, int]:
+        """(elements, chunks) of the in-memory front a pass during backward leaves to `step_resident`."""
+        return self.split, self.front_chunks
+
+    @property
+    def device_part(self) -> Optional[DevicePart]:
+        """The front when it is stepped apart from the chunk walk (a `TorchDevicePart`), else None."""
+        return self.front.device_part
 
     # ------------------------------------------------------------------------------------ placement
-    def _swappers(self) -> List[OptimizerSwapper]:
-        out: List[OptimizerSwapper] = []
-        for t in (self.front, self.back):
-            if isinstance(t, OptimizerSwapper):
-                out.append(t)
-            elif isinstance(t, SplitTier):
-                out.extend(t._swappers())
-        return out
-
     @property
     def swapped_numel(self) -> int:
         """Elements whose state lives in swap files."""
-        return sum(s.numel for s in self._swappers())
+        return self.front.swapped_numel + self.back.swapped_numel
 
     @property
     def resident_numel(self) -> int:
@@ -245,31 +235,32 @@ class SplitTier:
     @property
     def device_numel(self) -> int:
         """Elements whose state lives on the training device (`ratio` below 1.0)."""
-        inner = self.back.device_numel if isinstance(self.back, SplitTier) else 0
-        return (self.split if self.on_device else 0) + inner
+        return self.front.device_numel + self.back.device_numel
 
     @property
     def pass_bytes(self) -> int:
         """NVMe bytes one full pass reads (and, committing, writes): the swapped share only."""
-        return sum(s.pass_bytes for s in self._swappers())
+        return self.front.pass_bytes + self.back.pass_bytes
 
     @property
     def copies(self) -> int:
         """NVMe copies of the swapped share (1 with nothing swapped)."""
-        return max([s.copies for s in self._swappers()] or [1])
+        return max(self.front.copies, self.back.copies)
 
     @property
     def chunk_count(self) -> int:
         """Chunks one pass visits over both tiers."""
-        return sum(_chunk_count(t) for t in (self.front, self.back))
+        return len(self.front.chunks) + len(self.back.chunks)
 
     @property
     def pinned_bytes(self) -> int:
-        return int(getattr(self.front, "pinned_bytes", 0)) + int(getattr(self.back, "pinned_bytes", 0))
+        """Pinned bytes of both tiers (host share, staging slots)."""
+        return self.front.pinned_bytes + self.back.pinned_bytes
 
     @property
     def writes_in_flight(self) -> bool:
-        return bool(getattr(self.back, "writes_in_flight", False))
+        """Whether either tier has writes in flight (never after a split's step: the back drains)."""
+        return self.back.writes_in_flight or self.front.writes_in_flight
 
     # ------------------------------------------------------------------------------------ a pass
     def _shifted(self, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -286,26 +277,30 @@ class SplitTier:
 
     def settle(self) -> None:
         """Wait for writes in flight (none are left by a split state's steps)."""
-        getattr(self.back, "settle", lambda: None)()
+        self.back.settle()
+        self.front.settle()
 
-    def step(self, fn: ChunkFn) -> bool:
-        """Run `fn` over every chunk: the back tier first (its reads were prefetched), then the front."""
+    def step(self, fn: ChunkFn, ready: Optional[ReadyFn] = None) -> bool:
+        """Run `fn` over every chunk: the back tier first (its reads were prefetched), then the front. With
+        `ready`: only the swapped share, as `step_swapped`."""
+        if ready is not None:
+            return self.step_swapped(fn, ready)
         if not self.back.step(self._shifted(fn)):
             return False
         t0 = time.perf_counter()
         try:
             return self.front.step(fn)
         finally:
-            if not isinstance(self.front, (OptimizerSwapper, SplitTier)):
+            if self.front.swapped_numel == 0:  # an in-memory front: its compute is this tier's own
                 self._own.compute_s += time.perf_counter() - t0
-                self._own.chunks += _chunk_count(self.front)
+                self._own.chunks += len(self.front.chunks)
 
     @property
     def front_chunks(self) -> int:
         """Chunks of the front: the first indices of `chunks`."""
-        return len(_chunks_of(self.front))
+        return len(self.front.chunks)
 
-    def step_swapped(self, fn: ChunkFn, ready: Callable[[int], bool]) -> bool:
+    def step_swapped(self, fn: ChunkFn, ready: ReadyFn) -> bool:
         """The swapped share's part of a pass (`overlappable` only): `ready(c)` with c the chunk's index in
         `chunks` is called before each update; the front is left for `step_resident`."""
         if not self.overlappable:
@@ -320,13 +315,15 @@ class SplitTier:
             return bool(self.front.step(fn))
         finally:
             self._own.compute_s += time.perf_counter() - t0
-            self._own.chunks += _chunk_count(self.front)
+            self._own.chunks += len(self.front.chunks)
 
     def commit(self) -> None:
+        """Commit both tiers' pass (the back first)."""
         self.back.commit()
         self.front.commit()
 
     def abort(self) -> None:
+        """Drop both tiers' pass."""
         self.back.abort()
         self.front.abort()
 
@@ -346,11 +343,11 @@ class SplitTier:
         self.front.rewrite(fn)
         self.back.rewrite(self._shifted(fn))
 
-    def take_lost(self) -> Any:
+    def take_lost(self) -> Optional[OSError]:
         """A failure of deferred writes not yet reported (never, as the back tier drains its steps)."""
         return self.back.take_lost() or self.front.take_lost()
 
-    def keep_lost(self, err: Any) -> None:
+    def keep_lost(self, err: OSError) -> None:
         """Keep a deferred failure a discarded step had taken, for the next step."""
         self.back.keep_lost(err)
 
@@ -364,18 +361,3 @@ class SplitTier:
                 first = first or e
         if first is not None:
             raise first
-
-
-def _chunks_of(t: Any) -> List[Tuple[int, int]]:
-    if isinstance(t, (SplitTier, OptimizerSwapper)):
-        return list(t.chunks)
-    n, c = int(t.numel), int(t.chunk_numel)
-    return [(s, min(c, n - s)) for s in range(0, n, c)]
-
-
-def _chunk_count(t: Any) -> int:
-    if isinstance(t, SplitTier):
-        return t.chunk_count
-    if isinstance(t, OptimizerSwapper):
-        return len(t.chunks)
-    return -(-int(t.numel) // int(t.chunk_numel))
