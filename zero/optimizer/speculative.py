@@ -39,14 +39,22 @@ class SpeculativeUpdate(Protocol):
     layout: Layout
 
     @property
-    def speculative_scale(self) -> float: ...
+    def speculative_scale(self) -> float:
+        """The gradient divisor the speculative pass stepped with (clipping coefficient 1)."""
+        ...
 
     @property
-    def speculative_grads(self) -> torch.Tensor: ...
+    def speculative_grads(self) -> torch.Tensor:
+        """The gradients the speculative pass read, for the norm computed after backward."""
+        ...
 
-    def grad_scale_and_overflow(self, fused_check: bool) -> Tuple[float, bool]: ...
+    def grad_scale_and_overflow(self, fused_check: bool) -> Tuple[float, bool]:
+        """The true gradient divisor (loss scale, world size, clipping) and whether a value overflowed."""
+        ...
 
-    def run(self, rep: StepReport) -> bool: ...
+    def run(self, rep: StepReport) -> bool:
+        """The ordinary pass after backward; True when the step was skipped (overflow)."""
+        ...
 
 
 def validate(update: SpeculativeUpdate, result: PassResult, rep: StepReport) -> Optional[bool]:
