@@ -604,6 +604,7 @@ class ZeroEngine(EngineAPI):
     # --------------------------------------------------------------------------- optimizer state I/O
     def optimizer_state_dict(self) -> Dict[str, Any]:
         """This rank's optimizer state: rule, hyperparameters, step, partition, master and states."""
+        self._require_checkpointable("optimizer.state_dict()")
         self._update.drop_overlapped()  # between backward and step: the committed state, as without overlap
         self._opt.settle_write_back()
         master, states = self._opt.master_and_states()
@@ -692,6 +693,7 @@ class ZeroEngine(EngineAPI):
         from zero.checkpoint import save_checkpoint
 
         self._require_optimizer("save_checkpoint() (training state; save_16bit_model exports the weights)")
+        self._require_checkpointable("save_checkpoint()")
         return save_checkpoint(
             self,
             save_dir,
@@ -732,6 +734,14 @@ class ZeroEngine(EngineAPI):
     def _require_optimizer(self, what: str) -> None:
         if self.optimizer is None:
             raise inference.no_optimizer_error(what)
+
+    def _require_checkpointable(self, what: str) -> None:
+        if not getattr(self.rule, "checkpointable", True):  # zero.optimizer.torch_step
+            raise NotImplementedError(
+                f"{what}: the client optimizer ({self.rule.kind}) is stepped by its own class, whose state "
+                "(momentum buffers, ...) a checkpoint would not hold; save the weights with "
+                "save_16bit_model, or use Adam, AdamW, Adagrad or Lion"
+            )
 
     def check_open(self) -> None:
         """Raise RuntimeError if the engine was closed."""
