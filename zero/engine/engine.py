@@ -57,13 +57,11 @@ from zero.engine.unused import UnusedParameterCheck
 from zero.inference import parts as inference
 from zero.layout.base import GradMemory, Layout, Placement, trainable_params
 from zero.layout.flat import FlatLayout
+from zero.optimizer.client_face import optimizer_class
 from zero.optimizer.integrity import StateGuard
 from zero.optimizer.loss_scaler import build_loss_scaler
 from zero.optimizer.overlap import OverlapPass
 from zero.optimizer.param_groups import build_groups
-from zero.optimizer.rules import (
-    ZeroOptimizer,
-)
 from zero.optimizer.state import (
     StateInfo,
     describe_placement,
@@ -153,6 +151,7 @@ class ZeroEngine(EngineAPI):
             model_parameters = list(model_parameters)  # read twice: the parameters, then their groups
         params = trainable_params(model, model_parameters)
         self.rule, hyper, client = choose_rule(cfg, optimizer, params)
+        self._client_class = optimizer_class(client)  # isinstance of the client's class too
         groups = build_groups(params, model_parameters, client) if self.rule is not None else []
         self.offload_device = off.device if off is not None and self.rule is not None else "none"
 
@@ -202,7 +201,7 @@ class ZeroEngine(EngineAPI):
             self.layout = FlatLayout(model, params, place, pool, zcfg, on_grad=self.overlap.source_ready)
         self.module = self.layout.module
         self.pool: PinnedPool = self.layout.pool  # stage 3 under zero.Init: the Init's pinned budget
-        self.optimizer = ZeroOptimizer(groups, self.rule, hyper)
+        self.optimizer = self._client_class(groups, self.rule, hyper)
         self.optimizer.engine = self
         self._opt = build_optimizer_state(
             self.layout,

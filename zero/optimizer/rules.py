@@ -365,7 +365,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, params: List[Any], rule: UpdateRule, hyper: Dict[str, Any]) -> None:
-        super().__init__(params, dict(hyper))
+        # torch's own: a subclass that is also the client's class (zero.optimizer.client_face) must not run
+        # the client's __init__
+        torch.optim.Optimizer.__init__(self, params, dict(hyper))
         self.rule = rule
         self.step_count = 0  # optimizer updates applied (overflow-skipped steps excluded)
         self.overflow = False  # DeepSpeed's: whether the last step found inf/nan gradients and was skipped
