@@ -177,3 +177,26 @@ def test_two_engines_over_one_model_are_refused_clearly(tmp_path):
         zero.initialize(model=model, config=cfg)
     assert train(engine, 2) == _alone(cfg, 0, 2, 0)[0]  # the first engine is untouched
     engine.close()
+
+
+def test_lone_layers_share_one_partitioner_and_a_layer_added_later_is_moved_in(tmp_path):
+    """Layers built one by one stay together (no copies); a layer built after a model and put into it (a
+    resized embedding) has a partitioner of its own until an engine takes the model, then joins it."""
+    cfg = _cfg("cpu", tmp_path)
+    with zero.Init(config=cfg) as zi:
+        model = nn.Sequential(*(nn.Linear(16, 16) for _ in range(4)))
+    assert len(zi.partitioners) == 1
+    torch.manual_seed(7)
+    want = MLP()
+    want.out = nn.Linear(40, 4)
+    torch.manual_seed(7)
+    with zero.Init(config=cfg) as zi:
+        model = MLP()
+        new_out = nn.Linear(40, 4)
+    assert len(zi.partitioners) == 2 and new_out.weight.ds_unit.owner is zi.partitioners[1]
+    model.out = new_out
+    engine, *_ = zero.initialize(model=model, config=cfg)
+    assert {p.ds_unit.owner for p in model.parameters()} == {zi.partitioners[0]}
+    got = zero.consolidated_state_dict(engine)
+    assert all(torch.equal(got[k], v) for k, v in want.state_dict().items())
+    engine.close()
