@@ -554,7 +554,6 @@ def test_ignored_tooling_keys_warn_once_each(caplog: pytest.LogCaptureFixture) -
         "wandb": {"enabled": True, "project": "p"},
         "flops_profiler": {"enabled": True, "profile_step": 1},
         "activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": True},
-        "zero_allow_untested_optimizer": True,
         "checkpoint": {"tag_validation": "Fail"},
         "zero_optimization": {"stage": 2, "log_trace_cache_warnings": True},
     }
@@ -565,13 +564,12 @@ def test_ignored_tooling_keys_warn_once_each(caplog: pytest.LogCaptureFixture) -
         "tensorboard",
         "wandb",
         "flops_profiler",
-        "zero_allow_untested_optimizer",
         "zero_optimization.log_trace_cache_warnings",
     ):
         assert sum(f"'{key}' is accepted but ignored" in m for m in messages) == 1, key
     # the section is read; of its keys only partition_activations does nothing (one model-parallel rank)
     assert sum("'activation_checkpointing.partition_activations' = True" in m for m in messages) == 1
-    assert len(messages) == 6  # checkpoint.tag_validation is read (save_checkpoint compares the tags)
+    assert len(messages) == 5  # checkpoint.tag_validation is read (save_checkpoint compares the tags)
 
 
 def test_torch_adam_is_accepted_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:

@@ -35,6 +35,8 @@ _MODELLED = (
     "checkpoint",
     "data_types",
     "gradient_allreduce_op",
+    "zero_allow_untested_optimizer",
+    "zero_force_ds_cpu_optimizer",
 )
 
 # Legacy spellings DeepSpeed still reads.
@@ -55,8 +57,6 @@ IGNORED_TOP_LEVEL: Dict[str, str] = {
     "autotuning": "read by DeepSpeed's autotuner launcher, not by the engine",
     "pipeline": "only read by DeepSpeed's PipelineEngine (pipeline parallelism)",
     "dataloader_drop_last": "only read by DeepSpeed's own data loader, which zero-offload does not provide",
-    "zero_allow_untested_optimizer": "zero-offload builds the optimizer from the 'optimizer' section",
-    "zero_force_ds_cpu_optimizer": "zero-offload always steps offloaded states with its own CPU optimizer",
     "vocabulary_size": "a hint for DeepSpeed's sparse-embedding path",
     "seq_parallel_communication_data_type": "only used by DeepSpeed's sequence parallelism",
 }
@@ -167,6 +167,10 @@ class ZeroOffloadConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     data_types: DataTypesConfig = field(default_factory=DataTypesConfig)
     gradient_allreduce_op: str = "mean"
+    # DeepSpeed's checks of a client optimizer the kernels do not implement (zero.optimizer.torch_step):
+    # outside the tested list it needs the first true; under ZeRO-Offload the second false
+    zero_allow_untested_optimizer: bool = False
+    zero_force_ds_cpu_optimizer: bool = True
 
     def to_dict(self) -> Dict[str, Any]:
         """Every modelled key with its resolved value, as JSON-ready dicts and lists; loads back equal."""
@@ -282,6 +286,12 @@ def _parse(raw: Any, ctx: Context, world_size: int) -> ZeroOffloadConfig:
         checkpoint=checkpoint,
         data_types=data_types,
         gradient_allreduce_op=allreduce_op,
+        zero_allow_untested_optimizer=top.bool(
+            "zero_allow_untested_optimizer", ZeroOffloadConfig.zero_allow_untested_optimizer
+        ),
+        zero_force_ds_cpu_optimizer=top.bool(
+            "zero_force_ds_cpu_optimizer", ZeroOffloadConfig.zero_force_ds_cpu_optimizer
+        ),
     )
 
 

@@ -170,6 +170,12 @@ FIELD_USAGE: Dict[str, Usage] = {
     "gradient_allreduce_op": _r(
         "offload/config/data_types.py ('mean' is what zero/optimizer/update.py does)"
     ),
+    "zero_allow_untested_optimizer": _r(
+        "zero/optimizer/torch_step.py (a client optimizer the kernels do not implement needs it true)"
+    ),
+    "zero_force_ds_cpu_optimizer": _r(
+        "zero/optimizer/torch_step.py (false lets such a client optimizer step offloaded states)"
+    ),
     "checkpoint.tag_validation": _r("zero/checkpoint/save.py (tags compared across ranks before a save)"),
     "weight_quantization": _r("zero/inference/parts.py (stage 3 without an optimizer; refused with one)"),
     _WQ + "quantized_initialization": _r("zero/stage3/quant.py (every Linear/Embedding/Conv1D weight)"),

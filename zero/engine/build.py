@@ -2,7 +2,8 @@
 
 * `refuse_partitioned` / `refuse_meta_tensors`: models no engine can run, refused before anything is built;
 * `choose_rule`: the update rule and its hyperparameters, from the config's `optimizer` block or the client
-  optimizer (DeepSpeed's rule when both are given: the client's), or none (an inference engine);
+  optimizer (DeepSpeed's rule when both are given: the client's; one the kernels do not implement steps
+  with its own class on the host, zero.optimizer.torch_step), or none (an inference engine);
 * `build_optimizer_state`: the fp32 master and optimizer states on their tier (zero.optimizer.state), with
   Twin-Flow's device share stepped by torch where it can be;
 * `enable_overlap`: whether the optimizer steps NVMe sub-groups during backward;
@@ -31,6 +32,7 @@ from zero.optimizer.rules import UpdateRule, ZeroOptimizer, rule_from_client_opt
 from zero.optimizer.state import OptimizerState
 from zero.optimizer.tiers.build import TierSpec, TorchPart, build_tier, fused_device_step, swap_copies
 from zero.optimizer.tiers.device_part import wants_torch_part
+from zero.optimizer.torch_step import kernel_implements, torch_step_rule
 
 __all__ = [
     "build_optimizer_state",
@@ -91,6 +93,10 @@ def choose_rule(
     if client_opt is not None:
         if callable(client_opt) and not isinstance(client_opt, torch.optim.Optimizer):
             client_opt = client_opt(params)
+        if not kernel_implements(client_opt):  # SGD, RMSprop, ...: its own class steps on the host
+            off = cfg.zero_optimization.offload_optimizer
+            tier = off.device if off is not None else "none"
+            return torch_step_rule(client_opt, cfg, tier), dict(client_opt.defaults), client_opt  # type: ignore[return-value]
         return (*rule_from_client_optimizer(client_opt), client_opt)
     return None, {}, None  # no optimizer: inference
 
@@ -118,6 +124,7 @@ def build_optimizer_state(
     n_states, part = rule.n_states, layout.part_numel
     spans = group_spans(layout.param_spans(), optimizer.param_groups, part)
     check_quantized_groups(rule, optimizer.param_groups, spans)
+    rule.bind(optimizer.param_groups, spans)  # a torch-stepped client optimizer builds its steppers
     sub_group = max(1, int(cfg.zero_optimization.sub_group_size))
     staging = 0  # pinned bytes the GPU copy-back needs besides the NVMe slots
     if device.type == "cuda":

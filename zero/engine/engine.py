@@ -58,14 +58,12 @@ from zero.engine.unused import UnusedParameterCheck
 from zero.inference import parts as inference
 from zero.layout.base import GradMemory, Layout, Placement, trainable_params
 from zero.layout.flat import FlatLayout
+from zero.optimizer.client_face import optimizer_class
 from zero.optimizer.delayed import DelayedUpdate, check_delayed, make_delayed
 from zero.optimizer.integrity import StateGuard
 from zero.optimizer.loss_scaler import build_loss_scaler
 from zero.optimizer.overlap import OverlapPass
 from zero.optimizer.param_groups import build_groups
-from zero.optimizer.rules import (
-    ZeroOptimizer,
-)
 from zero.optimizer.tiers.base import StateInfo
 from zero.optimizer.tiers.build import describe_placement
 from zero.optimizer.tiers.device_part import wants_torch_part
@@ -153,6 +151,7 @@ class ZeroEngine(EngineAPI):
             model_parameters = list(model_parameters)  # read twice: the parameters, then their groups
         params = trainable_params(model, model_parameters)
         self.rule, hyper, client = choose_rule(cfg, optimizer, params)
+        self._client_class = optimizer_class(client)  # isinstance of the client's class too
         groups = build_groups(params, model_parameters, client) if self.rule is not None else []
         self.offload_device = off.device if off is not None and self.rule is not None else "none"
 
@@ -206,7 +205,7 @@ class ZeroEngine(EngineAPI):
             self.layout = FlatLayout(model, params, place, pool, zcfg, on_grad=self.overlap.source_ready)
         self.module = self.layout.module
         self.pool: PinnedPool = self.layout.pool  # stage 3 under zero.Init: the Init's pinned budget
-        self.optimizer = ZeroOptimizer(groups, self.rule, hyper)
+        self.optimizer = self._client_class(groups, self.rule, hyper)
         self.optimizer.engine = self
         self._opt = build_optimizer_state(
             self.layout,
@@ -613,6 +612,7 @@ class ZeroEngine(EngineAPI):
     # --------------------------------------------------------------------------- optimizer state I/O
     def optimizer_state_dict(self) -> Dict[str, Any]:
         """This rank's optimizer state: rule, hyperparameters, step, partition, master and states."""
+        self._require_checkpointable("optimizer.state_dict()")
         self._update.drop_overlapped()  # between backward and step: the committed state, as without overlap
         self.settle_update()
         self._opt.settle_write_back()
@@ -706,6 +706,7 @@ class ZeroEngine(EngineAPI):
         from zero.checkpoint import save_checkpoint
 
         self._require_optimizer("save_checkpoint() (training state; save_16bit_model exports the weights)")
+        self._require_checkpointable("save_checkpoint()")
         return save_checkpoint(
             self,
             save_dir,
@@ -758,6 +759,16 @@ class ZeroEngine(EngineAPI):
         one pending (or the delayed update off), nothing happens. Checkpoints and `close()` call it."""
         if self._delayed is not None and not self._closed:
             self._delayed.settle(self._clock.current)
+
+    def _require_checkpointable(self, what: str) -> None:
+        if (
+            not self.rule.checkpointable
+        ):  # a client optimizer stepped by its own class (zero.optimizer.torch_step)
+            raise NotImplementedError(
+                f"{what}: the client optimizer ({self.rule.kind}) is stepped by its own class, whose state "
+                "(momentum buffers, ...) a checkpoint would not hold; save the weights with "
+                "save_16bit_model, or use Adam, AdamW, Adagrad or Lion"
+            )
 
     def check_open(self) -> None:
         """Raise RuntimeError if the engine was closed."""

@@ -28,6 +28,7 @@ CONFIG_KWARGS: Dict[str, Tuple[str, ...]] = {
     "params_buffer_count": (*_OP, "buffer_count"),
     "params_buffer_size": (*_OP, "buffer_size"),
     "max_in_cpu": (*_OP, "max_in_cpu"),
+    "zero_allow_untested_optimizer": ("zero_allow_untested_optimizer",),
 }
 for _section, _keys in (
     ("zero_optimization", "sub_group_size overlap_comm reduce_bucket_size contiguous_gradients"),
@@ -50,7 +51,7 @@ REFUSED: Dict[str, Tuple[Any, str]] = {
     "process_group_backend": (None, _ONE_PROCESS),
     "cluster_environment": (None, _ONE_PROCESS),
 }
-NO_EFFECT = ("zero_allow_untested_optimizer", "timeout")  # unsupported optimizers are refused anyway
+NO_EFFECT = ("timeout",)
 
 
 def _set(cfg: Dict[str, Any], path: Tuple[str, ...], value: Any) -> None:

@@ -21,6 +21,8 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from zero.optimizer.torch_step import kernel_implements
+
 __all__ = ["UPDATE_KEYS", "build_groups", "check_quantized_groups", "groups_differ", "group_spans", "pieces"]
 
 # The hyperparameters an update reads from a group (the rule ignores those it has no use for).
@@ -66,7 +68,9 @@ def build_groups(
     optimizer's groups (their hyperparameters translated), else `model_parameters`' dict groups (their keys
     kept, tensors outside any dict in a group of their own at the end), else one group. A parameter listed
     twice stays in its first group; a trainable parameter in no group joins the first one."""
-    translate = client is not None
+    # a client the kernels implement has its hyperparameters translated; one stepped by its own class on
+    # the host (zero.optimizer.torch_step) keeps every key, as torch does
+    translate = client is not None and kernel_implements(client)
     if client is not None:
         source: List[Dict[str, Any]] = list(client.param_groups)
         where = f"{type(client).__name__} param group"
@@ -83,7 +87,8 @@ def build_groups(
     seen: set = set()
     groups = []
     for i, spec in enumerate(source):
-        _check(spec, f"{where} {i}")
+        if translate or client is None:
+            _check(spec, f"{where} {i}")
         ps = spec["params"]
         ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
         mine = [p for p in ps if id(p) in wanted and id(p) not in seen]

@@ -10,7 +10,7 @@ the same way - `step(fn)` calls `fn(start, n, master, states)` on chunks of the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -41,6 +41,14 @@ class UpdateRule:
     kind: str  # "adam" | "adamw" | "adagrad" | "lion"
     state_dtype: str = "fp32"
     stochastic_rounding: bool = False
+
+    checkpointable = (
+        True  # its whole state is in the tier a checkpoint reads (not so zero.optimizer.torch_step)
+    )
+
+    def bind(self, groups: Sequence[Dict[str, Any]], spans: Sequence[Tuple[int, int, int]]) -> None:
+        """Nothing: the kernels read each group's hyperparameters at every pass (a rule stepping the client's
+        class, zero.optimizer.torch_step, builds its optimizers over the groups here)."""
 
     def __post_init__(self) -> None:
         check_state_dtype(self.kind, self.state_dtype, self.stochastic_rounding)
@@ -238,7 +246,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, params: List[Any], rule: UpdateRule, hyper: Dict[str, Any]) -> None:
-        super().__init__(params, dict(hyper))
+        # torch's own: a subclass that is also the client's class (zero.optimizer.client_face) must not run
+        # the client's __init__
+        torch.optim.Optimizer.__init__(self, params, dict(hyper))
         self.rule = rule
         self.step_count = 0  # optimizer updates applied (overflow-skipped steps excluded)
         self.overflow = False  # DeepSpeed's: whether the last step found inf/nan gradients and was skipped

@@ -71,6 +71,15 @@ class Init:
     Not DeepSpeed's, keyword only: `partitioner`, an existing Stage3Partitioner to add to (default: a new
     one, available as `.partitioner`, which `Stage3Partitioner.attach(model)` / the engine take over
     afterwards); `device`, the compute device (default: the accelerator's).
+
+    Several models in one block (`actor = Model()`, then `ref = Model()`: RLHF's actor and reference, a
+    teacher and a student): each model (a module with submodules) built by a statement of its own gets a
+    partitioner of its own (same config and pinned pool, its own store and swap space), so each can be
+    wrapped by an engine of its own; lone layers built one by one share one.
+    `.partitioner` is the last model's, `.partitioners` all of them in order. A module built from modules
+    of the block (`Head(backbone)`) joins their partitioner; one composed afterwards (`nn.Sequential(a, b)`)
+    has its parts moved into one partitioner when an engine (or `attach`) takes it (zero.stage3.adopt).
+    With `partitioner=` given, everything goes into that one.
     """
 
     _lock = threading.Lock()
@@ -120,6 +129,11 @@ class Init:
         self.enabled = enabled
         self.dtype = dtype  # cast floating-point parameters to it before partitioning (fp16/bf16 training)
         self.partitioner = partitioner
+        # A partitioner per model built by a statement of its own, when the Init makes them (none given).
+        self._splits = partitioner is None
+        self._new_needed = False  # the model being built needs a partitioner of its own (made on first use)
+        self._holds_model = False  # the current partitioner holds a model built by a statement of its own
+        self._group = data_parallel_group
         if enabled:
             start_process_group()  # as DeepSpeed: the launchers' group, else one of this process alone
         if enabled and partitioner is None:
@@ -132,6 +146,10 @@ class Init:
             if remote_device is not None or pin_memory is not None:
                 cfg = _override_offload(cfg, remote_device, pin_memory)
             self.partitioner = Stage3Partitioner(cfg, device=device, group=data_parallel_group)
+            self.partitioner.family = self
+        self.partitioners: List[Stage3Partitioner] = (
+            [self.partitioner] if self.partitioner is not None else []
+        )
         if enabled and dtype is None and self.partitioner is not None:
             # As DeepSpeed: the config's fp16 / bf16 section decides the dtype the engine will train in.
             loaded = self.partitioner.config
@@ -166,12 +184,50 @@ class Init:
             if Init._patch_depth == 0:
                 _unpatch()
 
+    def _model_starts(self, args: Any, kwargs: Dict[str, Any]) -> None:
+        """A module starts being built while none of this Init's is: a new model. It gets a partitioner of
+        its own (made when its first parameter is partitioned) unless the current one holds nothing yet, or
+        it is built from modules this Init partitioned (`Head(backbone)`: the backbone's partitioner)."""
+        if not self._splits or self.partitioner is None:
+            return
+        given = [a for a in [*args, *kwargs.values()] if isinstance(a, nn.Module)]
+        for m in given:
+            for p in m.parameters():
+                unit = getattr(p, "ds_unit", None)
+                if unit is not None and unit.owner in self.partitioners:
+                    self.partitioner, self._new_needed = unit.owner, False
+                    self._holds_model = False  # whatever it holds, the module being built joins it
+                    return
+        self._new_needed = self._holds_model
+
+    def _model_built(self, module: nn.Module) -> None:
+        """A module built by a statement of its own is complete. One with submodules is taken for a model:
+        the next one gets a partitioner of its own. Lone layers (`nn.Sequential(*(nn.Linear(d, d) for _ in
+        range(8)))` builds eight first) stay in the current one with what is built next."""
+        if self._splits and next(module.children(), None) is not None:
+            self._holds_model = self._holds_model or any(
+                getattr(p, "ds_unit", None) is not None and p.ds_unit.owner is self.partitioner
+                for p in module.parameters()
+            )
+
+    def _next_partitioner(self) -> Stage3Partitioner:
+        """A partitioner for the model being built: same config, device, group and pinned pool as the
+        first, its own store and swap space."""
+        first = self.partitioners[0]
+        part = Stage3Partitioner(first.config, device=first.device, group=self._group, pool=first.store.pool)
+        part.family = self
+        self.partitioners.append(part)
+        return part
+
     def _partition_tree(self, module: nn.Module) -> None:
         assert self.partitioner is not None
         for sub in module.modules():
             has_new = any(p is not None and not is_partitioned(p) for p in sub._parameters.values())
             if not has_new:
                 continue
+            if self._new_needed:
+                self.partitioner, self._new_needed = self._next_partitioner(), False
+                self._holds_model = False
             if self.dtype is not None:
                 for p in sub._parameters.values():
                     if p is not None and not is_partitioned(p) and p.is_floating_point():
@@ -236,6 +292,8 @@ def _wrap_init(orig: Callable) -> Callable:
             orig(module, *args, **kwargs)
             return
         key = id(module)
+        if not ctx._depth:  # no module of this Init is being built: `module` starts a new one
+            ctx._model_starts(args, kwargs)
         depth = ctx._depth.get(key, 0)
         ctx._depth[key] = depth + 1
         try:
@@ -247,6 +305,8 @@ def _wrap_init(orig: Callable) -> Callable:
                 ctx._depth[key] = depth
         if depth == 0:  # the most-derived __init__ returned: the module is complete
             ctx._partition_tree(module)
+            if not ctx._depth:
+                ctx._model_built(module)
 
     wrapper._zo_original = orig  # type: ignore[attr-defined]
     return wrapper

@@ -34,6 +34,7 @@ from offload.config.loader import ConfigInput
 from offload.config.zero import OffloadParamConfig
 from offload.pinned import PinnedPool
 from zero.accelerator import compute_device
+from zero.stage3.adopt import choose_owner, move_foreign_units
 from zero.stage3.builder import UnitBuilder
 from zero.stage3.comm import all_gather_flat, dist_info
 from zero.stage3.config import default_pinned_pool, load_stage3_config
@@ -127,6 +128,9 @@ class Stage3Partitioner:
         self.read_ahead: Optional[bool] = None
         self._closed = False
         self.hooks: Optional[Stage3Hooks] = None
+        # The zero.Init that made it (None: made otherwise): a model built from parts that one Init gave
+        # to several partitioners is moved into one of them when attached (zero.stage3.adopt).
+        self.family: Optional[object] = None
 
     @classmethod
     def for_model(
@@ -138,20 +142,12 @@ class Stage3Partitioner:
         **kwargs: Any,
     ) -> Stage3Partitioner:
         """The partitioner to train `model` with, attached, its gradients going to `grad_sink`: the one its
-        parameters were partitioned by under `Init` (config and kwargs are then ignored), else a new one
-        from `config`."""
-        owners = {}
-        for p in model.parameters():
-            unit = getattr(p, "ds_unit", None)
-            if unit is not None:
-                owners[id(unit.owner)] = unit.owner
-        if len(owners) > 1:
-            raise ValueError(
-                f"the model's parameters were partitioned by {len(owners)} different partitioners (nested "
-                "zero.Init blocks with different configs?); build it under one Init"
-            )
-        if owners:
-            part = next(iter(owners.values()))
+        parameters were partitioned by under `Init` (config and kwargs are then ignored; parts built by
+        separate statements under one Init are moved into one partitioner, zero.stage3.adopt), else a new
+        one from `config`."""
+        part = choose_owner(model)  # several partitioners of one Init: the one holding most of it
+        if part is not None:
+            part._refuse_attached()  # before its sink changes: the engine training it is left as it was
             if grad_sink is not None:
                 part.grads.sink = grad_sink  # taken over from the Init, before any backward
         else:
@@ -523,9 +519,10 @@ class Stage3Partitioner:
         return load_shard(self, shard)
 
     def attach(self, model: nn.Module) -> Stage3Hooks:
-        """Partition what is not partitioned yet, install module and gradient hooks; returns the hooks."""
-        if self.hooks is not None:
-            raise RuntimeError("this Stage3Partitioner is already attached to a model")
+        """Move in the model's units other partitioners of the same zero.Init hold (zero.stage3.adopt),
+        partition what is not partitioned yet, install module and gradient hooks; returns the hooks."""
+        self._refuse_attached()
+        move_foreign_units(self, model)
         self.partition_model(model)
         for name, m in model.named_modules():
             for pname, p in m._parameters.items():
@@ -539,6 +536,14 @@ class Stage3Partitioner:
         self.hooks = Stage3Hooks(self, model)
         self.install_grad_hooks()
         return self.hooks
+
+    def _refuse_attached(self) -> None:
+        if self.hooks is not None:
+            raise RuntimeError(
+                "this Stage3Partitioner is already attached to a model: one partitioner (and one engine) per "
+                "model; under one zero.Init, build each model by a statement of its own (`a = A()`, then "
+                "`b = B()`) and each gets a partitioner of its own"
+            )
 
     def gathered_state_dict(
         self, model: nn.Module, device: Union[str, torch.device] = "cpu", keep: bool = True
