@@ -24,7 +24,7 @@ state (references, backward holds, units kept for reuse, live counts) that a spl
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -172,6 +172,18 @@ class Stage3Partitioner:
         if t is None:
             t = self._released[dtype] = torch.empty(0, dtype=dtype, device=self.device)
         return t
+
+    def partition_params(
+        self,
+        name: str,
+        params: Sequence[nn.Parameter],
+        param_names: Sequence[str],
+        shapes: Optional[Sequence[torch.Size]] = None,
+    ) -> Unit:
+        """Make `params` one unit: store this rank's share in its tier and empty their `.data` (a unit moved
+        in from another partitioner, zero.stage3.adopt). With `shapes`, the parameters hold no values yet
+        (built on the meta device): the partition is 0."""
+        return self.builder.params(name, params, param_names, shapes)
 
     def partition_module(self, module: nn.Module, name: str) -> Optional[Unit]:
         """Partition the parameters `module` registers itself (recurse=False) that are not partitioned yet
