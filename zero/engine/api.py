@@ -1,13 +1,14 @@
 """DeepSpeed's engine accessors and memory calls that scripts, TRL and the RLHF frameworks call by name.
 
 `EngineAPI` is mixed into `ZeroEngine` (zero/engine/engine.py) so that its class stays DeepSpeed's face
-without
-growing further; every method here only reads the engine's config and parts, or delegates to them:
+without growing further; every method here only reads the engine's config and parts, or delegates to them:
 
 * the configuration accessors (`fp16_enabled()`, `bfloat16_enabled()`, `zero_optimization_stage()`,
   `zero_offload_optimizer()`, `zero_offload_param()`, `get_batch_info()`, ...);
 * `offload_states()` / `reload_states()` (DeepSpeed's `OffloadDeviceEnum` / `OffloadStateTypeEnum`);
 * `empty_partition_cache()` (stage 3: free every gathered partition nothing holds) and `destroy()`;
+* the reports: gradient norm, gradient memory, pinned and NVMe bytes, where the optimizer state lives,
+  the inference report of an engine without an optimizer;
 * attribute forwarding, as DeepSpeed's engine: a name the engine does not define is looked up on the
   wrapped module (`engine.generate(...)`, `engine.get_input_embeddings()`, `engine.name_or_path` of a
   Hugging Face model). `engine.config` is the engine's config, as in DeepSpeed (the model's is
@@ -19,12 +20,18 @@ from __future__ import annotations
 import enum
 import gc
 import logging
-from typing import Any, Iterable, Optional, Set, Tuple
+from typing import Any, Callable, Iterable, Optional, Set, Tuple
 
 import torch
 
 from offload.config.loader import ZeroOffloadConfig
 from offload.config.zero import OffloadOptimizerConfig, OffloadParamConfig
+from offload.pinned import PinnedPool
+from zero.layout.base import GradMemory, Layout
+from zero.optimizer.state import OptimizerState
+from zero.optimizer.tiers.base import StateInfo
+from zero.optimizer.update import UpdatePass
+from zero.report import InferenceReport
 
 __all__ = ["EngineAPI", "OffloadDeviceEnum", "OffloadStateTypeEnum"]
 
@@ -59,6 +66,13 @@ class EngineAPI:
     bf16: bool
     optimizer: Any
     offload_device: str
+    rule: Any
+    layout: Layout
+    pool: PinnedPool
+    _opt: OptimizerState
+    _update: UpdatePass
+
+    check_open: Callable[[], None]  # the engine's
 
     # ---------------------------------------------------------------------------- configuration accessors
     def fp16_enabled(self) -> bool:
@@ -204,6 +218,103 @@ class EngineAPI:
                 f"'{type(self).__name__}' object has no attribute '{name}' (nor has its module, a "
                 f"{type(module).__name__})"
             ) from None
+
+    # ------------------------------------------------------------------------------------- reports
+    @property
+    def last_grad_norm(self) -> Optional[float]:
+        """The global gradient norm of the last step (`get_global_grad_norm()`); None before one."""
+        return self._update.last_grad_norm
+
+    def get_global_grad_norm(self) -> Optional[float]:
+        """DeepSpeed's: the 2-norm of the last step's gradients over all ranks and parameters, unscaled
+        and before clipping (what torch's clip_grad_norm_ returns); None before the first step, inf/nan
+        when that step overflowed."""
+        return self._update.last_grad_norm
+
+    def gradient_memory(self) -> GradMemory:
+        """The gradient bytes this rank allocated, counted from the tensors (zero.layout.base.GradMemory):
+        at stage 2 the buckets and, without optimizer offload, the rank's partition on the device."""
+        layout = self.layout
+        if hasattr(layout, "grad_memory"):
+            return layout.grad_memory()
+        g = layout.grad_host  # stage 3 / inference: the gradient partition only
+        n = 0 if g is None else g.numel() * g.element_size()
+        on_device = self.offload_device == "none"
+        return GradMemory(
+            partition_device_bytes=n if on_device else 0, partition_host_bytes=0 if on_device else n
+        )
+
+    @property
+    def partitioner(self) -> Any:
+        """Stage 3: the parameter partitioner (zero.stage3); None at stages 0-2."""
+        return self.layout.partitioner
+
+    @property
+    def part_numel(self) -> int:
+        """Elements of this rank's optimizer partition."""
+        return self.layout.part_numel
+
+    @property
+    def trainable_numel(self) -> int:
+        """Elements of the trainable parameters (the whole model, not this rank's share)."""
+        return self.layout.trainable_numel
+
+    @property
+    def lo(self) -> int:
+        """First element of this rank's optimizer partition in the flat trainable order."""
+        return self.layout.lo
+
+    @property
+    def hi(self) -> int:
+        """End (exclusive) of this rank's optimizer partition in the flat trainable order."""
+        return self.layout.hi
+
+    def inference_report(
+        self, read_ceiling_gbs: Optional[float] = None, machine_profile: Optional[str] = None
+    ) -> InferenceReport:
+        """An engine without an optimizer: forwards, tokens, tokens/s, bytes read per forward and the achieved
+        read bandwidth since the last call, against the disk's read ceiling (`read_ceiling_gbs`, else the
+        `nvme_read_gbps` of a `ds-nvme-bench --json` profile). Resets the counts that
+        `partitioner.take_io_report()` also resets (docs/inference.md, "Throughput")."""
+        if self.rule is not None:
+            raise RuntimeError(
+                "inference_report() is the report of an engine without an optimizer; a training engine "
+                "reports each step in engine.last_report"
+            )
+        return self.layout.inference_report(read_ceiling_gbs, machine_profile)  # type: ignore[attr-defined]
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Page-locked host bytes this engine's pinned pool holds."""
+        return self.pool.bytes_in_use
+
+    @property
+    def optimizer_nvme_bytes(self) -> int:
+        """Bytes of the optimizer state's swap files."""
+        space = self._opt.space if self._opt is not None else None
+        return space.bytes_allocated if space is not None else 0
+
+    @property
+    def nvme_bytes(self) -> int:
+        """Bytes of swap files: optimizer state plus (stage 3) parameter partitions."""
+        return self.optimizer_nvme_bytes + self.layout.param_nvme_bytes
+
+    @property
+    def swap_dir(self) -> Optional[str]:
+        """The optimizer state's private swap directory; None without NVMe offload."""
+        space = self._opt.space if self._opt is not None else None
+        return space.dir if space is not None else None
+
+    def optimizer_state_info(self) -> StateInfo:
+        """Where the optimizer state lives: tier, chunking, NVMe copies, bytes per pass."""
+        self.check_open()
+        return self._opt.info(self.offload_device if self.offload_device != "none" else "device")
+
+    @property
+    def optimizer_state(self) -> Any:
+        """The optimizer state's tier object (zero.optimizer.tiers.base.StateTier), for I/O fault
+        injection and inspection; stepping it directly bypasses the engine's commit and restore logic."""
+        return self._opt.tier
 
     # ---------------------------------------------------------------------------------------- lifetime
     def destroy(self) -> None:

@@ -15,8 +15,7 @@ The engine is composed of parts, each in a module of its own:
 
 Without an optimizer (no `optimizer` block, no `optimizer=`) the engine is composed of the inference parts
 instead (zero.inference.parts): a layout that holds only the weights, and optimizer-state and update parts
-that
-hold nothing; `backward` and `step` raise `NoOptimizerError`.
+that hold nothing; `backward` and `step` raise `NoOptimizerError`.
 
 One step, on one rank: forward and backward run on the model as the user wrote it; gradients reach the
 layout's `grad_host` (reduced over ranks on the way); at the end of an accumulation window the optimizer
@@ -24,9 +23,10 @@ walks the partition chunk by chunk - the fused kernel unscales (loss scale, worl
 `grad_scale`), updates master + states and writes the new model-dtype weights, which the writer moves into
 the parameters; stages 1-2 then all-gather the updated partitions.
 
-The parts are built by zero.engine.build. This module is longer than the others because it is DeepSpeed's
-engine API: some sixty public members that users and integrations call by name, each delegating to a part in
-a few lines; splitting the class would scatter one API over several files without making any part smaller.
+The parts are built by zero.engine.build; DeepSpeed's accessors and reports are in zero.engine.api, the
+checkpoint face in zero.engine.checkpoints. What stays here is the step itself (forward, backward, step, the
+accumulation window, the report) and the engine's lifetime, about 550 lines: one piece of state (counters,
+the window, the held step) that splitting would spread over modules that all write it.
 """
 
 from __future__ import annotations
@@ -53,10 +53,11 @@ from zero.engine.build import (
     refuse_meta_tensors,
     refuse_partitioned,
 )
+from zero.engine.checkpoints import CheckpointAPI
 from zero.engine.state_access import StateAccess
 from zero.engine.unused import UnusedParameterCheck
 from zero.inference import parts as inference
-from zero.layout.base import GradMemory, Layout, Placement, trainable_params
+from zero.layout.base import Layout, Placement, trainable_params
 from zero.layout.flat import FlatLayout
 from zero.optimizer.client_face import optimizer_class
 from zero.optimizer.delayed import DelayedUpdate, check_delayed, make_delayed
@@ -64,18 +65,17 @@ from zero.optimizer.integrity import StateGuard
 from zero.optimizer.loss_scaler import build_loss_scaler
 from zero.optimizer.overlap import OverlapPass
 from zero.optimizer.param_groups import build_groups
-from zero.optimizer.tiers.base import StateInfo
 from zero.optimizer.tiers.build import describe_placement
 from zero.optimizer.tiers.device_part import wants_torch_part
 from zero.optimizer.update import UpdatePass
-from zero.report import InferenceReport, PhaseClock, StepReport
+from zero.report import PhaseClock, StepReport
 
 __all__ = ["PINNED_BUDGET_ENV", "ZeroEngine", "consolidated_state_dict", "init_distributed"]
 
 logger = logging.getLogger("zero")
 
 
-class ZeroEngine(EngineAPI):
+class ZeroEngine(EngineAPI, CheckpointAPI):
     """What `zero.initialize` returns. Method names and semantics follow DeepSpeed's DeepSpeedEngine (its
     configuration accessors, `offload_states`, `empty_partition_cache`, `destroy`: zero.engine.api).
 
@@ -471,277 +471,6 @@ class ZeroEngine(EngineAPI):
             )
         self.last_report = rep
         return rep
-
-    # ------------------------------------------------------------------------------------- reports
-    @property
-    def last_grad_norm(self) -> Optional[float]:
-        """The global gradient norm of the last step (`get_global_grad_norm()`); None before one."""
-        return self._update.last_grad_norm
-
-    def get_global_grad_norm(self) -> Optional[float]:
-        """DeepSpeed's: the 2-norm of the last step's gradients over all ranks and parameters, unscaled
-        and before clipping (what torch's clip_grad_norm_ returns); None before the first step, inf/nan
-        when that step overflowed."""
-        return self._update.last_grad_norm
-
-    def gradient_memory(self) -> GradMemory:
-        """The gradient bytes this rank allocated, counted from the tensors (zero.layout.base.GradMemory):
-        at stage 2 the buckets and, without optimizer offload, the rank's partition on the device."""
-        layout = self.layout
-        if hasattr(layout, "grad_memory"):
-            return layout.grad_memory()
-        g = layout.grad_host  # stage 3 / inference: the gradient partition only
-        n = 0 if g is None else g.numel() * g.element_size()
-        on_device = self.offload_device == "none"
-        return GradMemory(
-            partition_device_bytes=n if on_device else 0, partition_host_bytes=0 if on_device else n
-        )
-
-    @property
-    def partitioner(self) -> Any:
-        """Stage 3: the parameter partitioner (zero.stage3); None at stages 0-2."""
-        return self.layout.partitioner
-
-    @property
-    def part_numel(self) -> int:
-        """Elements of this rank's optimizer partition."""
-        return self.layout.part_numel
-
-    @property
-    def trainable_numel(self) -> int:
-        return self.layout.trainable_numel
-
-    @property
-    def lo(self) -> int:
-        return self.layout.lo
-
-    @property
-    def hi(self) -> int:
-        return self.layout.hi
-
-    def inference_report(
-        self, read_ceiling_gbs: Optional[float] = None, machine_profile: Optional[str] = None
-    ) -> InferenceReport:
-        """An engine without an optimizer: forwards, tokens, tokens/s, bytes read per forward and the achieved
-        read bandwidth since the last call, against the disk's read ceiling (`read_ceiling_gbs`, else the
-        `nvme_read_gbps` of a `ds-nvme-bench --json` profile). Resets the counts that
-        `partitioner.take_io_report()` also resets (docs/inference.md, "Throughput")."""
-        if self.rule is not None:
-            raise RuntimeError(
-                "inference_report() is the report of an engine without an optimizer; a training engine "
-                "reports each step in engine.last_report"
-            )
-        return self.layout.inference_report(read_ceiling_gbs, machine_profile)  # type: ignore[attr-defined]
-
-    @property
-    def pinned_bytes(self) -> int:
-        return self.pool.bytes_in_use
-
-    @property
-    def optimizer_nvme_bytes(self) -> int:
-        """Bytes of the optimizer state's swap files."""
-        space = self._opt.space if self._opt is not None else None
-        return space.bytes_allocated if space is not None else 0
-
-    @property
-    def nvme_bytes(self) -> int:
-        """Bytes of swap files: optimizer state plus (stage 3) parameter partitions."""
-        return self.optimizer_nvme_bytes + self.layout.param_nvme_bytes
-
-    @property
-    def swap_dir(self) -> Optional[str]:
-        space = self._opt.space if self._opt is not None else None
-        return space.dir if space is not None else None
-
-    def optimizer_state_info(self) -> StateInfo:
-        """Where the optimizer state lives: tier, chunking, NVMe copies, bytes per pass."""
-        self.check_open()
-        return self._opt.info(self.offload_device if self.offload_device != "none" else "device")
-
-    @property
-    def optimizer_state(self) -> Any:
-        """The optimizer state's tier object (zero.optimizer.tiers.base.StateTier), for I/O fault
-        injection and inspection; stepping it directly bypasses the engine's commit and restore logic."""
-        return self._opt.tier
-
-    # ------------------------------------------------------------------------------------- state integrity
-    @property
-    def state_error(self) -> Optional[BaseException]:
-        """The failure that made the training state unusable (see `check_state_usable`); None when usable."""
-        return self._guard.error
-
-    def check_state_usable(self) -> None:
-        """Raise `StateCorruptedError` if a failure may have left master, optimizer states or parameters
-        inconsistent (an I/O error while state was updated in place, a failed restore, a checkpoint load
-        that stopped part way). Steps, backward and checkpoint saves call this; loading a checkpoint
-        completely (with its optimizer states) makes the engine usable again."""
-        self._guard.check()
-
-    def poison_state(self, err: BaseException, what: Optional[str] = None) -> None:
-        """Mark the training state unusable because of `err`: `step`, `backward` and saves raise
-        `StateCorruptedError` until `mark_state_restored()`."""
-        self._guard.poison(err, what)
-
-    def mark_state_restored(self) -> None:
-        """A checkpoint's module weights and optimizer states were loaded completely: usable again."""
-        self._guard.clear()
-
-    def prepare_checkpoint_save(self) -> None:
-        """Settle the engine before a checkpoint reads its state: a pass started during backward is dropped
-        (the committed state is saved, as without overlap); the last step's deferred NVMe writes are waited
-        for - if one failed, that step is undone and its `DeferredWriteError` raised, so no save pairs its
-        weights with the older optimizer state; an unusable state raises `StateCorruptedError`."""
-        self.check_open()
-        self.check_state_usable()
-        self._update.drop_overlapped()
-        self.settle_update()
-        self._opt.settle_write_back()
-        self.check_state_usable()
-
-    def sync_master_from_module(self) -> None:
-        """Rebuild the fp32 master from the module's current weights (optimizer states are kept): after
-        loading only the module's weights, the next step starts from them. With 16-bit weights the master
-        takes their (16-bit) values. An error part way poisons the engine."""
-        self.check_open()
-        if self.optimizer is None:
-            return  # no master to rebuild
-        self._update.drop_overlapped()
-        self.settle_update()
-        self._opt.rebuild_master(self.layout.master_from_module())
-
-    # --------------------------------------------------------------------------- optimizer state I/O
-    def optimizer_state_dict(self) -> Dict[str, Any]:
-        """This rank's optimizer state: rule, hyperparameters, step, partition, master and states."""
-        self._require_checkpointable("optimizer.state_dict()")
-        self._update.drop_overlapped()  # between backward and step: the committed state, as without overlap
-        self.settle_update()
-        self._opt.settle_write_back()
-        master, states = self._opt.master_and_states()
-        return {
-            "rule": self.rule.kind,
-            "param_groups": self.optimizer.group_hyperparameters(),
-            "step": self.optimizer.step_count,
-            "partition": (self.lo, self.hi),
-            "master": master,
-            "states": states,
-        }
-
-    def load_optimizer_state_dict(self, sd: Dict[str, Any]) -> None:
-        if sd["rule"] != self.rule.kind or tuple(sd["partition"]) != (self.lo, self.hi):
-            raise ValueError(
-                f"optimizer state is for {sd['rule']} over partition {tuple(sd['partition'])}, "
-                f"this engine runs {self.rule.kind} over {(self.lo, self.hi)}"
-            )
-        self.optimizer.check_hyperparameters(sd["param_groups"], "load_optimizer_state_dict")
-        self._update.drop_overlapped()
-        self.settle_update()
-        self._opt.load_values(sd["master"], sd["states"])
-        self.optimizer.load_hyperparameters(sd["param_groups"], "load_optimizer_state_dict")
-        self.optimizer.step_count = int(sd["step"])
-        self._opt.restore_params()
-
-    def stream_optimizer_state(
-        self, fn: Callable[[int, int, torch.Tensor, List[torch.Tensor]], None]
-    ) -> None:
-        """`fn(start, n, master, states)` over the committed state, chunk by chunk (checkpoint writes)."""
-        self.settle_update()
-        self._opt.stream_out(fn)
-
-    def load_optimizer_state(self, fn: Callable[[int, int, torch.Tensor, List[torch.Tensor]], None]) -> None:
-        """`fn(start, n, master, states)` fills the state chunk by chunk (checkpoint reads)."""
-        self.settle_update()
-        self._opt.stream_in(fn)
-
-    def consolidated_state_dict(self, fp32: bool = False) -> Dict[str, torch.Tensor]:
-        """The whole model's state dict on the CPU (collective at stages 1-3: every rank calls it).
-        `fp32=True`: trainable parameters from the fp32 master instead of the model-dtype weights."""
-        sd = self.layout.module_state_dict()
-        if fp32:
-            sd.update(self.fp32_master_state_dict())
-        return sd
-
-    def fp32_master_state_dict(self) -> Dict[str, torch.Tensor]:
-        """The trainable parameters' fp32 master values, whole (collective)."""
-        self._update.drop_overlapped()
-        self.settle_update()
-        self._opt.settle_write_back()
-        master, _ = self._opt.master_and_states()
-        return self.layout.master_state_dict(master)
-
-    def zero_gather_16bit_weights_on_model_save(self) -> bool:
-        """DeepSpeed's: the config's zero_optimization.stage3_gather_16bit_weights_on_model_save."""
-        return bool(self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save)
-
-    def _zero3_consolidated_16bit_state_dict(
-        self, exclude_frozen_parameters: bool = False
-    ) -> Optional[Dict[str, torch.Tensor]]:
-        """DeepSpeed's: the whole model's state dict in the model dtype on rank 0, None on the others
-        (stage 3 only; collective; zero.checkpoint.export16)."""
-        from zero.checkpoint.export16 import zero3_consolidated_16bit_state_dict
-
-        return zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters)
-
-    def save_16bit_model(
-        self, save_dir: str, save_filename: str = "pytorch_model.bin", exclude_frozen_parameters: bool = False
-    ) -> bool:
-        """DeepSpeed's: the whole model (model dtype) saved as `save_dir/save_filename` by rank 0, atomically;
-        every rank must call it. False (nothing saved) at stage 3 without
-        `stage3_gather_16bit_weights_on_model_save: true` (zero.checkpoint.export16)."""
-        from zero.checkpoint.export16 import save_16bit_model
-
-        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
-
-    def save_checkpoint(
-        self,
-        save_dir: str,
-        tag: Optional[str] = None,
-        client_state: Optional[Dict[str, Any]] = None,
-        save_latest: bool = True,
-        exclude_frozen_parameters: bool = False,
-    ) -> str:
-        """DeepSpeed's: every rank calls it; tag None: `global_step<N>`; `save_latest=False` leaves the
-        `latest` file as it was; `exclude_frozen_parameters` leaves out the parameters with requires_grad
-        False (an adapter's base model). Returns the checkpoint's directory
-        (zero.checkpoint.save_checkpoint)."""
-        from zero.checkpoint import save_checkpoint
-
-        self._require_optimizer("save_checkpoint() (training state; save_16bit_model exports the weights)")
-        self._require_checkpointable("save_checkpoint()")
-        return save_checkpoint(
-            self,
-            save_dir,
-            tag=tag,
-            client_state=client_state,
-            save_latest=save_latest,
-            exclude_frozen_parameters=exclude_frozen_parameters,
-        )
-
-    def load_checkpoint(
-        self,
-        load_dir: str,
-        tag: Optional[str] = None,
-        load_module_strict: bool = True,
-        load_optimizer_states: bool = True,
-        load_lr_scheduler_states: bool = True,
-        load_module_only: bool = False,
-        *,
-        allow_pickle: bool = False,
-    ) -> Tuple[Optional[str], Optional[Dict[str, Any]]]:
-        """DeepSpeed's load_checkpoint; `allow_pickle=True` also loads what only pickle can restore (see
-        zero.checkpoint.load_checkpoint: only for checkpoints from a trusted source). Without an optimizer
-        only the module's weights (and counters) are loaded, whatever `load_optimizer_states` says."""
-        from zero.checkpoint import load_checkpoint
-
-        return load_checkpoint(
-            self,
-            load_dir,
-            tag=tag,
-            load_module_strict=load_module_strict,
-            load_optimizer_states=load_optimizer_states,
-            load_lr_scheduler_states=load_lr_scheduler_states,
-            load_module_only=load_module_only,
-            allow_pickle=allow_pickle,
-        )
 
     # --------------------------------------------------------------------------------------- lifetime
     def _require_optimizer(self, what: str) -> None:
