@@ -490,9 +490,8 @@ class ZeroEngine(EngineAPI, CheckpointAPI):
             self._delayed.settle(self._clock.current)
 
     def _require_checkpointable(self, what: str) -> None:
-        if (
-            not self.rule.checkpointable
-        ):  # a client optimizer stepped by its own class (zero.optimizer.torch_step)
+        """NotImplementedError for a client optimizer stepped by its own class (zero.optimizer.torch_step)."""
+        if self.rule is not None and not self.rule.checkpointable:
             raise NotImplementedError(
                 f"{what}: the client optimizer ({self.rule.kind}) is stepped by its own class, whose state "
                 "(momentum buffers, ...) a checkpoint would not hold; save the weights with "
