@@ -50,6 +50,7 @@ from offload.swap.resident import resident_plan
 from offload.swap.space import SwapFile, SwapSpace, SwapSpaceError, check_nvme_path
 from zero.stage3.device_copy import SideStream
 from zero.stage3.quant import PartitionCodec, QuantTarget, planned_nbytes, unit_codec
+from zero.stage3.served import CheckpointFds, PartitionSource, ServedPartition, SwapSource
 from zero.stage3.unit import PartitionStatus, Unit, safe_file_name, set_status
 
 __all__ = ["PartitionStore", "Stage3PinnedBudgetError", "StoreStats", "UnitSize"]
@@ -183,6 +184,11 @@ class PartitionStore:
         )
         self._space: Optional[SwapSpace] = None
         self._files: Dict[int, SwapFile] = {}
+        # unit -> where its partition on NVMe is read from: its swap file, or checkpoint files (served)
+        self._sources: Dict[int, PartitionSource] = {}
+        self._serve: Optional[Callable[[Unit], Optional[ServedPartition]]] = None
+        self._checkpoint: Optional[CheckpointFds] = None
+        self.served_bytes = 0  # bytes of the served partitions that come from checkpoint files
         self._file_names: Dict[str, int] = {}
         self._mem: Dict[int, Tuple[int, int, torch.Tensor]] = {}  # unit -> (segment, offset, view)
         self._names: Dict[int, str] = {}
@@ -281,11 +287,19 @@ class PartitionStore:
                 fill(values)
                 codec.encode(values, view)
             return
-        self._files[unit.index] = self._new_file(unit)
+        served = self._serve(unit) if self._serve is not None and codec is None and fill is None else None
+        if served is not None:
+            self._sources[unit.index] = served
+            self.served_bytes += served.served_bytes
+        else:
+            self._files[unit.index] = self._new_file(unit)
+            self._sources[unit.index] = SwapSource(self._files[unit.index])
         if self._largest is None or self.stored_nbytes(unit) > self.stored_nbytes(self._largest):
             self._largest = unit
         if fill is None:
-            return  # a new swap file is preallocated and reads as zeros: writing them would double the I/O
+            # served: the checkpoint holds its values; a new swap file is preallocated and reads as zeros:
+            # writing them would double the I/O
+            return
         values = torch.empty(unit.part_numel, dtype=unit.dtype)
         fill(values)
         self.write(unit, values)
@@ -328,9 +342,23 @@ class PartitionStore:
         name = f"{base}.param.swp" if k == 0 else f"{base}.{k}.param.swp"
         return self._space.create(name, self.stored_nbytes(unit))
 
+    def serve_from(
+        self, checkpoint: CheckpointFds, serve: Callable[[Unit], Optional[ServedPartition]]
+    ) -> None:
+        """Read the partitions on NVMe of the units placed from now on straight from checkpoint files where
+        `serve(unit)` gives their extents (zero.stage3.served; None: a swap file, as usual). Only units
+        placed without values and stored raw are asked. The store closes `checkpoint`'s descriptors."""
+        if self._checkpoint is not None:
+            raise RuntimeError("the store already serves partitions from a checkpoint")
+        self._checkpoint, self._serve = checkpoint, serve
+
+    def served(self, unit: Unit) -> bool:
+        """Whether the unit's partition is read straight from checkpoint files (`serve_from`)."""
+        return unit.index in self._sources and unit.index not in self._files
+
     def on_nvme(self, unit: Unit) -> bool:
-        """Whether the unit's partition lives in a swap file."""
-        return unit.index in self._files
+        """Whether the unit's partition lives on NVMe: in a swap file, or served from checkpoint files."""
+        return unit.index in self._sources
 
     def memory_partition(self, unit: Unit) -> Optional[torch.Tensor]:
         """The unit's partition tensor when it lives in memory (a view into a segment), else None (also
@@ -453,7 +481,7 @@ class PartitionStore:
     def prefetchable(self, unit: Unit) -> bool:
         """Whether `prefetch` applies to the unit: its partition is on NVMe, or in host memory while reads
         ahead are on (`read_ahead_device` set)."""
-        return unit.index in self._files or self._reads_ahead(unit)
+        return unit.index in self._sources or self._reads_ahead(unit)
 
     def _reads_ahead(self, unit: Unit) -> bool:
         """A host-memory partition (`cpu` tier, or kept by max_in_cpu) while reads ahead are on."""
@@ -466,7 +494,7 @@ class PartitionStore:
         not enough slots are free, or the device has no memory for the copy."""
         if self._reads_ahead(unit):
             return self._read_ahead(unit)
-        path = self._files.get(unit.index)  # opened relative to its directory fd, never by path
+        path = self._sources.get(unit.index)  # a swap file (by its directory fd) or checkpoint fds
         if path is None or unit.index in self._inflight:
             return False
         self.ensure_slots()
@@ -487,7 +515,7 @@ class PartitionStore:
             for i, s in enumerate(free):
                 self._wait_copy(s)
                 off = i * piece
-                s.handle.async_pread(s.buf[: min(piece, nbytes - off)], path, off)
+                path.read_into(s.handle, s.buf[: min(piece, nbytes - off)], off, asynchronous=True)
         except BaseException:
             self._drop_inflight(unit.index)  # a refused request: no slot may pass for holding the unit
             raise
@@ -594,7 +622,7 @@ class PartitionStore:
         """Read the unit's stored bytes into a staging slot (its prefetch's, else a free one) and return
         the slot, counted as used in place: lent to the unit (`lend`), else taken until `_done(slot)`.
         None when the unit is not on NVMe, does not fit a slot, or no slot is free."""
-        path = self._files.get(unit.index)  # opened relative to its directory fd, never by path
+        path = self._sources.get(unit.index)  # a swap file (by its directory fd) or checkpoint fds
         if path is None:
             return None
         self.ensure_slots()
@@ -619,7 +647,7 @@ class PartitionStore:
                     s.handle.wait()  # raises AioError naming the file if the read failed
                 else:
                     self._wait_copy(s)
-                    s.handle.sync_pread(s.buf[:nbytes], path, 0)
+                    path.read_into(s.handle, s.buf[:nbytes], 0)
         except BaseException:
             self._done(s)
             self.give_back(unit)
@@ -704,7 +732,7 @@ class PartitionStore:
             else:
                 dst.copy_(mem)
             return
-        path = self._files.get(unit.index)  # opened relative to its directory fd, never by path
+        path = self._sources.get(unit.index)  # a swap file (by its directory fd) or checkpoint fds
         if path is None:
             raise KeyError(f"unit {unit.name!r} has no partition in this store")
         dst_bytes = dst.view(torch.uint8)
@@ -740,7 +768,7 @@ class PartitionStore:
             if self._direct_handle is None:
                 self._direct_handle = self._aio.handle()
             with self._waiting():
-                self._direct_handle.sync_pread(dst_bytes[:nbytes], path, 0)
+                path.read_into(self._direct_handle, dst_bytes[:nbytes], 0)
             self.stats.direct_bytes += nbytes
             return
         self.stats.staged_bytes += nbytes
@@ -750,7 +778,7 @@ class PartitionStore:
             n = min(chunk, nbytes - off)
             self._wait_copy(s)
             with self._waiting():
-                s.handle.sync_pread(s.buf[:n], path, off)
+                path.read_into(s.handle, s.buf[:n], off)
             self._copy_out(s, dst_bytes[off : off + n], n, fresh)
 
     def write(self, unit: Unit, src: torch.Tensor, only: Optional[set] = None) -> None:
@@ -772,6 +800,14 @@ class PartitionStore:
             else:
                 codec.encode(src.to(entry[2].device), entry[2], only)
             return
+        served = self._sources.get(unit.index) if self.served(unit) else None
+        if served is not None:
+            raise SwapSpaceError(
+                errno.EROFS,
+                f"the partition of {unit.name!r} is served read-only from the checkpoint: not written "
+                "(load with serve_checkpoint=False to have writable copies)",
+                served.path,
+            )
         path = self._files.get(unit.index)  # opened relative to its directory fd, never by path
         if path is None:
             raise KeyError(f"unit {unit.name!r} has no partition in this store")
@@ -796,16 +832,16 @@ class PartitionStore:
     def read_private(self, unit: Unit, dst: torch.Tensor) -> None:
         """`read` into a host tensor through the writer's own handle, never a staging slot: for the thread
         that writes partitions (the optimizer), while the main thread's gathers use the slots."""
-        path = self._files.get(unit.index)  # opened relative to its directory fd, never by path
+        path = self._sources.get(unit.index)  # a swap file (by its directory fd) or checkpoint fds
         if path is None:
             self.read(unit, dst)  # memory tier: a plain copy, no slot
             return
         codec = self._codecs.get(unit.index)
         if codec is None:
-            self._own_handle().sync_pread(dst.view(torch.uint8), path, 0)
+            path.read_into(self._own_handle(), dst.view(torch.uint8), 0)
         else:
             stored = torch.empty(codec.nbytes, dtype=torch.uint8)
-            self._own_handle().sync_pread(stored, path, 0)
+            path.read_into(self._own_handle(), stored, 0)
             codec.decode(stored, dst)
         self.stats.bytes_read += self.stored_nbytes(unit)
 
@@ -841,3 +877,6 @@ class PartitionStore:
         if self._space is not None:
             self._space.close()
             self._space = None
+        if self._checkpoint is not None:
+            self._checkpoint.close()
+            self._checkpoint = self._serve = None
