@@ -2,20 +2,23 @@
 
 The model is built from the checkpoint's config.json as `AutoModelForCausalLM.from_config` builds it, with
 its parameters on the meta device (buffers are real: rotary tables and the like are computed as usual), so
-no weight exists in memory. The stage-3 partitioner then gives every module's parameters an empty partition
-on the configured tier (`zero_optimization.offload_param`), and each safetensors file is opened in turn
-(`safe_open`, memory-mapped) and its tensors copied, module by module, into the partitions: a partition is
-assembled in one buffer of its own size and written to its tier (in place for the memory tiers, one write
-for a swap file). At any moment the process holds at most the pages of the file being read and one
-module's partition. The engine is then built by `zero.initialize` around the already partitioned model
-(as for a model built under `zero.Init`).
+no weight exists in memory (zero.inference.weight_plan). The checkpoint's files are opened once, relative
+to the directory's descriptor, and their headers read from those descriptors
+(zero.inference.checkpoint_files). The stage-3 partitioner then gives every module's parameters an empty
+partition on the configured tier (`zero_optimization.offload_param`). On NVMe, a partition whose tensors
+need no conversion is served straight from the checkpoint's files (zero.inference.serving: nothing is
+copied); every other one is filled from the files in turn (`safe_open` on the held descriptor,
+memory-mapped), module by module: a partition is assembled in one buffer of its own size and written to
+its tier (in place for the memory tiers, one write for a swap file). At any moment the process holds at
+most the pages of the file being read and one module's partition. The engine is then built by
+`zero.initialize` around the already partitioned model (as for a model built under `zero.Init`).
 
 Everything that can be checked before a byte of weights is read is checked first, from the config and the
 safetensors headers alone: the files exist and are complete, every checkpoint tensor has the shape of its
 parameter, every parameter has a tensor. Errors name the file, the tensor and the sizes; the partitions and
 swap files made before a later failure are removed (docs/inference.md, "Loading a checkpoint").
 
-Over 500 lines in one module because the plan, the checks, the copies, the swap cache's inputs and the two
+Over 500 lines in one module because the dtype rule, the swap cache's inputs, the copies and the two
 public entry points share one failure path: each step's error must free what the earlier steps made.
 """
 
