@@ -11,6 +11,9 @@ tokens greedily from the same prompts:
   into staging buffers of ``buffer_size`` elements, with the ``aio`` section ds-nvme-bench writes for the
   disk's best read settings (what a ZeRO-Inference user gets from tuning; ``--default-aio`` keeps
   DeepSpeed's defaults, ``--aio-config FILE`` takes another);
+* ``ours-copy`` (``--contenders ours,ours-copy`` compares the two loads): ours with
+  ``serve_checkpoint=False``, the weights copied into swap files at load; ``ours`` serves the partitions
+  that need no conversion straight from the checkpoint's safetensors files (zero.inference.serving);
 * ``accelerate``: ``AutoModelForCausalLM.from_pretrained(device_map="auto", max_memory={"cpu": budget},
   offload_folder=...)``: what does not fit the budget is offloaded to disk and loaded by hooks per module.
 
@@ -30,7 +33,8 @@ Reported: tokens/s, s per forward, GB read from the disk per forward
 (``/proc/self/io`` read_bytes; ours also the engine's own count), the achieved read GB/s and its fraction of
 the disk's read ceiling (``--read-ceiling-gbs``, else measured with ``ds-nvme-bench --quick --read-only``;
 given, ds-nvme-bench does not run, so our ``aio`` section stays at DeepSpeed's defaults unless
-``--aio-config`` names one), peak RSS, load time, and whether both generated identical tokens.
+``--aio-config`` names one), peak RSS, load time, time to first token (load + the prompt's forward), and
+whether all generated identical tokens.
 
     python -m benchmarks.bench_inference --size small --repeats 2
     python -m benchmarks.bench_inference --size 7b --nvme-path /local_nvme --read-ceiling-gbs 6.5
@@ -72,7 +76,8 @@ SIZES: Dict[str, Dict[str, int]] = {
     "1b": dict(hidden=2048, inter=5632, layers=22, heads=32, kv_heads=4, vocab=32000, shard=1 << 30),
     "7b": dict(hidden=4096, inter=11008, layers=32, heads=32, kv_heads=32, vocab=32000, shard=2 << 30),
 }
-CONTENDERS = ("ours", "accelerate")
+CONTENDERS = ("ours", "ours-copy", "accelerate")
+OURS = ("ours", "ours-copy")
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
@@ -239,8 +244,14 @@ def run_child(args: argparse.Namespace) -> Dict[str, Any]:
     engine = None
     t0 = time.perf_counter()
     cfg = our_config(args, args.scratch, stored_element_bytes(args, dtype.itemsize))
-    if args.child == "ours":
-        engine = zero.from_pretrained(args.ckpt, config=cfg, dtype=dtype, swap_cache=args.swap_cache or False)
+    if args.child in OURS:
+        engine = zero.from_pretrained(
+            args.ckpt,
+            config=cfg,
+            dtype=dtype,
+            swap_cache=args.swap_cache or False,
+            serve_checkpoint="auto" if args.child == "ours" else False,
+        )
         model = engine.module
         engine.inference_report()  # start counting at the generation
     else:
@@ -292,6 +303,8 @@ def run_child(args: argparse.Namespace) -> Dict[str, Any]:
         result["report"] = rep.as_dict()
         result["aio"] = cfg.get("aio", "defaults")
         result["swap_cache"] = engine.load_report.swap_cache
+        result["checkpoint_bytes_served"] = engine.load_report.checkpoint_bytes_served
+        result["swap_bytes_written"] = engine.load_report.swap_bytes_written
         engine.close()
     else:
         result["device_map_tiers"] = sorted({str(v) for v in getattr(model, "hf_device_map", {}).values()})
@@ -361,7 +374,7 @@ def _run(args: argparse.Namespace, contender: str, ckpt: str, scratch: str) -> D
         cmd += ["--weight-bits", str(args.weight_bits)]
     if args.int8_activations:
         cmd += ["--int8-activations"]
-    if args.swap_cache and contender == "ours":
+    if args.swap_cache and contender in OURS:
         cmd += ["--swap-cache", args.swap_cache]
     if not args.drop_after_load:
         cmd += ["--keep-cache-after-load"]
@@ -389,6 +402,8 @@ def summarize(runs: List[Dict[str, Any]], weight_bytes: int, ceiling: Optional[f
     s: Dict[str, Any] = {
         "runs": len(ok),
         "load_s": med("load_s"),
+        # from the call that loads to the end of the first forward (the prompt's): time to first token
+        "first_token_s": statistics.median(r["load_s"] + r["forward_s_each"][0] for r in ok),
         "generate_s": med("generate_s"),
         "forwards": ok[0]["forwards"],
         "new_tokens_per_s": statistics.median(
@@ -575,10 +590,10 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     summary = {c: summarize(rs, weight_bytes, ceiling) for c, rs in runs.items()}
     tokens = {c: rs[0]["tokens"] for c, rs in runs.items() if rs and "error" not in rs[0]}
-    same = len(tokens) == 2 and all(
+    same = len(tokens) >= 2 and all(
         r["tokens"] == tokens[contenders[0]] for rs in runs.values() for r in rs if "error" not in r
     )
-    if len(tokens) == 2 and not same:
+    if len(tokens) >= 2 and not same:
         notes.append(
             "the contenders generated DIFFERENT tokens" + (" (quantized weights)" if args.weight_bits else "")
         )
@@ -596,6 +611,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "of ceiling",
         "peak RSS GiB",
         "load s",
+        "first token s",
     ] + (["peak GPU GiB"] if args.device == "cuda" else [])
     rows = []
     for c, s in summary.items():
@@ -617,6 +633,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 f"{frac:.0%}" if frac is not None else "",
                 f"{s['peak_rss_bytes'] / 2**30:.2f}",
                 f"{s['load_s']:.1f}",
+                f"{s['first_token_s']:.1f}",
             ]
             + ([f"{s['peak_gpu_bytes'] / 2**30:.2f}"] if "peak_gpu_bytes" in s else [])
         )
@@ -629,7 +646,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         + (f"GPU memory capped at {args.gpu_memory_cap / 2**30:.2f} GiB, " if args.gpu_memory_cap else "")
         + f"{args.repeats} round(s); read ceiling "
         + (f"{ceiling:.2f} GB/s ({ceiling_source})" if ceiling else f"unknown ({ceiling_source})")
-        + f"; tokens {'identical' if same else 'NOT identical' if len(tokens) == 2 else 'not compared'}"
+        + f"; tokens {'identical' if same else 'NOT identical' if len(tokens) >= 2 else 'not compared'}"
     )
     table = title + "\n\n" + markdown_table(headers, rows)
     if notes:

@@ -44,6 +44,26 @@ def test_smoke_run_compares_both_contenders(tmp_path):
 
 
 @pytest.mark.slow  # three processes importing transformers
+def test_smoke_run_compares_served_and_copied_loads(tmp_path):
+    """ours serves the weights from the checkpoint (nothing written), ours-copy copies them into swap
+    files; the same tokens; load and time to first token reported for both."""
+    out = tmp_path / "out"
+    argv = ["--smoke", "--read-ceiling-gbs", "2.0", "--no-drop-caches", "--out", str(out)]
+    argv += ["--nvme-path", str(tmp_path), "--contenders", "ours,ours-copy"]
+    assert bench_inference.main(argv) == 0
+    data = json.loads((out / "bench_inference_smoke_cpu.json").read_text())
+    assert data["tokens_identical"] is True
+    served, copied = data["runs"]["ours"][0], data["runs"]["ours-copy"][0]
+    assert served["checkpoint_bytes_served"] > 0 and served["swap_bytes_written"] == 0
+    assert copied["checkpoint_bytes_served"] == 0 and copied["swap_bytes_written"] > 0
+    for c in ("ours", "ours-copy"):
+        s = data["summary"][c]
+        assert s["first_token_s"] > s["load_s"] > 0
+    table = (out / "bench_inference_smoke_cpu.md").read_text()
+    assert "| ours-copy |" in table and "first token s" in table
+
+
+@pytest.mark.slow  # three processes importing transformers
 def test_smoke_run_with_every_weight_in_ram(tmp_path):
     """--param-tier cpu: ours on the cpu tier reads nothing from NVMe, accelerate keeps every weight in
     RAM (nothing on disk), the tokens are identical and no disk ceiling is measured."""

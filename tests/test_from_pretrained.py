@@ -117,20 +117,31 @@ def assert_no_swap_left(tmp_path):
     assert not d.exists() or os.listdir(d) == []
 
 
-@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+@pytest.mark.parametrize("tier", ["cpu", "nvme", "nvme-served"])
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "llama-base"])
 def test_generation_and_logits_equal_transformers(ckpts, tmp_path, arch, tier):
+    """nvme: the weights copied into swap files (serve_checkpoint=False); nvme-served: read straight from
+    the checkpoint's files (the default): no swap file at all, every parameter byte served."""
     path = ckpts[arch]
     ref, ids = hf(path), prompt()
     with torch.no_grad():
         want_tokens, want_logits = generate(ref, ids), ref(ids).logits
-    engine = zero.from_pretrained(path, config=config(tier, tmp_path))
+    served = tier == "nvme-served"
+    tier = tier.split("-")[0]
+    engine = zero.from_pretrained(path, config=config(tier, tmp_path), serve_checkpoint=served)
     assert isinstance(engine, zero.ZeroEngine) and engine.optimizer is None and not engine.module.training
     assert type(engine.module) is type(ref) and engine.dtype == torch.float32
     assert all(p.numel() == 0 for p in engine.module.parameters())  # partitioned, gathered per module
     assert engine.layout.partitioner.store.tier == tier
-    if tier == "nvme":
-        assert engine.nvme_bytes >= sum(p.numel() * 4 for p in ref.parameters())
+    param_bytes = sum(p.numel() * 4 for p in ref.parameters())
+    if served:
+        report = engine.load_report
+        assert report.checkpoint_bytes_served == param_bytes and report.copy_reason is None
+        assert engine.nvme_bytes == 0 and report.swap_bytes_written == 0
+        assert_no_swap_left(tmp_path)  # not one swap file: the weights were never copied
+    elif tier == "nvme":
+        assert engine.nvme_bytes >= param_bytes
+        assert engine.load_report.checkpoint_bytes_served == 0
     assert torch.equal(generate(engine.module, ids), want_tokens)
     with torch.no_grad():
         assert torch.equal(engine(ids).logits, want_logits)
@@ -177,7 +188,7 @@ def test_load_writes_each_partition_once_per_file(tmp_path, monkeypatch):
     monkeypatch.setattr(
         Stage3Partitioner, "write_partition", lambda self, u, v: written.append(u.index) or real(self, u, v)
     )
-    engine = zero.from_pretrained(path, config=config("nvme", tmp_path))
+    engine = zero.from_pretrained(path, config=config("nvme", tmp_path), serve_checkpoint=False)
     index = json.load(open(os.path.join(path, "model.safetensors.index.json")))["weight_map"]
     units = engine.layout.partitioner.units
     # one write per unit and file holding its tensors (a module whose weights lie in two shards: two)
@@ -359,7 +370,7 @@ def test_failure_while_streaming_names_the_tensor_and_cleans_up(ckpts, tmp_path,
     monkeypatch.setattr(safetensors, "safe_open", Failing)
     with pytest.raises(PretrainedCheckpointError, match=r"reading tensor 'model.layers.1.mlp.up_proj.weight' "
                        "failed: simulated read error"):  # fmt: skip
-        zero.from_pretrained(ckpts["llama"], config=config("nvme", tmp_path))
+        zero.from_pretrained(ckpts["llama"], config=config("nvme", tmp_path), serve_checkpoint=False)
     assert_no_swap_left(tmp_path)
 
 
@@ -390,7 +401,7 @@ try:
 except OSError:
     pass
 before = status("VmRSS")
-engine = zero.from_pretrained(PATH, config=CONFIG)
+engine = zero.from_pretrained(PATH, config=CONFIG, serve_checkpoint=False)
 peak = status("VmHWM")
 units = engine.layout.partitioner.units
 result = {"growth": peak - before, "pinned": engine.pool.bytes_in_use,

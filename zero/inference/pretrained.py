@@ -2,78 +2,75 @@
 
 The model is built from the checkpoint's config.json as `AutoModelForCausalLM.from_config` builds it, with
 its parameters on the meta device (buffers are real: rotary tables and the like are computed as usual), so
-no weight exists in memory. The stage-3 partitioner then gives every module's parameters an empty partition
-on the configured tier (`zero_optimization.offload_param`), and each safetensors file is opened in turn
-(`safe_open`, memory-mapped) and its tensors copied, module by module, into the partitions: a partition is
-assembled in one buffer of its own size and written to its tier (in place for the memory tiers, one write
-for a swap file). At any moment the process holds at most the pages of the file being read and one
-module's partition. The engine is then built by `zero.initialize` around the already partitioned model
-(as for a model built under `zero.Init`).
+no weight exists in memory (zero.inference.weight_plan). The checkpoint's files are opened once, relative
+to the directory's descriptor, and their headers read from those descriptors
+(zero.inference.checkpoint_files). The stage-3 partitioner then gives every module's parameters an empty
+partition on the configured tier (`zero_optimization.offload_param`). On NVMe, a partition whose tensors
+need no conversion is served straight from the checkpoint's files (zero.inference.serving: nothing is
+copied); every other one is filled from the files in turn (`safe_open` on the held descriptor,
+memory-mapped), module by module: a partition is assembled in one buffer of its own size and written to
+its tier (in place for the memory tiers, one write for a swap file). At any moment the process holds at
+most the pages of the file being read and one module's partition. The engine is then built by
+`zero.initialize` around the already partitioned model (as for a model built under `zero.Init`).
 
 Everything that can be checked before a byte of weights is read is checked first, from the config and the
 safetensors headers alone: the files exist and are complete, every checkpoint tensor has the shape of its
 parameter, every parameter has a tensor. Errors name the file, the tensor and the sizes; the partitions and
 swap files made before a later failure are removed (docs/inference.md, "Loading a checkpoint").
 
-Over 500 lines in one module because the plan, the checks, the copies, the swap cache's inputs and the two
+Over 500 lines in one module because the dtype rule, the swap cache's inputs, the copies and the two
 public entry points share one failure path: each step's error must free what the earlier steps made.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import errno
 import json
 import logging
-import math
 import os
-import re
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 from torch import nn
 
 from offload.progress import progress
+from zero.inference.checkpoint_files import (
+    INDEX_FILE,
+    MAX_HEADER_BYTES,
+    SINGLE_FILE,
+    CheckpointTensor,
+    PretrainedCheckpointError,
+    open_files,
+    proc_path,
+    scan_headers,
+    weight_files,
+)
 from zero.inference.hub import HUB_KWARGS, checkpoint_dir
+from zero.inference.serving import PartitionServer, serve_decision
+from zero.inference.weight_plan import WeightPlan, parameters_on_meta, plan_weights, renamer
+from zero.stage3.served import CheckpointFds
 
 if TYPE_CHECKING:
     from zero.engine.engine import ZeroEngine
     from zero.stage3.partitioner import Stage3Partitioner
     from zero.stage3.swap_cache import SwapCache
 
-__all__ = ["LoadReport", "PretrainedCheckpointError", "from_pretrained", "partitioned_model"]
+__all__ = [
+    "MAX_HEADER_BYTES",
+    "LoadReport",
+    "PretrainedCheckpointError",
+    "from_pretrained",
+    "partitioned_model",
+]
 
 logger = logging.getLogger("zero")
 
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-# safetensors dtype names of the tensors cast to the compute dtype as they are loaded
-_FLOAT_TENSORS = ("F64", "F32", "F16", "BF16")
 # from_pretrained arguments about placement or quantization: the config's offload_param places the weights
 _REFUSED_KWARGS = ("device_map", "max_memory", "offload_folder", "quantization_config", "tp_plan")
-_SHOWN = 10  # names listed in an error or warning before "and N more"
-_ITEMSIZE = {
-    "F64": 8,
-    "F32": 4,
-    "F16": 2,
-    "BF16": 2,
-    "I64": 8,
-    "I32": 4,
-    "I16": 2,
-    "I8": 1,
-    "U8": 1,
-    "BOOL": 1,
-}
-
-
-class PretrainedCheckpointError(ValueError):
-    """The checkpoint's files or tensors do not fit the model: a shard that is not complete safetensors, a
-    tensor whose shape or dtype differs from its parameter's, parameters without a tensor, an index that
-    disagrees with its shards. The message names the file, the tensor and the sizes."""
 
 
 @dataclass(frozen=True)
@@ -81,7 +78,10 @@ class LoadReport:
     """What `from_pretrained` did (`engine.load_report`). `swap_cache`: "built" (the swap files were
     written into a persistent cache), "reused" (an earlier run's cache was used: no tensor of a unit on
     NVMe was read, no swap file written), None (no cache: private scratch swap). `checkpoint_bytes_read`:
-    tensor bytes read from the safetensors files; `swap_bytes_written`: bytes written to swap files."""
+    tensor bytes read from the safetensors files while loading; `swap_bytes_written`: bytes written to swap
+    files; `checkpoint_bytes_served`: bytes of partitions on NVMe read straight from the checkpoint's files
+    at each use, never copied (zero.inference.serving); `copy_reason`: why partitions on NVMe were copied
+    into swap files instead (None when every one is served, or there is no NVMe tier)."""
 
     swap_cache: Optional[str]
     swap_cache_dir: Optional[str]
@@ -89,126 +89,8 @@ class LoadReport:
     swap_bytes_written: int
     files: int
     seconds: float
-
-
-@dataclass(frozen=True)
-class _Tensor:
-    file: str
-    shape: Tuple[int, ...]
-    dtype: str  # safetensors' name: F32, BF16, I64, ...
-
-
-def _listed(names: List[str]) -> str:
-    more = f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else ""
-    return ", ".join(repr(n) for n in names[:_SHOWN]) + more
-
-
-# ------------------------------------------------------------------------------------------------ files
-def _weight_files(root: str) -> Tuple[List[str], Optional[Dict[str, str]]]:
-    """The safetensors files of the checkpoint and, when sharded, the index's tensor -> file map."""
-    index = os.path.join(root, INDEX_FILE)
-    if os.path.isfile(index):
-        try:
-            with open(index, encoding="utf-8") as f:
-                weight_map = json.load(f).get("weight_map")
-        except (ValueError, AttributeError) as e:
-            raise PretrainedCheckpointError(f"{index}: not a safetensors index ({e})") from e
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise PretrainedCheckpointError(f"{index}: no 'weight_map' of tensor names to shard files")
-        files: List[str] = []
-        for key, name in weight_map.items():
-            path = os.path.join(root, str(name))
-            if os.path.basename(str(name)) != name:
-                raise PretrainedCheckpointError(f"{index}: shard {name!r} (of {key!r}) is not a file name")
-            if path not in files:
-                if not os.path.isfile(path):
-                    raise FileNotFoundError(
-                        errno.ENOENT,
-                        f"{index} names the shard {name!r} (holding {key!r}), which is missing from {root}",
-                        path,
-                    )
-                files.append(path)
-        return files, {k: os.path.join(root, str(v)) for k, v in weight_map.items()}
-    single = os.path.join(root, SINGLE_FILE)
-    if os.path.isfile(single):
-        return [single], None
-    others = sorted(f for f in os.listdir(root) if f.endswith((".bin", ".pt", ".pth", ".h5", ".msgpack")))
-    hint = (
-        f"; found {_listed(others)}: only safetensors checkpoints are read (save them with "
-        "save_pretrained(..., safe_serialization=True))"
-        if others
-        else ""
-    )
-    raise FileNotFoundError(errno.ENOENT, f"{root}: neither {SINGLE_FILE} nor {INDEX_FILE}{hint}", root)
-
-
-# The largest safetensors header read (the JSON between the 8-byte length and the tensor data). safetensors
-# itself accepts up to 100 MB, and parsing one that size takes some 1.8 GB; real checkpoints' headers are
-# about 150 bytes a tensor, so this allows some 100,000 tensors in one file.
-MAX_HEADER_BYTES = 16 << 20
-
-
-def _check_header_size(file: str) -> None:
-    """Refuse a file whose header length is more than MAX_HEADER_BYTES or than the file holds, having read
-    only its first 8 bytes."""
-    size = os.path.getsize(file)
-    with open(file, "rb") as f:
-        head = f.read(8)
-    n = int.from_bytes(head, "little") if len(head) == 8 else -1
-    if n < 0 or n > size - 8:
-        raise PretrainedCheckpointError(f"{file}: not a complete safetensors file ({_size_note(file)})")
-    if n > MAX_HEADER_BYTES:
-        raise PretrainedCheckpointError(
-            f"{file}: its safetensors header is {n} bytes; zero.from_pretrained reads headers of at most "
-            f"{MAX_HEADER_BYTES} bytes (some 100,000 tensors: parsing a header takes about 20 times its "
-            "size in memory). Save the checkpoint in shards (save_pretrained's max_shard_size)"
-        )
-
-
-def _size_note(file: str) -> str:
-    """What the file's own header says its size should be, against its size on disk."""
-    size = os.path.getsize(file)
-    try:
-        with open(file, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            if n > min(size, MAX_HEADER_BYTES):
-                return f"its header claims {n} bytes of metadata, the file has {size} bytes"
-            header = json.loads(f.read(n))
-        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-        return f"its header describes {8 + n + end} bytes, the file has {size} bytes"
-    except Exception:
-        return f"{size} bytes on disk"
-
-
-def _scan(files: List[str], index_map: Optional[Dict[str, str]]) -> Dict[str, _Tensor]:
-    """Name -> file, shape and dtype of every tensor, from the headers only (no tensor data is read)."""
-    from safetensors import safe_open
-
-    tensors: Dict[str, _Tensor] = {}
-    for file in files:
-        _check_header_size(file)
-        try:
-            with safe_open(file, framework="pt") as f:
-                for key in f.keys():
-                    sl = f.get_slice(key)
-                    if key in tensors:
-                        raise PretrainedCheckpointError(
-                            f"tensor {key!r} is in both {tensors[key].file} and {file}"
-                        )
-                    tensors[key] = _Tensor(file, tuple(sl.get_shape()), str(sl.get_dtype()))
-        except PretrainedCheckpointError:
-            raise
-        except Exception as e:
-            raise PretrainedCheckpointError(
-                f"{file}: not a complete safetensors file ({_size_note(file)}; truncated or corrupt?): {e}"
-            ) from e
-    for key, file in (index_map or {}).items():
-        if key not in tensors or tensors[key].file != file:
-            raise PretrainedCheckpointError(
-                f"{os.path.join(os.path.dirname(file), INDEX_FILE)} maps {key!r} to {file}, which does not "
-                "hold it: the index and its shards do not belong together"
-            )
-    return tensors
+    checkpoint_bytes_served: int = 0
+    copy_reason: Optional[str] = None
 
 
 # ------------------------------------------------------------------------------------------------ dtype
@@ -311,156 +193,21 @@ def _cache_inputs(
     }
 
 
-# ------------------------------------------------------------------------------------------------ model
-@contextlib.contextmanager
-def _parameters_on_meta() -> Iterator[None]:
-    """Every parameter registered inside is moved to the meta device (buffers stay real)."""
-    original = nn.Module.register_parameter
-
-    def register(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
-        original(module, name, param)
-        if param is not None and not param.is_meta:
-            meta = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
-            meta.__dict__.update(param.__dict__)
-            module._parameters[name] = meta
-
-    nn.Module.register_parameter = register  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = original  # type: ignore[method-assign]
-
-
-def _renamer(model: nn.Module, key_mapping: Optional[Dict[str, str]]) -> Callable[[str], str]:
-    """Checkpoint key -> model key, as transformers renames them (its conversion mapping for the model, the
-    legacy renames, key_mapping=, base_model_prefix added or stripped). Conversions that merge or split
-    tensors are refused."""
-    state = model.state_dict(keep_vars=True)
-    prefix = getattr(model, "base_model_prefix", "") or None
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
-    except ImportError:  # an older transformers: only the base-model prefix
-        get_model_conversion_mapping = None
-    if get_model_conversion_mapping is None:
-
-        def plain(key: str) -> str:
-            if prefix and key not in state and f"{prefix}.{key}" in state:
-                return f"{prefix}.{key}"
-            short = key[len(prefix) + 1 :] if prefix and key.startswith(prefix + ".") else None
-            if short is not None and key not in state and short in state:
-                return short
-            return key
-
-        return plain
-    mapping = get_model_conversion_mapping(model, key_mapping=key_mapping)
-    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
-    converters = [m for m in mapping if isinstance(m, WeightConverter)]
-
-    def rename(key: str) -> str:
-        new, pattern = rename_source_key(key, renamings, converters, prefix, state)
-        if new not in state and key in state:
-            new, pattern = rename_source_key(key, [], [], prefix, state)
-        if pattern is not None:
-            raise PretrainedCheckpointError(
-                f"checkpoint tensor {key!r} needs transformers' conversion {pattern!r} (tensors merged or "
-                "split on load), which zero.from_pretrained does not apply: save the model with transformers "
-                "first (from_pretrained, then save_pretrained) and load that"
-            )
-        return new
-
-    return rename
-
-
-def _ignored(name: str, patterns: Any) -> bool:
-    return any(re.search(p, name) for p in (patterns or ()))
-
-
-@dataclass
-class _Plan:
-    params: Dict[str, Tuple[str, str]]  # checkpoint key -> (file, parameter's first name)
-    buffers: Dict[str, Tuple[str, str]]  # checkpoint key -> (file, buffer name)
-
-
-def _plan(model: nn.Module, tensors: Dict[str, _Tensor], rename: Callable[[str], str]) -> _Plan:
-    """Match checkpoint tensors to parameters and persistent buffers; check shapes and dtypes; refuse
-    parameters without a tensor (tied aliases and the model's ignore patterns excepted); warn about
-    tensors the model does not have."""
-    state = model.state_dict(keep_vars=True)
-    first: Dict[int, str] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        first.setdefault(id(p), name)
-    plan = _Plan({}, {})
-    loaded: set = set()
-    unexpected, wrong = [], []
-    for key in sorted(tensors):
-        t = tensors[key]
-        name = rename(key)
-        target = state.get(name)
-        if target is None:
-            if not _ignored(key, getattr(model, "_keys_to_ignore_on_load_unexpected", None)):
-                unexpected.append(key)
-            continue
-        is_param = isinstance(target, nn.Parameter)
-        what = f"parameter {name!r}" if is_param else f"buffer {name!r}"
-        if tuple(target.shape) != t.shape:
-            wrong.append(
-                f"{t.file}: tensor {key!r} has shape {list(t.shape)} ({t.dtype}) but the model's {what} has "
-                f"shape {list(target.shape)}"
-            )
-            continue
-        if (t.dtype in _FLOAT_TENSORS) != target.is_floating_point():
-            wrong.append(
-                f"{t.file}: tensor {key!r} is {t.dtype} but the model's {what} is {target.dtype} "
-                "(floating-point tensors are cast to the compute dtype; other dtypes must match in kind)"
-            )
-            continue
-        if not is_param:
-            plan.buffers[key] = (t.file, name)
-        elif id(target) not in loaded:  # a tied parameter: its first tensor in the checkpoint
-            loaded.add(id(target))
-            plan.params[key] = (t.file, first[id(target)])
-    if wrong:
-        raise PretrainedCheckpointError(
-            f"{len(wrong)} checkpoint tensor(s) do not fit the model: " + "; ".join(wrong[:_SHOWN])
-        )
-    ignorable = getattr(model, "_keys_to_ignore_on_load_missing", None)
-    missing = [n for i, n in first.items() if i not in loaded]
-    refused = [n for n in missing if not _ignored(n, ignorable)]
-    if refused:
-        raise PretrainedCheckpointError(
-            f"the checkpoint has no tensor for {len(refused)} parameter(s) of "
-            f"{type(model).__name__}: {_listed(refused)} (checked {len(tensors)} tensors in "
-            f"{len({t.file for t in tensors.values()})} file(s)); zero.from_pretrained does not initialise "
-            "missing weights at random"
-        )
-    if missing:
-        logger.warning(
-            "zero.from_pretrained: %s not in the checkpoint (ignorable): left at zero", _listed(missing)
-        )
-    if unexpected:
-        logger.warning(
-            "zero.from_pretrained: %d checkpoint tensor(s) the model %s does not have were not loaded: %s",
-            len(unexpected),
-            type(model).__name__,
-            _listed(unexpected),
-        )
-    return plan
-
-
 # ------------------------------------------------------------------------------------------- streaming
 def _stream(
     part: Stage3Partitioner,
     model: nn.Module,
-    plan: _Plan,
+    plan: WeightPlan,
     skip: Optional[Callable[[Any], bool]] = None,
     *,
-    tensors: Mapping[str, _Tensor],
+    tensors: Mapping[str, CheckpointTensor],
     desc: str,
     rank: int,
+    held: CheckpointFds,
 ) -> int:
     """Copy every planned tensor into its partition (or buffer), file by file, except those of the units
-    `skip(unit)` is true for (their partitions hold their values already); returns bytes read. A progress
+    `skip(unit)` is true for (their partitions hold their values already), reading the files `held` open;
+    returns bytes read. A progress
     bar `desc` (offload.progress) counts the bytes read against the headers' `tensors`."""
     from safetensors import safe_open
 
@@ -479,7 +226,7 @@ def _stream(
                 by_unit.setdefault(p.ds_unit.index, []).append((key, p.ds_index))
         key: Optional[str] = None
         try:
-            with safe_open(file, framework="pt") as f:
+            with safe_open(proc_path(held, file), framework="pt") as f:  # the file checked, held open
                 for index in sorted(by_unit):
                     unit = part.units[index]
                     in_place = part.memory_partition(unit) is not None  # raw, in memory
@@ -523,9 +270,9 @@ def _stream(
     return nbytes
 
 
-def _planned_bytes(tensors: Mapping[str, _Tensor], keys: Any) -> int:
+def _planned_bytes(tensors: Mapping[str, CheckpointTensor], keys: Any) -> int:
     """Bytes of the checkpoint tensors `keys` (the progress bar's total), from the headers' shapes."""
-    return sum(math.prod(tensors[k].shape) * _ITEMSIZE.get(tensors[k].dtype, 0) for k in keys if k in tensors)
+    return sum(tensors[k].nbytes for k in keys if k in tensors)
 
 
 # ---------------------------------------------------------------------------------------------- public
@@ -550,9 +297,27 @@ def _load(
     dtype: Optional[Union[torch.dtype, str]],
     hf_kwargs: Dict[str, Any],
     swap_cache: Union[bool, str, os.PathLike] = False,
+    serve: Union[bool, str] = False,
 ) -> Tuple[nn.Module, Dict[str, Any], Stage3Partitioner, LoadReport]:
     """(partitioned model, the config with its compute dtype enabled, its partitioner, what the load did):
-    from_pretrained."""
+    from_pretrained. The checkpoint's files are held open for the load (the store keeps its own
+    descriptors of those it serves partitions from)."""
+    held = CheckpointFds()
+    try:
+        return _load_held(held, path, config, dtype, hf_kwargs, swap_cache, serve)
+    finally:
+        held.close()
+
+
+def _load_held(
+    held: CheckpointFds,
+    path: Union[str, os.PathLike],
+    config: Union[str, os.PathLike, Dict[str, Any]],
+    dtype: Optional[Union[torch.dtype, str]],
+    hf_kwargs: Dict[str, Any],
+    swap_cache: Union[bool, str, os.PathLike],
+    serve: Union[bool, str],
+) -> Tuple[nn.Module, Dict[str, Any], Stage3Partitioner, LoadReport]:
     import transformers
 
     from offload.config import ConfigError, load_config
@@ -581,8 +346,9 @@ def _load(
     if dtype is None and "torch_dtype" in hf_kwargs:
         dtype = hf_kwargs.pop("torch_dtype")
     key_mapping = hf_kwargs.pop("key_mapping", None)
-    files, index_map = _weight_files(root)
-    tensors = _scan(files, index_map)
+    files, index_map = weight_files(root)
+    open_files(root, files, held)  # once, relative to the directory's fd; every later read uses them
+    tensors = scan_headers(files, index_map, held)
 
     rank, world_size, local_rank = init_distributed()
     raw = read_json_file(os.fspath(config)) if isinstance(config, (str, os.PathLike)) else config
@@ -605,28 +371,35 @@ def _load(
         refuse_weight_quantization(loaded)  # before any weight is read
 
     cache_root = _cache_root(swap_cache, loaded)  # checked before any weight is read
+    serving, copy_reason = serve_decision(serve, loaded, held, cache_root is not None)  # the rule
     trust = {k: hf_kwargs[k] for k in ("trust_remote_code",) if k in hf_kwargs}
     hf_config = transformers.AutoConfig.from_pretrained(root, **trust)
 
-    def build() -> Tuple[nn.Module, _Plan]:
-        with _parameters_on_meta():
+    def build() -> Tuple[nn.Module, WeightPlan]:
+        with parameters_on_meta():
             model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=compute, **hf_kwargs)
         for p in model.parameters():
             if p.is_floating_point() and p.dtype != compute:  # e.g. modules a model keeps in fp32
                 p.data = p.data.to(compute)
-        return model, _plan(model, tensors, _renamer(model, key_mapping))
+        return model, plan_weights(model, tensors, renamer(model, key_mapping))
 
     model, plan = build()  # every check of the checkpoint against the model: before the cache is opened
     cache: Optional[SwapCache] = None
     inputs: Dict[str, Any] = {}
     if cache_root is not None:
         inputs = _cache_inputs(root, files, compute, loaded, world_size, rank, hf_kwargs, key_mapping)
+        inputs["serve_checkpoint"] = serving  # served partitions have no swap file in the cache
         cache = open_swap_cache(cache_root, inputs)
     while True:
         part: Optional[Stage3Partitioner] = None
         reused = cache is not None and cache.reused
+        server: Optional[PartitionServer] = None
         try:
             part = Stage3Partitioner(loaded, device=compute_device(local_rank))
+            if serving:  # partitions read straight from the checkpoint where no conversion is needed
+                direct = held.for_direct_io()
+                server = PartitionServer(model, plan, tensors, direct)
+                part.serve_from(direct, server)  # the partitioner closes `direct`
             if cache is not None:
                 part.use_swap_space(cache)  # the partitioner closes it
             if loaded.weight_quantization.enabled:  # each selected weight is quantized as it streams in
@@ -640,8 +413,8 @@ def _load(
             desc = "zero.from_pretrained: " + (
                 "building the swap cache" if cache is not None and not reused else "loading"
             )
-            skip = part.on_nvme if reused else None
-            nbytes = _stream(part, model, plan, skip, tensors=tensors, desc=desc, rank=rank)
+            skip = part.on_nvme if reused else part.served if serving else None
+            nbytes = _stream(part, model, plan, skip, tensors=tensors, desc=desc, rank=rank, held=held)
             if cache is not None:
                 cache.seal()  # every file fsync'd, then the manifest: complete from here on
             break
@@ -667,11 +440,15 @@ def _load(
         swap_bytes_written=part.swap_bytes_written,
         files=len(files),
         seconds=time.monotonic() - start,
+        checkpoint_bytes_served=part.served_bytes,
+        copy_reason=_copy_reason(part, copy_reason, server),
     )
     logger.info(
-        "zero.from_pretrained: %d tensors (%.1f MB read) from %d file(s) into %d units on %s in %.1f s%s",
+        "zero.from_pretrained: %d tensors (%.1f MB read, %.1f MB served from the checkpoint) from %d "
+        "file(s) into %d units on %s in %.1f s%s",
         len(plan.params) + len(plan.buffers),
         nbytes / 1e6,
+        report.checkpoint_bytes_served / 1e6,
         len(files),
         len(part.units),
         part.tier,
@@ -681,11 +458,28 @@ def _load(
     return model, raw, part, report
 
 
+def _copy_reason(
+    part: Stage3Partitioner, rule: Optional[str], server: Optional[PartitionServer]
+) -> Optional[str]:
+    """Why partitions on NVMe were copied into swap files rather than served (None: every one served)."""
+    copied = [u for u in part.units if part.on_nvme(u) and not part.served(u)]
+    if not copied:
+        return None
+    if rule is not None:
+        return rule
+    notes = dict(server.copied) if server is not None else {}
+    quantized = sum(1 for u in copied if part.codec(u) is not None)
+    if quantized:
+        notes["quantized"] = quantized
+    return "; ".join(f"{n} unit(s): {why}" for why, n in notes.items()) or None
+
+
 def from_pretrained(
     path: Union[str, os.PathLike],
     config: Union[str, os.PathLike, Dict[str, Any]],
     dtype: Optional[Union[torch.dtype, str]] = None,
     swap_cache: Union[bool, str, os.PathLike] = False,
+    serve_checkpoint: Union[bool, str] = "auto",
     **hf_kwargs: Any,
 ) -> ZeroEngine:
     """Build the causal LM of the Hugging Face checkpoint directory `path` straight into stage-3 partitions
@@ -729,7 +523,7 @@ def from_pretrained(
     """
     from zero.initialization import initialize
 
-    model, raw, part, report = _load(path, config, dtype, hf_kwargs, swap_cache)
+    model, raw, part, report = _load(path, config, dtype, hf_kwargs, swap_cache, serve_checkpoint)
     try:
         engine = initialize(model=model, config=raw)[0]  # takes the partitioner over (as after zero.Init)
     except BaseException:

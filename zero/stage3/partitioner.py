@@ -24,7 +24,7 @@ state (references, backward holds, units kept for reuse, live counts) that a spl
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,7 @@ from zero.stage3.hooks import Stage3Hooks
 from zero.stage3.io_report import ParamIOReport, take_io_report
 from zero.stage3.quant import PartitionCodec, QuantTarget
 from zero.stage3.reduction import GradReduction
+from zero.stage3.served import CheckpointFds, ServedPartition
 from zero.stage3.state_dict import gathered_state_dict, load_shard
 from zero.stage3.store import PartitionStore
 from zero.stage3.trace import UseTrace
@@ -449,8 +450,24 @@ class Stage3Partitioner:
         return self.store.stats.bytes_written
 
     def on_nvme(self, unit: Unit) -> bool:
-        """Whether the unit's partition lives in a swap file."""
+        """Whether the unit's partition lives on NVMe: in a swap file, or served from checkpoint files."""
         return self.store.on_nvme(unit)
+
+    def serve_from(
+        self, checkpoint: CheckpointFds, serve: Callable[[Unit], Optional[ServedPartition]]
+    ) -> None:
+        """Serve the units placed from now on from the checkpoint's own files where `serve(unit)` gives
+        their extents (zero.stage3.served); the partitioner closes `checkpoint` with its store."""
+        self.store.serve_from(checkpoint, serve)
+
+    def served(self, unit: Unit) -> bool:
+        """Whether the unit's partition is read straight from checkpoint files (`serve_from`)."""
+        return self.store.served(unit)
+
+    @property
+    def served_bytes(self) -> int:
+        """Bytes of the partitions read straight from checkpoint files."""
+        return self.store.served_bytes
 
     def memory_partition(self, unit: Unit) -> Optional[torch.Tensor]:
         """The unit's partition itself when it lives in memory (a view into `memory_segments()`), else None

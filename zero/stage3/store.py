@@ -1,15 +1,16 @@
 """Where each unit's partition lives between uses: device memory, host memory (pinned) or an NVMe swap file.
 
 Memory tiers ("none": the compute device, "cpu": host memory, pinned from the PinnedPool when
-`pin_memory`) pack partitions back to back into a few large segments, so the optimizer sees flat buffers and
-no partition costs an allocation of its own. The NVMe tier keeps one swap file per unit, named after the
-module that owns it, and moves it through `buffer_count` pinned staging slots of at most `buffer_size`
-elements: a partition that fits a slot is read with one request; a larger one is prefetched in pieces into
-as many free slots as it needs and copied out of them, or, read on demand, streamed through a slot chunk by
-chunk (on a CPU destination: read straight into it). Each slot has its own aio handle, so waiting for one
-prefetch never waits for the others. With `max_in_cpu`, partitions of up to that many elements in all stay
-in host memory, spread along the module order (offload.swap.resident) so that a forward's reads overlap
-their compute.
+`pin_memory`) pack partitions back to back into a few large segments (zero.stage3.arena), so the optimizer
+sees flat buffers and no partition costs an allocation of its own. The NVMe tier keeps one swap file per
+unit, named after the module that owns it, or serves the unit from checkpoint files it lies in unconverted
+(`serve_from`; zero.stage3.nvme_files, zero.stage3.served), and moves it through `buffer_count` pinned
+staging slots of at most `buffer_size` elements: a partition that fits a slot is read with one request; a
+larger one is prefetched in pieces into as many free slots as it needs and copied out of them, or, read on
+demand, streamed through a slot chunk by chunk (on a CPU destination: read straight into it). Each slot
+has its own aio handle, so waiting for one prefetch never waits for the others. With `max_in_cpu`,
+partitions of up to that many elements in all stay in host memory, spread along the module order
+(offload.swap.resident) so that a forward's reads overlap their compute.
 
 Lending (`lend` / `give_back`): when the compute device is the CPU, a partition that lands in a slot can be
 used where it lies instead of being copied out: `lend` returns a view of the slot and keeps the slot out of
@@ -22,12 +23,12 @@ memory slot, swap file and reads are `stored_nbytes` long, and `read` decodes af
 destination's device. `memory_partition` is None for them: their bytes are not values.
 
 Read ahead to an accelerator (`read_ahead_device`, set by the partitioner for an inference forward on
-one): `prefetch` of a partition in host memory copies it to the device on a side stream
-(zero.stage3.device_copy) while the layers before it compute; `take_ahead` hands the copy over as the
-gathered buffer (`read` decodes a quantized unit's codes from it). A write drops the copy, and so does
-a pass that does not read ahead (`drop_read_ahead`): the optimizer updates memory partitions in place.
+one): `prefetch` of a partition in host memory copies it to the device ahead (zero.stage3.read_ahead);
+`take_ahead` hands the copy over as the gathered buffer (`read` decodes a quantized unit's codes from it).
+A write drops the copy, and so does a pass that does not read ahead (`drop_read_ahead`): the optimizer
+updates memory partitions in place.
 
-The module is longer than most (about 840 lines): reads, prefetches, loans and writes share one piece of
+The module is longer than most (some 690 lines): reads, prefetches, loans and writes share one piece of
 bookkeeping - which slot holds what, under one lock taken by the main thread and the optimizer's writer
 thread - and splitting it would spread that invariant over modules.
 """
@@ -35,11 +36,9 @@ thread - and splitting it would spread that invariant over modules.
 from __future__ import annotations
 
 import contextlib
-import errno
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -47,100 +46,20 @@ from offload.config.aio import AioConfig
 from offload.config.zero import OffloadParamConfig
 from offload.pinned import PinnedMemoryBudgetError, PinnedPool
 from offload.swap.resident import resident_plan
-from offload.swap.space import SwapFile, SwapSpace, SwapSpaceError, check_nvme_path
+from offload.swap.space import SwapFile, check_nvme_path
+from zero.stage3.arena import Arena
 from zero.stage3.device_copy import SideStream
+from zero.stage3.nvme_files import NvmeFiles
+from zero.stage3.pinned_budget import Stage3PinnedBudgetError, partitions_budget_error, staging_budget_error
 from zero.stage3.quant import PartitionCodec, QuantTarget, planned_nbytes, unit_codec
-from zero.stage3.unit import PartitionStatus, Unit, safe_file_name, set_status
+from zero.stage3.read_ahead import ReadAhead
+from zero.stage3.served import CheckpointFds, ServedPartition
+from zero.stage3.staging_slot import StagingSlot as _Slot
+from zero.stage3.staging_slot import storage_uses as _storage_uses
+from zero.stage3.store_stats import StoreStats, UnitSize
+from zero.stage3.unit import PartitionStatus, Unit, set_status
 
 __all__ = ["PartitionStore", "Stage3PinnedBudgetError", "StoreStats", "UnitSize"]
-
-SEGMENT_NUMEL = 1 << 22  # unpinned segments: untouched pages cost nothing, so over-reserving is free
-
-
-class Stage3PinnedBudgetError(PinnedMemoryBudgetError):
-    """The pinned budget cannot hold what stage 3 needs for a layer; names the layer, its size, the budget."""
-
-    def __init__(self, message: str, requested: int, in_use: int, cap: int) -> None:
-        MemoryError.__init__(self, message)
-        self.requested, self.in_use, self.cap = requested, in_use, cap
-
-
-class UnitSize(NamedTuple):
-    """What placement needs to know about a unit before it exists."""
-
-    name: str
-    dtype: torch.dtype
-    part_numel: int
-    part_nbytes: int
-
-
-@dataclass
-class StoreStats:
-    """The store's I/O counters (NVMe bytes read and written, reads, prefetches and prefetch hits; bytes
-    read from partitions in host memory). Of the NVMe bytes read, `staged_bytes` were copied out of a staging
-    slot, `in_place_bytes` were used where they landed (viewed by the parameters, `lend`, or decoded from the
-    slot) and `direct_bytes` were read straight into their destination. `peak_inflight`: most prefetches
-    in flight at once; `ahead_bytes` / `peak_ahead_bytes`: bytes of host partitions copied ahead to the
-    read-ahead device, now and at most; `slots_replaced`: lent slots still referenced from outside when
-    given back (see the module doc); `read_wait_s`: time the reading thread waited for the disk (the rest
-    of a gather's time is copies, decoding and bookkeeping)."""
-
-    bytes_read: int = 0
-    cpu_bytes_read: int = 0
-    bytes_written: int = 0
-    reads: int = 0
-    prefetches: int = 0
-    prefetch_hits: int = 0
-    staged_bytes: int = 0
-    in_place_bytes: int = 0
-    direct_bytes: int = 0
-    peak_inflight: int = 0
-    ahead_bytes: int = 0  # bytes of copies ahead on the read-ahead device, not taken yet
-    peak_ahead_bytes: int = 0
-    slots_replaced: int = 0
-    read_wait_s: float = 0.0  # seconds a gather blocked on NVMe reads (a prefetch not done, a read on demand)
-
-
-@dataclass
-class _Slot:
-    buf: torch.Tensor  # uint8, pinned
-    handle: Any
-    unit: Optional[int] = None  # unit index of a prefetch in flight, None when free
-    event: Any = None  # CUDA event of the last copy out of this slot
-    lent: Optional[int] = None  # unit index whose gathered tensor is a view of this slot (`lend`)
-
-
-def _storage_uses(t: torch.Tensor) -> int:
-    """How many tensors (and storage objects) share `t`'s memory; -1 where torch cannot say."""
-    uses = getattr(torch._C, "_storage_Use_Count", None)
-    return int(uses(t.untyped_storage()._cdata)) if uses is not None else -1
-
-
-class _Arena:
-    """Bump allocator over segments; one segment per call to `reserve`, or SEGMENT_NUMEL-sized ones."""
-
-    def __init__(self, alloc: Callable[[int, torch.dtype], torch.Tensor], exact: bool, zeroed: bool) -> None:
-        self._alloc = alloc
-        self._exact = exact  # pinned memory is locked: never reserve more than asked
-        # every segment is fresh anonymous memory (pinned): what nothing has written yet reads as zeros, and
-        # memory is never handed out twice, so a unit placed without values needs no zeroing pass (for a
-        # model of gigabytes that pass costs seconds of page faults before the values are copied in)
-        self.zeroed = zeroed
-        self.segments: List[torch.Tensor] = []
-        self._open: Dict[torch.dtype, Tuple[int, int]] = {}  # dtype -> (segment index, used)
-
-    def reserve(self, numel: int, dtype: torch.dtype) -> None:
-        """Start a segment of exactly `numel` elements (call before taking a known total)."""
-        self.segments.append(self._alloc(max(1, numel), dtype))
-        self._open[dtype] = (len(self.segments) - 1, 0)
-
-    def take(self, numel: int, dtype: torch.dtype) -> Tuple[int, int, torch.Tensor]:
-        seg, used = self._open.get(dtype, (-1, 0))
-        if seg < 0 or used + numel > self.segments[seg].numel():
-            self.reserve(numel if self._exact else max(numel, SEGMENT_NUMEL), dtype)
-            seg, used = self._open[dtype]
-        self._open[dtype] = (seg, used + numel)
-        return seg, used, self.segments[seg][used : used + numel]
 
 
 class PartitionStore:
@@ -175,14 +94,13 @@ class PartitionStore:
         self._resident: Dict[str, bool] = {}
         self.stats = StoreStats()
         self._aio = aio
-        self._nvme_path = (
+        nvme = (
             check_nvme_path(nvme_path or "", "zero_optimization.offload_param.nvme_path")
             if tier == "nvme"
             else None
         )
-        self._space: Optional[SwapSpace] = None
-        self._files: Dict[int, SwapFile] = {}
-        self._file_names: Dict[str, int] = {}
+        # where each partition on NVMe lives: its swap file, or checkpoint files it is served from
+        self.files = NvmeFiles(nvme if tier == "nvme" else None, rank)
         self._mem: Dict[int, Tuple[int, int, torch.Tensor]] = {}  # unit -> (segment, offset, view)
         self._names: Dict[int, str] = {}
         self._units: Dict[int, Unit] = {}  # by index: a prefetch sets its parameters' ds_status (INFLIGHT)
@@ -202,10 +120,10 @@ class PartitionStore:
         # Read ahead from host memory to the compute device (`read_ahead_device`, set by the partitioner):
         # unit index -> (its stored bytes or values on the device, the copy's event)
         self.read_ahead_device: Optional[torch.device] = None
-        self._ahead: Dict[int, Tuple[torch.Tensor, Any]] = {}
+        self._ahead = ReadAhead(self._copies, self.stats, self._slots_lock, self._prefetch_over)
         self._write_handle: Any = None
         on_device = tier == "none"
-        self.arena = _Arena(self._memory_allocator(on_device), exact=self.pin_memory, zeroed=self.pin_memory)
+        self.arena = Arena(self._memory_allocator(on_device), exact=self.pin_memory, zeroed=self.pin_memory)
 
     # ------------------------------------------------------------------------------------------ placement
     def _memory_allocator(self, on_device: bool) -> Callable[[int, torch.dtype], torch.Tensor]:
@@ -241,18 +159,7 @@ class PartitionStore:
         try:
             return fn()
         except PinnedMemoryBudgetError as e:
-            big = max(units, key=lambda u: u.part_nbytes)
-            raise Stage3PinnedBudgetError(
-                f"pinned memory budget of {e.cap} bytes ({e.cap - e.in_use} free) is too small for the "
-                f"stage-3 parameter partitions in host memory: {numel} elements ({e.requested} bytes) "
-                f"requested for "
-                f"{len(units)} layer(s), the largest {big.name!r} with a partition of {big.part_numel} "
-                f"elements ({big.part_nbytes} bytes); raise the pinned budget, set offload_param.pin_memory="
-                "false, or offload to nvme",
-                e.requested,
-                e.in_use,
-                e.cap,
-            ) from e
+            raise partitions_budget_error(e, units, numel) from e
 
     def place(self, unit: Unit, fill: Optional[Callable[[torch.Tensor], None]]) -> None:
         """Make the unit's partition: `fill(dst)` writes all part_numel elements of it into `dst` (None:
@@ -280,11 +187,13 @@ class PartitionStore:
                 fill(values)
                 codec.encode(values, view)
             return
-        self._files[unit.index] = self._new_file(unit)
+        self.files.add(unit, self.stored_nbytes(unit), may_serve=codec is None and fill is None)
         if self._largest is None or self.stored_nbytes(unit) > self.stored_nbytes(self._largest):
             self._largest = unit
         if fill is None:
-            return  # a new swap file is preallocated and reads as zeros: writing them would double the I/O
+            # served: the checkpoint holds its values; a new swap file is preallocated and reads as zeros:
+            # writing them would double the I/O
+            return
         values = torch.empty(unit.part_numel, dtype=unit.dtype)
         fill(values)
         self.write(unit, values)
@@ -310,26 +219,29 @@ class PartitionStore:
         return codec.nbytes if codec is not None else unit.part_nbytes
 
     def use_swap_space(self, space: Any) -> None:
-        """Create the swap files of the units placed from now on in `space` instead of a private
-        SwapSpace: anything with SwapSpace's `create`, `close`, `dir`, `bytes_allocated` and `read_only`
-        (zero.stage3.swap_cache.SwapCache). The store closes it. Writes to a `read_only` space are refused."""
-        if self._space is not None:
-            raise RuntimeError("the store already has a swap space: set it before placing any unit")
-        self._space = space
+        """Swap files from now on in `space` (a SwapCache; see NvmeFiles.use_swap_space), closed with the
+        store; writes to a `read_only` space are refused."""
+        self.files.use_swap_space(space)
 
-    def _new_file(self, unit: Unit) -> SwapFile:
-        if self._space is None:
-            assert self._nvme_path is not None
-            self._space = SwapSpace(self._nvme_path, prefix=f"zero-stage3-r{self.rank}-")
-        base = safe_file_name(unit.name)
-        k = self._file_names.get(base, 0)
-        self._file_names[base] = k + 1
-        name = f"{base}.param.swp" if k == 0 else f"{base}.{k}.param.swp"
-        return self._space.create(name, self.stored_nbytes(unit))
+    def serve_from(
+        self, checkpoint: CheckpointFds, serve: Callable[[Unit], Optional[ServedPartition]]
+    ) -> None:
+        """Serve the units placed from now on (without values, stored raw) from checkpoint files where
+        `serve(unit)` gives extents (zero.stage3.served); `checkpoint` is closed with the store."""
+        self.files.serve_from(checkpoint, serve)
+
+    def served(self, unit: Unit) -> bool:
+        """Whether the unit's partition is read straight from checkpoint files (`serve_from`)."""
+        return self.files.served(unit)
+
+    @property
+    def served_bytes(self) -> int:
+        """Bytes of the served partitions that come from checkpoint files."""
+        return self.files.served_bytes
 
     def on_nvme(self, unit: Unit) -> bool:
-        """Whether the unit's partition lives in a swap file."""
-        return unit.index in self._files
+        """Whether the unit's partition lives on NVMe: in a swap file, or served from checkpoint files."""
+        return self.files.holds(unit)
 
     def memory_partition(self, unit: Unit) -> Optional[torch.Tensor]:
         """The unit's partition tensor when it lives in memory (a view into a segment), else None (also
@@ -344,19 +256,19 @@ class PartitionStore:
         return (entry[0], entry[1]) if entry is not None and unit.index not in self._codecs else None
 
     def swap_file(self, unit: Unit) -> Optional[str]:
-        """The path of the unit's swap file, or None (memory tier)."""
-        f = self._files.get(unit.index)
+        """The path of the unit's swap file, or None (memory tier, or served from the checkpoint)."""
+        f = self.files.swap_file(unit)
         return f.path if f is not None else None
 
     @property
     def swap_dir(self) -> Optional[str]:
         """The private directory of this store's swap files (None until the first one exists)."""
-        return self._space.dir if self._space is not None else None
+        return self.files.dir
 
     @property
     def bytes_on_disk(self) -> int:
         """Bytes allocated to this store's swap files (0 without NVMe)."""
-        return self._space.bytes_allocated if self._space is not None else 0
+        return self.files.bytes_allocated
 
     # ---------------------------------------------------------------------------------------- staging slots
     def ensure_slots(self) -> None:
@@ -372,17 +284,8 @@ class PartitionStore:
                 for s in self._slots:
                     self.pool.free(s.buf)
                 self._slots = []
-                raise Stage3PinnedBudgetError(
-                    f"pinned memory budget of {e.cap} bytes ({e.cap - e.in_use} free) is too small for the "
-                    f"stage-3 NVMe staging buffers: the largest layer {big.name!r} has a partition of "
-                    f"{big.part_numel} elements ({self.stored_nbytes(big)} bytes) and offload_param asks for "
-                    f"buffer_count={self.buffer_count} buffers of {self._slot_bytes} bytes "
-                    f"(buffer_size={self.buffer_size} elements); raise the pinned budget or lower "
-                    "offload_param.buffer_size / buffer_count",
-                    e.requested,
-                    e.in_use,
-                    e.cap,
-                ) from e
+                stored, n, size = self.stored_nbytes(big), self.buffer_count, self.buffer_size
+                raise staging_budget_error(e, big, stored, n, self._slot_bytes, size) from e
             self._slots.append(_Slot(buf, self._aio.handle()))
         self._slot_uses = _storage_uses(self._slots[0].buf)
 
@@ -452,7 +355,7 @@ class PartitionStore:
     def prefetchable(self, unit: Unit) -> bool:
         """Whether `prefetch` applies to the unit: its partition is on NVMe, or in host memory while reads
         ahead are on (`read_ahead_device` set)."""
-        return unit.index in self._files or self._reads_ahead(unit)
+        return self.files.holds(unit) or self._reads_ahead(unit)
 
     def _reads_ahead(self, unit: Unit) -> bool:
         """A host-memory partition (`cpu` tier, or kept by max_in_cpu) while reads ahead are on."""
@@ -465,7 +368,7 @@ class PartitionStore:
         not enough slots are free, or the device has no memory for the copy."""
         if self._reads_ahead(unit):
             return self._read_ahead(unit)
-        path = self._files.get(unit.index)  # opened relative to its directory fd, never by path
+        path = self.files.source(unit)  # a swap file (by its directory fd) or checkpoint fds
         if path is None or unit.index in self._inflight:
             return False
         self.ensure_slots()
@@ -486,7 +389,7 @@ class PartitionStore:
             for i, s in enumerate(free):
                 self._wait_copy(s)
                 off = i * piece
-                s.handle.async_pread(s.buf[: min(piece, nbytes - off)], path, off)
+                path.read_into(s.handle, s.buf[: min(piece, nbytes - off)], off, asynchronous=True)
         except BaseException:
             self._drop_inflight(unit.index)  # a refused request: no slot may pass for holding the unit
             raise
@@ -501,37 +404,10 @@ class PartitionStore:
 
     def _read_ahead(self, unit: Unit) -> bool:
         dev = self.read_ahead_device
-        if unit.index in self._ahead or dev is None:
+        if dev is None:
             return False
         src = self._mem[unit.index][2]  # the values, or the codes of a quantized unit
-        try:
-            copied = self._copies.copy_ahead(src, dev)
-        except torch.OutOfMemoryError:
-            return False  # no room ahead on the device: the unit is copied when it is gathered
-        with self._slots_lock:
-            self._ahead[unit.index] = copied
-            st = self.stats
-            st.peak_inflight = max(st.peak_inflight, len(self._inflight) + len(self._ahead))
-            st.ahead_bytes += src.numel() * src.element_size()
-            st.peak_ahead_bytes = max(st.peak_ahead_bytes, st.ahead_bytes)
-        self.stats.prefetches += 1
-        if unit.full is None:
-            set_status(unit, PartitionStatus.INFLIGHT)
-        return True
-
-    def _ahead_copy(self, unit: Unit) -> Optional[torch.Tensor]:
-        """The unit's copy read ahead, ready for the compute stream and counted as a read; None if none."""
-        with self._slots_lock:
-            held = self._ahead.pop(unit.index, None)
-            if held is not None:
-                self.stats.ahead_bytes -= held[0].numel() * held[0].element_size()
-        if held is None:
-            return None
-        self._prefetch_over(unit)
-        t = self._copies.take(*held)
-        self.stats.cpu_bytes_read += t.numel() * t.element_size()
-        self.stats.prefetch_hits += 1
-        return t
+        return self._ahead.start(unit, src, dev, len(self._inflight))
 
     def take_ahead(self, unit: Unit) -> Optional[torch.Tensor]:
         """The unit's partition read ahead to `read_ahead_device` (part_numel elements of its dtype, a
@@ -539,22 +415,13 @@ class PartitionStore:
         its codes read ahead)."""
         if unit.index in self._codecs:
             return None
-        return self._ahead_copy(unit)
+        return self._ahead.take(unit)
 
     def drop_read_ahead(self) -> None:
         """Drop every copy ahead not taken yet (a pass that does not read ahead: its partitions may be
         updated in place, through `arena.segments`, before a later use)."""
-        for index in list(self._ahead):
-            self._drop_ahead(index)
-
-    def _drop_ahead(self, index: int) -> None:
-        with self._slots_lock:
-            held = self._ahead.pop(index, None)
-            if held is not None:
-                self.stats.ahead_bytes -= held[0].numel() * held[0].element_size()
-        if held is not None:
-            self._copies.wait(held[1])  # the copy reads the host partition: let it end first
-            self._prefetch_over(self._units[index])
+        for index in self._ahead.held():
+            self._ahead.drop(self._units[index])
 
     def lend(self, unit: Unit) -> Optional[torch.Tensor]:
         """The unit's partition as a view of the staging slot its read landed in (part_numel elements of its
@@ -573,9 +440,8 @@ class PartitionStore:
         `give_back(unit)`, as `lend`), else a copy read around the slots (a unit held for good must not
         keep a slot). Read-only."""
         codec = self._codecs[unit.index]
-        held = self._ahead.get(unit.index)
-        if held is not None and held[0].device.type == "cpu":
-            ahead = self._ahead_copy(unit)
+        if self._ahead.on_cpu(unit):
+            ahead = self._ahead.take(unit)
             assert ahead is not None
             return ahead
         entry = self._mem.get(unit.index)
@@ -593,7 +459,7 @@ class PartitionStore:
         """Read the unit's stored bytes into a staging slot (its prefetch's, else a free one) and return
         the slot, counted as used in place: lent to the unit (`lend`), else taken until `_done(slot)`.
         None when the unit is not on NVMe, does not fit a slot, or no slot is free."""
-        path = self._files.get(unit.index)  # opened relative to its directory fd, never by path
+        path = self.files.source(unit)  # a swap file (by its directory fd) or checkpoint fds
         if path is None:
             return None
         self.ensure_slots()
@@ -618,7 +484,7 @@ class PartitionStore:
                     s.handle.wait()  # raises AioError naming the file if the read failed
                 else:
                     self._wait_copy(s)
-                    s.handle.sync_pread(s.buf[:nbytes], path, 0)
+                    path.read_into(s.handle, s.buf[:nbytes], 0)
         except BaseException:
             self._done(s)
             self.give_back(unit)
@@ -663,7 +529,7 @@ class PartitionStore:
         if codec is None:
             self._read_stored(unit, dst, unit.part_nbytes, fresh)
             return
-        ahead = self._ahead_copy(unit)
+        ahead = self._ahead.take(unit)
         if ahead is not None:  # the codes, copied ahead to the device: decoded there
             codec.decode(ahead, dst)
             return
@@ -691,7 +557,7 @@ class PartitionStore:
         """Copy the `nbytes` the unit's partition occupies on its tier into `dst` (of its stored dtype)."""
         entry = self._mem.get(unit.index)
         if entry is not None:
-            ahead = self._ahead_copy(unit)
+            ahead = self._ahead.take(unit)
             if ahead is not None:
                 dst.view(torch.uint8)[:nbytes].copy_(ahead.view(torch.uint8))
                 return
@@ -703,7 +569,7 @@ class PartitionStore:
             else:
                 dst.copy_(mem)
             return
-        path = self._files.get(unit.index)  # opened relative to its directory fd, never by path
+        path = self.files.source(unit)  # a swap file (by its directory fd) or checkpoint fds
         if path is None:
             raise KeyError(f"unit {unit.name!r} has no partition in this store")
         dst_bytes = dst.view(torch.uint8)
@@ -739,7 +605,7 @@ class PartitionStore:
             if self._direct_handle is None:
                 self._direct_handle = self._aio.handle()
             with self._waiting():
-                self._direct_handle.sync_pread(dst_bytes[:nbytes], path, 0)
+                path.read_into(self._direct_handle, dst_bytes[:nbytes], 0)
             self.stats.direct_bytes += nbytes
             return
         self.stats.staged_bytes += nbytes
@@ -749,7 +615,7 @@ class PartitionStore:
             n = min(chunk, nbytes - off)
             self._wait_copy(s)
             with self._waiting():
-                s.handle.sync_pread(s.buf[:n], path, off)
+                path.read_into(s.handle, s.buf[:n], off)
             self._copy_out(s, dst_bytes[off : off + n], n, fresh)
 
     def write(self, unit: Unit, src: torch.Tensor, only: Optional[set] = None) -> None:
@@ -765,21 +631,13 @@ class PartitionStore:
         codec = self._codecs.get(unit.index)
         entry = self._mem.get(unit.index)
         if entry is not None:
-            self._drop_ahead(unit.index)  # a copy of the old values must not be used
+            self._ahead.drop(unit)  # a copy of the old values must not be used
             if codec is None:
                 entry[2].copy_(src)
             else:
                 codec.encode(src.to(entry[2].device), entry[2], only)
             return
-        path = self._files.get(unit.index)  # opened relative to its directory fd, never by path
-        if path is None:
-            raise KeyError(f"unit {unit.name!r} has no partition in this store")
-        if self._space is not None and self._space.read_only:
-            raise SwapSpaceError(
-                errno.EROFS,
-                f"the partition of {unit.name!r} is in a read-only swap cache: not written",
-                path.path,
-            )
+        path = self.files.writable(unit)  # refused: served, or in a read-only swap cache (EROFS)
         self._drop_inflight(unit.index)  # a prefetch of the old values must not be used
         host = src.detach().to("cpu").contiguous()
         if codec is not None:
@@ -795,16 +653,16 @@ class PartitionStore:
     def read_private(self, unit: Unit, dst: torch.Tensor) -> None:
         """`read` into a host tensor through the writer's own handle, never a staging slot: for the thread
         that writes partitions (the optimizer), while the main thread's gathers use the slots."""
-        path = self._files.get(unit.index)  # opened relative to its directory fd, never by path
+        path = self.files.source(unit)  # a swap file (by its directory fd) or checkpoint fds
         if path is None:
             self.read(unit, dst)  # memory tier: a plain copy, no slot
             return
         codec = self._codecs.get(unit.index)
         if codec is None:
-            self._own_handle().sync_pread(dst.view(torch.uint8), path, 0)
+            path.read_into(self._own_handle(), dst.view(torch.uint8), 0)
         else:
             stored = torch.empty(codec.nbytes, dtype=torch.uint8)
-            self._own_handle().sync_pread(stored, path, 0)
+            path.read_into(self._own_handle(), stored, 0)
             codec.decode(stored, dst)
         self.stats.bytes_read += self.stored_nbytes(unit)
 
@@ -837,6 +695,4 @@ class PartitionStore:
                 self.pool.free(seg)
         self.arena.segments = []
         self._mem.clear()
-        if self._space is not None:
-            self._space.close()
-            self._space = None
+        self.files.close()

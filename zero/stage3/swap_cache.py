@@ -36,6 +36,8 @@ Two processes: any number may reuse a complete cache at once (shared locks). One
 missing or broken while another process holds the lock (building it, or reading it) does not wait: it
 returns None and the loader falls back to private scratch swap, with a warning.
 
+The directory, lock and manifest helpers are in zero.stage3.cache_dir.
+
 What is not checked: the checkpoint's bytes are not hashed. A shard rewritten with the same size and mtime
 (or the cache files edited in place) is not noticed.
 """
@@ -49,19 +51,33 @@ import json
 import logging
 import os
 import shutil
-import stat
 import threading
 import weakref
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional
 
 from offload import cleanup
-from offload.swap.private_dir import O_CLOEXEC, O_DIRECTORY, O_NOFOLLOW, DirFd, open_root, private_subdir
+from offload.swap.private_dir import O_CLOEXEC, O_NOFOLLOW, DirFd, open_root
 from offload.swap.space import (
     DEFAULT_ALIGNMENT,
     SwapFile,
-    SwapSpaceError,
     align_up,
     create_swap_file,
+)
+from zero.stage3.cache_dir import (
+    LAYOUT_VERSION,
+    LOCK_SUFFIX,
+    MANIFEST,
+    SwapCacheError,
+    SwapCacheMismatch,
+    cache_error,
+    fsync_file,
+    is_file_in,
+    open_lock,
+    private_dir,
+    reclaim_unfinished,
+    remove_dir,
+    try_lock,
+    usable_cache,
 )
 
 __all__ = [
@@ -77,163 +93,12 @@ __all__ = [
 logger = logging.getLogger("zero")
 
 CACHE_DIR = f"zero-offload-cache-{os.geteuid()}"  # per user: users sharing a root never share it
-LAYOUT_VERSION = 1  # raised whenever the swap files' names or bytes change for the same inputs
-MANIFEST = "manifest.json"
-_LOCK_SUFFIX = ".lock"
-
-
-class SwapCacheError(SwapSpaceError):
-    """A swap cache directory or file cannot be used: names the file, the sizes and the errno."""
-
-
-class SwapCacheMismatch(SwapCacheError):
-    """The model asks for a swap file the complete cache does not hold with that size (the fingerprint
-    missed something that changes the layout): the loader rebuilds the cache."""
 
 
 def fingerprint(inputs: Mapping[str, Any]) -> str:
     """The hex digest (32 characters) naming the cache directory of `inputs` (JSON-serialisable)."""
     blob = json.dumps(inputs, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()[:32]
-
-
-def _cache_error(err: int, message: str, path: str) -> OSError:
-    return SwapCacheError(err, message, path)
-
-
-def _private_dir(parent_fd: int, name: str, path: str) -> int:
-    """A descriptor of `name` in `parent_fd`, created 0700 if missing; a file, a symlink or a directory of
-    another user there is refused (SwapCacheError, EPERM)."""
-    try:
-        return private_subdir(parent_fd, name, path, _cache_error)
-    except FileExistsError:
-        pass
-    except OSError as e:
-        if isinstance(e, SwapCacheError):
-            raise
-        raise SwapCacheError(e.errno, f"cannot create the swap cache directory: {e.strerror}", path) from e
-    try:
-        return private_subdir(parent_fd, name, path, _cache_error, create=False)
-    except SwapCacheError as e:
-        raise SwapCacheError(errno.EPERM, "swap cache path is not a directory of this user", path) from e
-
-
-def _lock(fd: int, how: int) -> bool:
-    try:
-        fcntl.flock(fd, how | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        return False
-
-
-def _open_lock(name: str, base_fd: int, path: str) -> int:
-    flags = os.O_RDWR | os.O_CREAT | O_NOFOLLOW | O_CLOEXEC
-    try:
-        fd = os.open(name, flags, 0o600, dir_fd=base_fd)
-    except OSError as e:
-        raise SwapCacheError(e.errno, f"cannot open the swap cache lock: {e.strerror}", path) from e
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-            raise SwapCacheError(errno.EPERM, "swap cache lock is not a file of this user", path)
-        os.fchmod(fd, 0o600)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _is_file_in(fd: int, dir_fd: int, name: str) -> bool:
-    try:
-        return os.path.samestat(os.fstat(fd), os.lstat(name, dir_fd=dir_fd))
-    except OSError:
-        return False
-
-
-def _open_dir(base_fd: int, name: str) -> Optional[int]:
-    """A descriptor of the existing directory `name` (O_NOFOLLOW), or None if there is none there."""
-    try:
-        return os.open(name, os.O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC, dir_fd=base_fd)
-    except OSError:
-        return None
-
-
-def _read_manifest(dir_fd: int, directory: str) -> Optional[Dict[str, Any]]:
-    """The manifest, or None when there is none or it cannot be read (an unfinished or damaged cache)."""
-    try:
-        fd = os.open(MANIFEST, os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC, dir_fd=dir_fd)
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        logger.warning("swap cache %s: unreadable %s (%s): rebuilding it", directory, MANIFEST, e)
-        return None
-    try:
-        with open(fd, encoding="utf-8") as f:
-            m = json.load(f)
-    except (OSError, ValueError) as e:
-        logger.warning("swap cache %s: unreadable %s (%s): rebuilding it", directory, MANIFEST, e)
-        return None
-    return m if isinstance(m, dict) else None
-
-
-def _file_problem(dir_fd: int, directory: str, manifest: Dict[str, Any]) -> Optional[str]:
-    """None if every file the manifest lists exists with its listed size, else what is wrong with one."""
-    for name, nbytes in manifest.get("files", {}).items():
-        path = os.path.join(directory, name)
-        if not isinstance(name, str) or name in ("", ".", "..", MANIFEST) or os.sep in name:
-            return f"{path}: not a plain file name"
-        try:
-            st = os.lstat(name, dir_fd=dir_fd)
-        except OSError as e:
-            code = errno.errorcode.get(e.errno or 0, e.errno)
-            return f"{path}: expected {nbytes} bytes, cannot stat it ({code})"
-        if not stat.S_ISREG(st.st_mode) or st.st_size != nbytes or st.st_uid != os.geteuid():
-            return f"{path}: expected {nbytes} bytes, found {st.st_size} bytes"
-    return None
-
-
-def _remove_dir(base_fd: int, name: str, path: str) -> None:
-    shutil.rmtree(name, ignore_errors=True, dir_fd=base_fd)
-    try:
-        os.lstat(name, dir_fd=base_fd)
-    except FileNotFoundError:
-        return
-    raise SwapCacheError(errno.ENOTEMPTY, "cannot remove the unfinished swap cache directory", path)
-
-
-def _has_manifest(base_fd: int, name: str) -> bool:
-    try:
-        os.lstat(os.path.join(name, MANIFEST), dir_fd=base_fd)
-        return True
-    except OSError:
-        return False
-
-
-def _reclaim_unfinished(base_fd: int, base: str, keep: str) -> None:
-    """Remove the directories under `base` that have no manifest and whose lock nobody holds (a build
-    that died); `keep` (a fingerprint) is left to the caller."""
-    try:
-        names = os.listdir(base_fd)
-    except OSError:
-        return
-    for name in names:
-        path = os.path.join(base, name)
-        if name == keep or name.endswith(_LOCK_SUFFIX) or _has_manifest(base_fd, name):
-            continue
-        try:
-            st = os.lstat(name, dir_fd=base_fd)
-            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
-                continue
-            fd = _open_lock(name + _LOCK_SUFFIX, base_fd, path + _LOCK_SUFFIX)
-        except (OSError, SwapCacheError):
-            continue
-        try:
-            if _lock(fd, fcntl.LOCK_EX) and _is_file_in(fd, base_fd, name + _LOCK_SUFFIX):
-                if not _has_manifest(base_fd, name):
-                    shutil.rmtree(name, ignore_errors=True, dir_fd=base_fd)
-                    logger.warning("removed unfinished swap cache %s (its builder is gone)", path)
-        finally:
-            os.close(fd)
 
 
 class SwapCache:
@@ -251,7 +116,7 @@ class SwapCache:
         dir_fd: int,
     ) -> None:
         self.dir = directory
-        self.dir_fd = DirFd(dir_fd, directory, _cache_error)  # every file is opened relative to it
+        self.dir_fd = DirFd(dir_fd, directory, cache_error)  # every file is opened relative to it
         self.alignment = DEFAULT_ALIGNMENT
         self.inputs = dict(inputs)
         self.reused = manifest is not None
@@ -353,7 +218,7 @@ class SwapCache:
         if self._sealed:
             return
         for f in self.files:
-            _fsync(self.dir_fd.fd, f.name, f.path, os.O_RDONLY)
+            fsync_file(self.dir_fd.fd, f.name, f.path, os.O_RDONLY)
         manifest = {
             "layout": LAYOUT_VERSION,
             "inputs": self.inputs,
@@ -395,17 +260,6 @@ class SwapCache:
         return f"SwapCache({self.dir!r}, {kind}, files={len(self._files)})"
 
 
-def _fsync(dir_fd: int, name: str, path: str, flags: int) -> None:
-    try:
-        fd = os.open(name, flags | O_NOFOLLOW | O_CLOEXEC, dir_fd=dir_fd)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError as e:
-        raise SwapCacheError(e.errno, f"cannot fsync the swap cache file: {e.strerror}", path) from e
-
-
 def open_swap_cache(root: str, inputs: Mapping[str, Any], rebuild: bool = False) -> Optional[SwapCache]:
     """The cache of `inputs` under `<root>/zero-offload-cache/`: complete and reused, or empty and to be
     built (this process holds it exclusively until `seal`). A cache without a manifest, with other inputs,
@@ -415,9 +269,9 @@ def open_swap_cache(root: str, inputs: Mapping[str, Any], rebuild: bool = False)
     unfinished caches of other fingerprints whose builder is gone."""
     root = os.path.abspath(os.path.expanduser(root))
     base = os.path.join(root, CACHE_DIR)
-    root_fd = open_root(root, _cache_error)
+    root_fd = open_root(root, cache_error)
     try:
-        base_fd = _private_dir(root_fd, CACHE_DIR, base)
+        base_fd = private_dir(root_fd, CACHE_DIR, base)
     finally:
         os.close(root_fd)
     try:
@@ -432,25 +286,25 @@ def open_swap_cache(root: str, inputs: Mapping[str, Any], rebuild: bool = False)
 
 def _open_in(base_fd: int, base: str, inputs: Mapping[str, Any], rebuild: bool) -> Optional[SwapCache]:
     fp = fingerprint({**inputs, "layout": LAYOUT_VERSION})
-    _reclaim_unfinished(base_fd, base, fp)
+    reclaim_unfinished(base_fd, base, fp)
     directory = os.path.join(base, fp)
-    lock_name = fp + _LOCK_SUFFIX
-    lock_path = directory + _LOCK_SUFFIX
+    lock_name = fp + LOCK_SUFFIX
+    lock_path = directory + LOCK_SUFFIX
     for _ in range(100):
-        fd = _open_lock(lock_name, base_fd, lock_path)
+        fd = open_lock(lock_name, base_fd, lock_path)
         try:
-            exclusive = _lock(fd, fcntl.LOCK_EX)
-            if not exclusive and not _lock(fd, fcntl.LOCK_SH):
+            exclusive = try_lock(fd, fcntl.LOCK_EX)
+            if not exclusive and not try_lock(fd, fcntl.LOCK_SH):
                 logger.warning(
                     "swap cache %s is being built by another process: this load uses private scratch swap",
                     directory,
                 )
                 os.close(fd)
                 return None
-            if not _is_file_in(fd, base_fd, lock_name):  # replaced since we opened it: try the new one
+            if not is_file_in(fd, base_fd, lock_name):  # replaced since we opened it: try the new one
                 os.close(fd)
                 continue
-            found = None if rebuild else _usable(base_fd, fp, directory, inputs)
+            found = None if rebuild else usable_cache(base_fd, fp, directory, inputs)
             if found is not None:
                 manifest, dir_fd = found
                 if exclusive:
@@ -466,51 +320,12 @@ def _open_in(base_fd: int, base: str, inputs: Mapping[str, Any], rebuild: bool) 
                 return None
             try:
                 os.lstat(fp, dir_fd=base_fd)
-                _remove_dir(base_fd, fp, directory)
+                remove_dir(base_fd, fp, directory)
             except FileNotFoundError:
                 pass
-            dir_fd = _private_dir(base_fd, fp, directory)
+            dir_fd = private_dir(base_fd, fp, directory)
             return SwapCache(directory, fd, inputs, None, base_fd, dir_fd)
         except BaseException:
             os.close(fd)
             raise
     raise SwapCacheError(errno.EAGAIN, "could not lock the swap cache", lock_path)
-
-
-def _usable(
-    base_fd: int, name: str, directory: str, inputs: Mapping[str, Any]
-) -> Optional[Tuple[Dict[str, Any], int]]:
-    """The manifest and a descriptor of the directory if the cache is complete, for these inputs, with every
-    file of its listed size, in a private directory of this user."""
-    dir_fd = _open_dir(base_fd, name)
-    if dir_fd is None:
-        return None
-    manifest = None
-    try:
-        st = os.fstat(dir_fd)
-        if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) != 0o700:
-            logger.warning("swap cache %s is not a private directory of this user: rebuilding it", directory)
-        else:
-            manifest = _check_manifest(dir_fd, directory, inputs)
-    finally:
-        if manifest is None:
-            os.close(dir_fd)
-    return (manifest, dir_fd) if manifest is not None else None
-
-
-def _check_manifest(dir_fd: int, directory: str, inputs: Mapping[str, Any]) -> Optional[Dict[str, Any]]:
-    manifest = _read_manifest(dir_fd, directory)
-    if manifest is None:
-        logger.warning("swap cache %s has no manifest (an unfinished build): rebuilding it", directory)
-        return None
-    if manifest.get("layout") != LAYOUT_VERSION or manifest.get("inputs") != json.loads(json.dumps(inputs)):
-        logger.warning("swap cache %s was made from other inputs: rebuilding it", directory)
-        return None
-    if not isinstance(manifest.get("files"), dict):
-        logger.warning("swap cache %s: %s lists no files: rebuilding it", directory, MANIFEST)
-        return None
-    problem = _file_problem(dir_fd, directory, manifest)
-    if problem is not None:
-        logger.warning("swap cache file %s: rebuilding the cache from the checkpoint", problem)
-        return None
-    return manifest

@@ -1,0 +1,165 @@
+"""Partitions on NVMe read straight from the files that hold them: a swap file, or a checkpoint's own files.
+
+The store reads a partition on NVMe through a `PartitionSource`: `read_into(handle, buf, offset,
+asynchronous)` puts bytes [offset, offset + len(buf)) of the partition into `buf` with the aio handle.
+`SwapSource` is one swap file (the partition's bytes from offset 0). `ServedPartition` is a partition whose
+values lie, unconverted, in the tensors of a safetensors checkpoint (zero.from_pretrained serves them
+directly): a list of `Extent`s, each a byte range of a checkpoint file held open by descriptor
+(`CheckpointFds`), and zeros everywhere else (the padding at the end of the last rank's share, a
+parameter the checkpoint does not hold). A read is one aio request per extent the range touches; the I/O
+core bounces the unaligned starts and ends of O_DIRECT ranges, so what lands in `buf` is the file's bytes,
+bit for bit. A served partition is read-only: nothing is ever written into a checkpoint file.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, List, Protocol, Sequence
+
+import torch
+
+from offload.swap.space import SwapFile
+
+__all__ = ["CheckpointFds", "Extent", "PartitionSource", "ServedPartition", "SwapSource"]
+
+
+class PartitionSource(Protocol):
+    """Where the store reads a partition on NVMe from."""
+
+    @property
+    def path(self) -> str: ...
+
+    def read_into(self, handle: Any, buf: torch.Tensor, offset: int, asynchronous: bool = False) -> None:
+        """Read bytes [offset, offset + buf.numel()) of the partition into the uint8 tensor `buf`; an
+        asynchronous read is complete once `handle.wait()` returns."""
+        ...
+
+
+class SwapSource:
+    """A partition stored in its own swap file, from offset 0 (opened relative to its directory fd)."""
+
+    __slots__ = ("file",)
+
+    def __init__(self, file: SwapFile) -> None:
+        self.file = file
+
+    @property
+    def path(self) -> str:
+        """The swap file's path (for messages)."""
+        return self.file.path
+
+    def read_into(self, handle: Any, buf: torch.Tensor, offset: int, asynchronous: bool = False) -> None:
+        """One request for the whole range (see PartitionSource)."""
+        (handle.async_pread if asynchronous else handle.sync_pread)(buf, self.file, offset)
+
+
+class CheckpointFds:
+    """The descriptors of a checkpoint's files, opened once by the loader (relative to the checkpoint
+    directory's descriptor, O_NOFOLLOW) and kept until `close`: every served read uses them, so the file
+    whose header was checked is the file read, whatever its path names later."""
+
+    def __init__(self) -> None:
+        self._fds: Dict[str, int] = {}
+
+    def add(self, path: str, fd: int) -> None:
+        """Keep `fd` (an open, read-only descriptor of `path`); closed by `close`."""
+        if path in self._fds:
+            raise ValueError(f"{path}: already held")
+        self._fds[path] = fd
+
+    def fd(self, path: str) -> int:
+        """The held descriptor of `path`."""
+        return self._fds[path]
+
+    def __contains__(self, path: object) -> bool:
+        return path in self._fds
+
+    @property
+    def paths(self) -> List[str]:
+        """The files held, in the order they were added."""
+        return list(self._fds)
+
+    def for_direct_io(self) -> CheckpointFds:
+        """New descriptors of the same files (reopened through /proc/self/fd, so the very files held, never a
+        path), with O_DIRECT where the filesystem takes it (else buffered): the store's, closed with it."""
+        out = CheckpointFds()
+        try:
+            for path, fd in self._fds.items():
+                flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+                try:
+                    new = os.open(f"/proc/self/fd/{fd}", flags | getattr(os, "O_DIRECT", 0))
+                except OSError:  # EINVAL: no O_DIRECT here (tmpfs); no /proc: the same open file
+                    new = os.dup(fd)
+                out.add(path, new)
+        except BaseException:
+            out.close()
+            raise
+        return out
+
+    def close(self) -> None:
+        """Close every descriptor (idempotent)."""
+        fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
+
+
+@dataclass(frozen=True)
+class Extent:
+    """Bytes [part_offset, part_offset + nbytes) of a partition are bytes [file_offset, file_offset + nbytes)
+    of the checkpoint file open as `fd` (`path`), the tensor `tensor`'s data."""
+
+    part_offset: int
+    fd: int
+    file_offset: int
+    nbytes: int
+    path: str
+    tensor: str
+
+
+class ServedPartition:
+    """A unit's partition of `nbytes` bytes served from checkpoint files: `extents` (sorted, disjoint) hold
+    its bytes, the rest of it reads as zeros."""
+
+    def __init__(self, name: str, extents: Sequence[Extent], nbytes: int) -> None:
+        """`name`: the unit's (for messages)."""
+        ext = sorted(extents, key=lambda e: e.part_offset)
+        end = 0
+        for e in ext:
+            if e.part_offset < end or e.nbytes <= 0 or e.part_offset + e.nbytes > nbytes:
+                raise ValueError(f"partition of {name!r}: {e} overlaps another or passes {nbytes} bytes")
+            end = e.part_offset + e.nbytes
+        self.name = name
+        self.extents = ext
+        self.nbytes = int(nbytes)
+
+    @property
+    def path(self) -> str:
+        """The first checkpoint file it is read from (for messages)."""
+        return self.extents[0].path if self.extents else ""
+
+    @property
+    def served_bytes(self) -> int:
+        """Bytes of the partition that come from checkpoint files (the rest are zeros)."""
+        return sum(e.nbytes for e in self.extents)
+
+    def read_into(self, handle: Any, buf: torch.Tensor, offset: int, asynchronous: bool = False) -> None:
+        """One request per extent the range touches; the gaps are zeroed now (see PartitionSource)."""
+        end = offset + buf.numel()
+        at = offset  # bytes of the range before `at` are placed (read or zeroed)
+        read = handle.async_pread if asynchronous else handle.sync_pread
+        for e in self.extents:
+            lo, hi = max(offset, e.part_offset), min(end, e.part_offset + e.nbytes)
+            if lo >= hi:
+                continue
+            if lo > at:
+                buf[at - offset : lo - offset].zero_()
+            read(buf[lo - offset : hi - offset], e.fd, e.file_offset + (lo - e.part_offset))
+            at = hi
+        if at < end:
+            buf[at - offset :].zero_()
+
+    def __repr__(self) -> str:
+        files = len({e.path for e in self.extents})
+        served = f"{self.served_bytes} of {self.nbytes} bytes"
+        return f"ServedPartition({self.name!r}, {served} from {files} file(s))"

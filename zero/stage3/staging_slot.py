@@ -1,0 +1,27 @@
+"""StagingSlot: one pinned buffer an NVMe partition is read into, with its own aio handle."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+__all__ = ["StagingSlot", "storage_uses"]
+
+
+@dataclass
+class StagingSlot:
+    """A pinned uint8 `buf`, the aio `handle` reading into it, and what holds it (a prefetch, a loan)."""
+
+    buf: torch.Tensor  # uint8, pinned
+    handle: Any
+    unit: Optional[int] = None  # unit index of a prefetch in flight, None when free
+    event: Any = None  # CUDA event of the last copy out of this slot
+    lent: Optional[int] = None  # unit index whose gathered tensor is a view of this slot (`lend`)
+
+
+def storage_uses(t: torch.Tensor) -> int:
+    """How many tensors (and storage objects) share `t`'s memory; -1 where torch cannot say."""
+    uses = getattr(torch._C, "_storage_Use_Count", None)
+    return int(uses(t.untyped_storage()._cdata)) if uses is not None else -1
