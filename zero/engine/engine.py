@@ -52,6 +52,7 @@ from zero.engine.build import (
     refuse_meta_tensors,
     refuse_partitioned,
 )
+from zero.engine.placement import engine_placement, format_placement
 from zero.engine.state_access import StateAccess
 from zero.engine.unused import UnusedParameterCheck
 from zero.inference import parts as inference
@@ -176,6 +177,8 @@ class ZeroEngine(EngineAPI):
         except BaseException:
             self.close()  # no hooks, pinned buffers or swap directories left behind
             raise
+        if self.rank == 0:
+            logger.info("%s", format_placement(self.placement()))
 
     def _build(
         self,
@@ -546,6 +549,12 @@ class ZeroEngine(EngineAPI):
     def swap_dir(self) -> Optional[str]:
         space = self._opt.space if self._opt is not None else None
         return space.dir if space is not None else None
+
+    def placement(self) -> Dict[str, Any]:
+        """Where each state went and why: parameters and optimizer state, bytes per tier (device, RAM,
+        NVMe) on this rank, and the pinned budget (zero.engine.placement)."""
+        self.check_open()
+        return engine_placement(self)
 
     def optimizer_state_info(self) -> StateInfo:
         """Where the optimizer state lives: tier, chunking, NVMe copies, bytes per pass."""

@@ -304,11 +304,22 @@ def _cache_inputs(
         "weight_quantization": json.loads(json.dumps(dataclasses.asdict(loaded.weight_quantization))),
         "world_size": world_size,
         "rank": rank,
-        "max_in_cpu": int(loaded.zero_optimization.offload_param.max_in_cpu),
+        "max_in_cpu": _max_in_cpu_key(loaded),
         "resident_plan": RESIDENT_PLAN_VERSION,
         "hf_kwargs": {k: repr(v) for k, v in sorted(hf_kwargs.items())},
         "key_mapping": dict(key_mapping) if key_mapping else None,
     }
+
+
+def _max_in_cpu_key(loaded: Any) -> Any:
+    """offload_param.max_in_cpu for the fingerprint: a count, or "auto" with the pinned budget it resolves
+    against (zero.stage3.placement): another budget may keep other partitions in RAM."""
+    from offload.pinned import default_pinned_budget
+
+    value = loaded.zero_optimization.offload_param.max_in_cpu
+    if value == "auto":
+        return f"auto:{default_pinned_budget(loaded.zero_offload.pinned_budget_bytes)}"
+    return int(value)
 
 
 # ------------------------------------------------------------------------------------------------ model
