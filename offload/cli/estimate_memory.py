@@ -15,6 +15,7 @@ import sys
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from offload.cli.pipe import quiet_broken_pipe
+from offload.cli.plan_args import add_plan_arguments, run_plan
 from offload.config.zero import OffloadOptimizerConfig
 from offload.estimate.activations import ActivationSettings
 from offload.estimate.counting import (
@@ -295,6 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="machine profile JSON (ram_bytes, gpu_bytes, nvme_free_bytes, nvme_read_gbps, nvme_write_gbps); "
         "implies --fit and predicts each step's NVMe I/O time",
     )
+    add_plan_arguments(parser)
     return parser
 
 
@@ -457,6 +459,8 @@ def run(argv: Optional[Sequence[str]] = None) -> str:
     """Parse argv and return the text to print; raises EstimateInputError on bad input."""
     args = build_parser().parse_args(argv)
     config = read_ds_config(args.config) if args.config else None
+    if args.plan:
+        return run_plan(args, config, _model_sizes, _machine, _pinned_budget)
     if args.inference:
         return _run_inference(args, config)
     stages, opts, pars = _choices(args, config)
