@@ -24,7 +24,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-MODELS_PY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "zero", "models.py")
+MODELS_PY = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "zero", "examples", "models.py"
+)
 
 
 def load_models_module() -> Any:

@@ -195,3 +195,29 @@ def test_zero_initialize_fills_auto_values_outside_the_trainer(monkeypatch) -> N
     finally:
         engine.close()
     assert cfg["zero_optimization"]["stage"] == "auto"  # the caller's dict is not changed
+
+
+def test_the_reports_show_the_plans_prediction_beside_the_measurement() -> None:
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_offload": {"predicted_seconds": 0.25},
+    }
+    engine, *_ = zero.initialize(model=_Tiny(), config=cfg)
+    try:
+        engine.backward(engine(torch.randn(2, 32)).sum())
+        engine.step()
+        rep = engine.last_report
+    finally:
+        engine.close()
+    assert rep.predicted_s == 0.25 and f"plan predicted 0.250 s, measured {rep.step_s:.3f} s" in rep.format()
+    del cfg["optimizer"]
+    engine, *_ = zero.initialize(model=_Tiny(), config=cfg)
+    try:
+        engine(torch.randn(2, 32))
+        inf = engine.inference_report()
+    finally:
+        engine.close()
+    assert inf.predicted_s_per_forward == 0.25 and "plan predicted 250.0 ms/forward" in inf.format()
+    plan = plan_inference(GPT125, cpu_box(24 * GiB), RATES, precision="fp32")
+    assert load_config(plan.config).zero_offload.predicted_seconds == pytest.approx(plan.predicted_seconds)

@@ -131,6 +131,9 @@ class ZeroOffloadSection:
     # CPU inference forwards of weight_quantization's Linears: activations rounded to int8 per group too
     # (offload.ops.qmatmul.quantized_linear); needs weight_quantization.
     int8_activations: bool = False
+    # the plan's predicted seconds per optimizer step (or per forward without an optimizer), as
+    # `ds-estimate-memory --plan` writes it: the reports show it beside the measurement
+    predicted_seconds: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -273,13 +276,17 @@ def _parse(raw: Any, ctx: Context, world_size: int) -> ZeroOffloadConfig:
 
 def _parse_zero_offload(raw: Any, ctx: Context) -> ZeroOffloadSection:
     s = Section(
-        raw, "zero_offload", ctx, ("report", "report_every", "pinned_budget_bytes", "int8_activations")
+        raw,
+        "zero_offload",
+        ctx,
+        ("report", "report_every", "pinned_budget_bytes", "int8_activations", "predicted_seconds"),
     )
     return ZeroOffloadSection(
         report=s.bool("report", ZeroOffloadSection.report),
         report_every=s.int("report_every", ZeroOffloadSection.report_every, min=1),
         pinned_budget_bytes=s.int("pinned_budget_bytes", None, min=0, allow_none=True),
         int8_activations=s.bool("int8_activations", ZeroOffloadSection.int8_activations),
+        predicted_seconds=s.float("predicted_seconds", None, min=0.0, allow_none=True),
     )
 
 

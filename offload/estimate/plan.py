@@ -51,7 +51,16 @@ from .probe import ComputeProfile
 from .split import apply_split, resolve_max_in_cpu
 from .units import format_bytes, format_count
 
-__all__ = ["Candidate", "ModelShape", "Plan", "pinned_budget_of", "plan_inference", "plan_training"]
+__all__ = [
+    "Candidate",
+    "ModelShape",
+    "Plan",
+    "pinned_budget_of",
+    "plan_inference",
+    "plan_training",
+    "predict_inference",
+    "predict_training",
+]
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 HOST_COPY_GBPS_DEFAULT = 5.0  # host memcpy when the profile has none (ComputeProfile.host_copy_gbps)
@@ -232,6 +241,8 @@ def _training_candidate(
     machine: MachineProfile,
     compute: ComputeProfile,
     budget: int,
+    param_max_in_cpu: Optional[int] = None,
+    optimizer_max_in_cpu: Optional[int] = None,
 ) -> Candidate:
     act = setup.activations
     assert act is not None
@@ -239,7 +250,9 @@ def _training_candidate(
     part = math.ceil(shape.params / setup.world_size) if stage >= 1 else shape.params
     # parameters: "auto" keeps what fits in the pinned budget, after the staging slots of the rest
     param_in_cpu = 0
-    if par == "nvme":
+    if par == "nvme" and param_max_in_cpu is not None:
+        param_in_cpu = min(param_max_in_cpu, part)
+    elif par == "nvme":
         b = setup.buffers
         param_in_cpu = auto_resident_numel(
             [shape.largest_layer_params] * max(1, part // shape.largest_layer_params),
@@ -252,7 +265,8 @@ def _training_candidate(
     setup = dataclasses.replace(setup, buffers=bufs)
     est = estimate(setup, stage, opt, par, machine.nvme_free_bytes)
     budget_left = budget - (param_in_cpu * cb if par == "nvme" else 0)
-    opt_in_cpu = resolve_max_in_cpu(est, setup, 1.0, "auto", budget_left)
+    opt_want = "auto" if optimizer_max_in_cpu is None else optimizer_max_in_cpu
+    opt_in_cpu = resolve_max_in_cpu(est, setup, 1.0, opt_want, budget_left)
     est = apply_split(est, setup, 1.0, opt_in_cpu)
     fit = check_fit(est, machine, setup.gpus_per_node)
     # NVMe bytes per step, one rank
@@ -300,6 +314,57 @@ def _training_candidate(
     )
 
 
+def predict_training(
+    shape: ModelShape,
+    machine: MachineProfile,
+    compute: ComputeProfile,
+    *,
+    stage: int,
+    offload_optimizer: str = "none",
+    offload_param: str = "none",
+    micro_batch: int = 1,
+    checkpointing: bool = False,
+    precision: str = "bf16",
+    optimizer: str = "adam",
+    sub_group_size: int = 100_000_000,
+    pinned_budget: Optional[int] = None,
+    param_max_in_cpu: Optional[int] = None,
+    optimizer_max_in_cpu: Optional[int] = None,
+) -> Candidate:
+    """The prediction for one given training configuration (what `plan_training` weighs for each
+    candidate); `*_max_in_cpu` None: "auto" as the engine resolves it."""
+    budget = pinned_budget_of(machine, 1, pinned_budget)
+    act = ActivationSettings(
+        batch_size=micro_batch,
+        seq_len=shape.seq_len,
+        hidden_size=shape.hidden_size,
+        num_layers=shape.num_layers,
+        checkpointing=checkpointing,
+        num_heads=shape.num_heads,
+        vocab_size=shape.vocab_size or None,
+    )
+    setup = TrainingSetup(
+        params=shape.params,
+        largest_layer_params=shape.largest_layer_params,
+        precision=precision,
+        optimizer=optimizer,
+        buffers=SwapBufferSettings(sub_group_size=sub_group_size),
+        activations=act,
+    )
+    return _training_candidate(
+        shape,
+        setup,
+        stage,
+        offload_optimizer,
+        offload_param,
+        machine,
+        compute,
+        budget,
+        param_max_in_cpu,
+        optimizer_max_in_cpu,
+    )
+
+
 def _micro_batches(max_micro_batch: int) -> List[int]:
     out, mb = [], 1
     while mb <= max_micro_batch:
@@ -326,6 +391,8 @@ def _config(
             op.update(nvme_path=nvme_path, max_in_cpu="auto")
         zo["offload_param"] = op
     cfg: Dict[str, Any] = {"train_micro_batch_size_per_gpu": c.micro_batch, "zero_optimization": zo}
+    # the engine's reports show the prediction beside what it measures
+    cfg["zero_offload"] = {"predicted_seconds": round(c.seconds, 6)}
     if mode == "train":
         cfg["gradient_accumulation_steps"] = 1
         name = {"adam": "Adam", "adamw": "AdamW", "adagrad": "Adagrad", "lion": "Lion", "sgd": "SGD"}[
@@ -460,6 +527,30 @@ def _choose(
     )
 
 
+def predict_inference(
+    shape: ModelShape,
+    machine: MachineProfile,
+    compute: ComputeProfile,
+    *,
+    offload_param: str,
+    precision: str = "bf16",
+    batch_size: int = 1,
+    pinned_budget: Optional[int] = None,
+) -> Candidate:
+    """The prediction for forwards with the weights on `offload_param` (what `plan_inference` weighs)."""
+    plan = plan_inference(
+        shape,
+        machine,
+        compute,
+        precision=precision,
+        batch_size=batch_size,
+        pinned_budget=pinned_budget,
+        offload_param=offload_param,
+        require_fit=False,
+    )
+    return plan.chosen
+
+
 def plan_inference(
     shape: ModelShape,
     machine: MachineProfile,
@@ -470,6 +561,7 @@ def plan_inference(
     nvme_path: str = "/local_nvme",
     pinned_budget: Optional[int] = None,
     offload_param: Optional[str] = None,
+    require_fit: bool = True,
 ) -> Plan:
     """The fastest way to run forwards of `batch_size` x `shape.seq_len` tokens: the weights on the device,
     in RAM (`offload_param: cpu`) or streamed from NVMe with `max_in_cpu: "auto"`'s share kept in RAM."""
@@ -544,4 +636,6 @@ def plan_inference(
                 nvme_write_bytes=0,
             )
         )
+    if not require_fit:
+        cands = [dataclasses.replace(c, fits=True) for c in cands]
     return _choose("inference", cands, machine, compute, budget, precision, nvme_path, 100_000_000)

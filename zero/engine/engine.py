@@ -454,6 +454,7 @@ class ZeroEngine(EngineAPI):
         rep.step = self.global_steps
         rep.pinned_bytes_in_use = pinned_bytes_in_use()
         rep.nvme_bytes_in_use = self.optimizer_nvme_bytes
+        rep.predicted_s = self.config.zero_offload.predicted_seconds
         io = self.layout.take_param_io()
         if io is not None:
             rep.device_to_host_bytes += io.pop("device_to_host_bytes", 0)  # gradients summed per parameter
@@ -528,7 +529,9 @@ class ZeroEngine(EngineAPI):
                 "inference_report() is the report of an engine without an optimizer; a training engine "
                 "reports each step in engine.last_report"
             )
-        return self.layout.inference_report(read_ceiling_gbs, machine_profile)  # type: ignore[attr-defined]
+        rep = self.layout.inference_report(read_ceiling_gbs, machine_profile)  # type: ignore[attr-defined]
+        rep.predicted_s_per_forward = self.config.zero_offload.predicted_seconds
+        return rep
 
     @property
     def pinned_bytes(self) -> int:
