@@ -281,7 +281,7 @@ def _training_candidate(
     copy_rate = _host_copy_gbps(compute) * 1e9
     times = {
         "compute": flops / compute.matmul_flops,
-        "copies": 3 * part * cb / copy_rate if stage == 3 else 0.0,
+        "copies": 3 * part * cb / copy_rate if stage == 3 and machine.cpu_only else 0.0,
         "cpu optimizer": part / compute.cpu_optimizer_elems_per_s
         if (opt != "none" or machine.cpu_only)
         else 0.0,
@@ -604,7 +604,9 @@ def plan_inference(
         read = streamed * cb
         times = {
             "compute": flops / compute.matmul_flops,
-            "copies": (total - read) / (_host_copy_gbps(compute) * 1e9) if par != "none" else 0.0,
+            "copies": (total - read) / (_host_copy_gbps(compute) * 1e9)
+            if par != "none" and machine.cpu_only
+            else 0.0,
             "cpu optimizer": 0.0,
             "disk": _disk_seconds(read, 0, machine) if read else 0.0,
             "pcie": 0.0,
