@@ -79,6 +79,9 @@ def test_a_cpu_only_machine_is_planned_as_one() -> None:
 def test_inference_plan_streams_only_what_the_budget_cannot_hold() -> None:
     fits = plan_inference(GPT125, cpu_box(24 * GiB), RATES, precision="fp32")
     assert fits.chosen.offload_param == "none" and fits.chosen.nvme_read_bytes == 0
+    # streamed from NVMe with "auto", a model that fits the budget is read from RAM only
+    kept = plan_inference(GPT125, cpu_box(24 * GiB), RATES, precision="fp32", offload_param="nvme").chosen
+    assert kept.param_max_in_cpu == GPT125.params and kept.nvme_read_bytes == 0 and kept.times["disk"] == 0
     big = plan_inference(LLAMA7, cpu_box(24 * GiB), RATES, precision="fp32", pinned_budget=4 * GiB)
     c = big.chosen
     assert c.offload_param == "nvme" and c.bound == "disk"

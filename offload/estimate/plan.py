@@ -13,8 +13,9 @@ The time model, one optimizer step of one rank (training) or one forward (infere
 * compute: matmul FLOPs (2 per parameter outside the input embedding per token forward, x3 with backward,
   x4 with activation checkpointing; plus attention's 4 x seq x hidden per layer and token) over the
   measured matmul rate;
-* copies: stage 3 gathers every partition into a layer buffer (forward, backward) and copies the gradient
-  back: 3 x the parameter bytes (inference: 1 x) over the measured host copy rate;
+* copies (no GPU): stage 3 gathers every partition into a layer buffer (forward, backward) and copies the
+  gradient back: 3 x the parameter bytes over the measured host copy rate (inference: none, a partition in
+  RAM is used where it lies);
 * CPU optimizer: the rank's partition over the measured CPU AdamW rate (offloaded optimizer, or a CPU-only
   machine);
 * disk: NVMe bytes read over the read bandwidth plus bytes written over the write bandwidth (the optimizer
@@ -208,6 +209,13 @@ def _host_copy_gbps(compute: ComputeProfile) -> float:
     return float(compute.host_copy_gbps or HOST_COPY_GBPS_DEFAULT)
 
 
+def _layers(numel: int, largest: int) -> List[int]:
+    """`numel` elements as partitions of the largest layer's size (the last one what is left): the unit
+    sizes `max_in_cpu: "auto"` is resolved over when the model's modules are not known one by one."""
+    whole, rest = divmod(numel, max(1, largest))
+    return [largest] * whole + ([rest] if rest else [])
+
+
 def _disk_seconds(read: float, write: float, machine: MachineProfile) -> float:
     if read == 0 and write == 0:
         return 0.0
@@ -255,7 +263,7 @@ def _training_candidate(
     elif par == "nvme":
         b = setup.buffers
         param_in_cpu = auto_resident_numel(
-            [shape.largest_layer_params] * max(1, part // shape.largest_layer_params),
+            _layers(part, shape.largest_layer_params),
             cb,
             budget,
             b.param_buffer_count,
@@ -578,7 +586,7 @@ def plan_inference(
         in_ram = shape.params
         if par == "nvme":
             in_ram = auto_resident_numel(
-                [shape.largest_layer_params] * max(1, shape.params // shape.largest_layer_params),
+                _layers(shape.params, shape.largest_layer_params),
                 cb,
                 budget,
                 SwapBufferSettings().param_buffer_count,
@@ -604,9 +612,8 @@ def plan_inference(
         read = streamed * cb
         times = {
             "compute": flops / compute.matmul_flops,
-            "copies": (total - read) / (_host_copy_gbps(compute) * 1e9)
-            if par != "none" and machine.cpu_only
-            else 0.0,
+            # partitions in RAM are used where they lie on a CPU (a GPU's copies of them are PCIe time)
+            "copies": 0.0,
             "cpu optimizer": 0.0,
             "disk": _disk_seconds(read, 0, machine) if read else 0.0,
             "pcie": 0.0,
