@@ -36,6 +36,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from offload.config.zero import ZeroConfig
 from offload.swap.resident import auto_resident_numel
 
 from .activations import ActivationSettings
@@ -281,7 +282,10 @@ def _training_candidate(
     state_bytes = 4 + setup.optimizer_state_bytes
     opt_swapped = max(0, part - opt_in_cpu) if opt == "nvme" else 0
     par_swapped = max(0, part - param_in_cpu) if par == "nvme" else 0
-    read = opt_swapped * state_bytes + 2 * par_swapped * cb
+    # units stay gathered from forward to backward while the model fits stage3_max_live_parameters
+    # (the engine's reuse): one read per step then, else one in forward and one in backward
+    par_reads = 1 if shape.params <= ZeroConfig.stage3_max_live_parameters else 2
+    read = opt_swapped * state_bytes + par_reads * par_swapped * cb
     write = opt_swapped * state_bytes + par_swapped * cb
     tokens = act.batch_size * act.seq_len
     passes = 4.0 if act.checkpointing else 3.0
