@@ -119,3 +119,24 @@ def test_auto_resident_numel_arithmetic() -> None:
     assert auto_resident_numel([10, 10], 4, 79, 2, 100) == 0  # two slots of a partition take it all
     assert auto_resident_numel([10, 10], 4, 70, 1, 100) == (70 - 40) // 4
     assert auto_resident_numel([10, 10], 4, 70, 1, 5) == (70 - 20) // 4  # slots of buffer_size elements
+
+
+def test_auto_under_init_keeps_room_for_the_staging_slots(tmp_path, monkeypatch) -> None:
+    """zero.Init places each layer as it is built: "auto" keeps one while the budget still has room for the
+    staging slots of the layers to come, so the slots fit when the streamed layers need them."""
+    monkeypatch.setenv(PINNED_BUDGET_ENV, str(LAYER_BYTES * 5 // 2))
+    cfg = _config(tmp_path, buffer_count=1)
+    with zero.Init(config=cfg):
+        model = _model()
+    x = torch.randn(2, WIDTH)
+    eng, *_ = zero.initialize(model=model, config=cfg)
+    try:
+        eng(x)
+        eng.inference_report()
+        with torch.no_grad():
+            eng(x)
+        params, report = eng.placement()["parameters"], eng.inference_report()
+    finally:
+        eng.close()
+    assert params["host_bytes"] == LAYER_BYTES  # a second layer would leave no room for the slot
+    assert report.nvme_read_bytes == 3 * LAYER_BYTES

@@ -18,7 +18,7 @@ from typing import Any, Dict, Sequence, Union
 from offload.pinned import PinnedPool
 from offload.swap.resident import auto_resident_numel
 
-__all__ = ["ParamPlacement", "auto_max_in_cpu", "describe_param_placement"]
+__all__ = ["ParamPlacement", "auto_keeps_unit", "auto_max_in_cpu", "describe_param_placement"]
 
 
 def auto_max_in_cpu(sizes: Sequence[Any], pool: PinnedPool, buffer_count: int, buffer_size: int) -> int:
@@ -28,6 +28,16 @@ def auto_max_in_cpu(sizes: Sequence[Any], pool: PinnedPool, buffer_count: int, b
     itemsize = max((int(s.part_nbytes) // max(1, int(s.part_numel)) for s in sizes), default=1)
     free = max(0, pool.cap_bytes - pool.bytes_in_use)
     return auto_resident_numel(numels, itemsize, free, buffer_count, buffer_size)
+
+
+def auto_keeps_unit(size: Any, pool: PinnedPool, buffer_count: int, buffer_size: int) -> bool:
+    """For a unit placed without a plan (zero.Init builds them one at a time, so what follows is unknown):
+    whether "auto" keeps it in host memory - when it fits in what the budget has left after room for the
+    staging slots of units still to come (`buffer_count` slots of `min(buffer_size, its size)`)."""
+    numel, nbytes = int(size.part_numel), int(size.part_nbytes)
+    itemsize = max(1, nbytes // max(1, numel))
+    slots = buffer_count * min(int(buffer_size), numel) * itemsize
+    return nbytes + slots <= pool.cap_bytes - pool.bytes_in_use
 
 
 @dataclass(frozen=True)

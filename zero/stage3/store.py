@@ -49,7 +49,7 @@ from offload.pinned import PinnedMemoryBudgetError, PinnedPool
 from offload.swap.resident import resident_plan
 from offload.swap.space import SwapFile, SwapSpace, SwapSpaceError, check_nvme_path
 from zero.stage3.device_copy import SideStream
-from zero.stage3.placement import auto_max_in_cpu
+from zero.stage3.placement import auto_keeps_unit, auto_max_in_cpu
 from zero.stage3.quant import PartitionCodec, QuantTarget, planned_nbytes, unit_codec
 from zero.stage3.unit import PartitionStatus, Unit, safe_file_name, set_status
 
@@ -273,9 +273,8 @@ class PartitionStore:
         if codec is not None:
             self._codecs[unit.index] = codec
         if self.auto_max_in_cpu and unit.name not in self._resident:  # placed without a plan (zero.Init)
-            self.max_in_cpu = self.in_cpu_numel + auto_max_in_cpu(
-                [unit], self.pool, self.buffer_count, self.buffer_size
-            )
+            keep = auto_keeps_unit(unit, self.pool, self.buffer_count, self.buffer_size)
+            self.max_in_cpu = self.in_cpu_numel + (unit.part_numel if keep else 0)
         fits = self.in_cpu_numel + unit.part_numel <= self.max_in_cpu
         in_memory = self.tier != "nvme" or (self._resident.get(unit.name, True) and fits)
         if in_memory:
