@@ -5,9 +5,9 @@
 `--profile` is the machine profile `ds-nvme-bench --json` writes (the disk's bandwidths). Each round, for each
 configuration in turn (A B A B), the rates are probed (offload.estimate.probe: CPU AdamW, host copy, a
 matmul of the model's shape), the planner predicts the step (or forward) time of exactly that configuration
-(offload.estimate.plan.predict_training / predict_inference), and the engine runs it: `--warmup` steps, then
-`--steps` timed ones (inference: forwards). The table gives the medians over rounds of both and their
-ratio, with what the plan says bounds it. Output: benchmarks/out/plan.json and plan.md.
+(offload.estimate.plan.predict_training, plan_inference.predict_inference), and the engine runs it:
+`--warmup` steps, then `--steps` timed ones (inference: forwards). The table gives the medians over rounds
+of both and their ratio, with what the plan says bounds it. Output: benchmarks/out/plan.json and plan.md.
 
 Configurations (GPT shapes of benchmarks/bench_e2e.py, vocabulary 32000, sequence 128, fp32):
 
@@ -34,7 +34,8 @@ import torch
 from benchmarks.deepspeed_runner import batch, make_model
 from benchmarks.harness import markdown_table, write_outputs
 from offload.estimate.machine import load_machine_profile
-from offload.estimate.plan import ModelShape, predict_inference, predict_training
+from offload.estimate.plan import ModelShape, predict_training
+from offload.estimate.plan_inference import predict_inference
 from offload.estimate.probe import probe_machine
 
 GiB = 1 << 30

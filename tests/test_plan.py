@@ -12,7 +12,8 @@ import zero
 from offload.cli.estimate_memory import run
 from offload.config import load_config
 from offload.estimate.machine import MachineProfile
-from offload.estimate.plan import ModelShape, plan_inference, plan_training
+from offload.estimate.plan import ModelShape, plan_training
+from offload.estimate.plan_inference import plan_inference
 from offload.estimate.probe import ComputeProfile, load_compute_profile
 from zero.integrations.auto_values import auto_keys, fill_auto_values
 

@@ -19,7 +19,8 @@ from typing import Any, Callable, Dict, Optional
 from offload.estimate.counting import hf_activation_shape, read_json_file
 from offload.estimate.errors import EstimateInputError
 from offload.estimate.machine import MachineProfile
-from offload.estimate.plan import ModelShape, Plan, plan_inference, plan_training
+from offload.estimate.plan import ModelShape, Plan, plan_training
+from offload.estimate.plan_inference import plan_inference
 from offload.estimate.probe import ComputeProfile, load_compute_profile, probe_machine
 
 __all__ = ["add_plan_arguments", "run_plan"]

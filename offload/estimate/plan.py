@@ -1,12 +1,13 @@
 """A plan for a model on a machine: the configuration with the highest predicted throughput that fits.
 
-`plan_training` / `plan_inference` take a model's shape (`ModelShape`: parameters, largest layer, hidden size,
-layers, vocabulary, sequence length), a machine profile (`MachineProfile`: RAM, GPU memory, disk bandwidths,
-from `ds-nvme-bench --json` or detected) and measured rates (`ComputeProfile`, offload.estimate.probe). Each
-candidate - stage, offload devices, micro-batch, activation checkpointing - is sized by the memory estimator
-(offload.estimate.formulas, with `max_in_cpu: "auto"` resolved as the engine resolves it against the pinned
-budget) and timed by the model below; the fastest one that fits every memory limit is the plan, printed as a
-config `load_config` takes, with its predicted time, what bounds it, and the rejected alternatives.
+`plan_training` / `plan_inference` (offload.estimate.plan_inference) take a model's shape (`ModelShape`:
+parameters, largest layer, hidden size, layers, vocabulary, sequence length), a machine profile
+(`MachineProfile`: RAM, GPU memory, disk bandwidths, from `ds-nvme-bench --json` or detected) and measured
+rates (`ComputeProfile`, offload.estimate.probe). Each candidate - stage, offload devices, micro-batch,
+activation checkpointing - is sized by the memory estimator (offload.estimate.formulas, with `max_in_cpu:
+"auto"` resolved as the engine resolves it against the pinned budget) and timed by the model below; the
+fastest one that fits every memory limit is the plan, printed as a config `load_config` takes, with its
+predicted time, what bounds it, and the rejected alternatives.
 
 The time model, one optimizer step of one rank (training) or one forward (inference), `T` tokens:
 
@@ -58,9 +59,10 @@ __all__ = [
     "ModelShape",
     "Plan",
     "pinned_budget_of",
-    "plan_inference",
+    "choose",
+    "disk_seconds",
+    "layers",
     "plan_training",
-    "predict_inference",
     "predict_training",
 ]
 
@@ -210,14 +212,15 @@ def _host_copy_gbps(compute: ComputeProfile) -> float:
     return float(compute.host_copy_gbps or HOST_COPY_GBPS_DEFAULT)
 
 
-def _layers(numel: int, largest: int) -> List[int]:
+def layers(numel: int, largest: int) -> List[int]:
     """`numel` elements as partitions of the largest layer's size (the last one what is left): the unit
     sizes `max_in_cpu: "auto"` is resolved over when the model's modules are not known one by one."""
     whole, rest = divmod(numel, max(1, largest))
     return [largest] * whole + ([rest] if rest else [])
 
 
-def _disk_seconds(read: float, write: float, machine: MachineProfile) -> float:
+def disk_seconds(read: float, write: float, machine: MachineProfile) -> float:
+    """Seconds to read and write these bytes at the machine's NVMe bandwidths (they share the device)."""
     if read == 0 and write == 0:
         return 0.0
     if not machine.nvme_read_gbps or not machine.nvme_write_gbps:
@@ -264,7 +267,7 @@ def _training_candidate(
     elif par == "nvme":
         b = setup.buffers
         param_in_cpu = auto_resident_numel(
-            _layers(part, shape.largest_layer_params),
+            layers(part, shape.largest_layer_params),
             cb,
             budget,
             b.param_buffer_count,
@@ -297,7 +300,7 @@ def _training_candidate(
         "cpu optimizer": part / compute.cpu_optimizer_elems_per_s
         if (opt != "none" or machine.cpu_only)
         else 0.0,
-        "disk": _disk_seconds(read, write, machine),
+        "disk": disk_seconds(read, write, machine),
         "pcie": 0.0,
     }
     if not machine.cpu_only:
@@ -491,10 +494,10 @@ def plan_training(
                 if stage not in stages or (not allow_nvme and "nvme" in (opt, par)):
                     continue
                 cands.append(_training_candidate(shape, setup, stage, opt, par, machine, compute, budget))
-    return _choose("train", cands, machine, compute, budget, precision, nvme_path, sub_group_size, optimizer)
+    return choose("train", cands, machine, compute, budget, precision, nvme_path, sub_group_size, optimizer)
 
 
-def _choose(
+def choose(
     mode: str,
     cands: List[Candidate],
     machine: MachineProfile,
@@ -505,6 +508,8 @@ def _choose(
     sub_group_size: int,
     optimizer: str = "adam",
 ) -> Plan:
+    """The fastest fitting candidate as a Plan (its config, the rejected ones and why); EstimateInputError
+    naming the limits when none fits."""
     fitting = [c for c in cands if c.fits]
     if not fitting:
         worst = "; ".join(sorted({c.fit_label for c in cands}))
@@ -537,118 +542,3 @@ def _choose(
         pinned_budget_bytes=budget,
         notes=notes,
     )
-
-
-def predict_inference(
-    shape: ModelShape,
-    machine: MachineProfile,
-    compute: ComputeProfile,
-    *,
-    offload_param: str,
-    precision: str = "bf16",
-    batch_size: int = 1,
-    pinned_budget: Optional[int] = None,
-) -> Candidate:
-    """The prediction for forwards with the weights on `offload_param` (what `plan_inference` weighs)."""
-    plan = plan_inference(
-        shape,
-        machine,
-        compute,
-        precision=precision,
-        batch_size=batch_size,
-        pinned_budget=pinned_budget,
-        offload_param=offload_param,
-        require_fit=False,
-    )
-    return plan.chosen
-
-
-def plan_inference(
-    shape: ModelShape,
-    machine: MachineProfile,
-    compute: ComputeProfile,
-    *,
-    precision: str = "bf16",
-    batch_size: int = 1,
-    nvme_path: str = "/local_nvme",
-    pinned_budget: Optional[int] = None,
-    offload_param: Optional[str] = None,
-    require_fit: bool = True,
-) -> Plan:
-    """The fastest way to run forwards of `batch_size` x `shape.seq_len` tokens: the weights on the device,
-    in RAM (`offload_param: cpu`) or streamed from NVMe with `max_in_cpu: "auto"`'s share kept in RAM."""
-    budget = pinned_budget_of(machine, 1, pinned_budget)
-    cb = DTYPE_BYTES[precision]
-    total = shape.params * cb
-    tokens = batch_size * shape.seq_len
-    flops = shape.forward_flops_per_token() * tokens
-    # activations / KV cache of one forward: a few hidden-size rows per token and layer (the device's share)
-    act_bytes = 16 * tokens * shape.hidden_size * cb + tokens * max(shape.vocab_size, 1) * 4
-    cands = []
-    tiers = ("none", "cpu", "nvme") if offload_param is None else (offload_param,)
-    for par in tiers:
-        in_ram = shape.params
-        if par == "nvme":
-            in_ram = auto_resident_numel(
-                _layers(shape.params, shape.largest_layer_params),
-                cb,
-                budget,
-                SwapBufferSettings().param_buffer_count,
-                SwapBufferSettings().param_buffer_size,
-            )
-        streamed = max(0, shape.params - in_ram) if par == "nvme" else 0
-        host = in_ram * cb if par != "none" else 0
-        device = total if par == "none" else 2 * shape.largest_layer_params * cb
-        if machine.cpu_only:
-            need_ram, fits_label = host + device + act_bytes, ""
-            fits = machine.ram_bytes is None or need_ram <= machine.ram_bytes
-            if par == "cpu" and host > budget:
-                fits = False
-            if not fits:
-                fits_label = f"no (cpu: needs {format_bytes(need_ram)})"
-        else:
-            gpu_need = device + act_bytes
-            fits = machine.gpu_bytes is None or gpu_need <= machine.gpu_bytes
-            fits = fits and (machine.ram_bytes is None or host <= machine.ram_bytes)
-            fits_label = "" if fits else f"no (gpu needs {format_bytes(gpu_need)}, ram {format_bytes(host)})"
-        if par == "nvme" and machine.nvme_free_bytes is not None and streamed * cb > machine.nvme_free_bytes:
-            fits, fits_label = False, "no (nvme)"
-        read = streamed * cb
-        times = {
-            "compute": flops / compute.matmul_flops,
-            # partitions in RAM are used where they lie on a CPU (a GPU's copies of them are PCIe time)
-            "copies": 0.0,
-            "cpu optimizer": 0.0,
-            "disk": _disk_seconds(read, 0, machine) if read else 0.0,
-            "pcie": 0.0,
-        }
-        if not machine.cpu_only and par != "none" and compute.h2d_gbps:
-            times["pcie"] = total / (compute.h2d_gbps * 1e9)
-        if machine.cpu_only:
-            seconds = max(times["compute"] + times["copies"], times["disk"])
-        else:
-            seconds = max(times["compute"], times["pcie"], times["disk"])
-        bound = max(times, key=lambda k: times[k])
-        cands.append(
-            Candidate(
-                stage=3 if par != "none" else 0,
-                offload_optimizer="none",
-                offload_param=par,
-                micro_batch=batch_size,
-                checkpointing=False,
-                param_max_in_cpu=in_ram if par != "none" else 0,
-                optimizer_max_in_cpu=0,
-                estimate=None,
-                fits=fits,
-                fit_label=fits_label or "yes",
-                times=times,
-                seconds=seconds,
-                tokens_per_s=tokens / seconds if seconds > 0 else 0.0,
-                bound=bound,
-                nvme_read_bytes=read,
-                nvme_write_bytes=0,
-            )
-        )
-    if not require_fit:
-        cands = [dataclasses.replace(c, fits=True) for c in cands]
-    return _choose("inference", cands, machine, compute, budget, precision, nvme_path, 100_000_000)
