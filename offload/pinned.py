@@ -454,6 +454,20 @@ class PinnedPool:
             self._live[t.data_ptr()] = nbytes
         return t
 
+    def charge(self, nbytes: int) -> None:
+        """Count `nbytes` of host memory held elsewhere (pageable partitions placed against this budget)
+        as in use; PinnedMemoryBudgetError if that would exceed the cap. `uncharge` gives them back."""
+        with self._lock:
+            if self._in_use + nbytes > self._cap:
+                raise PinnedMemoryBudgetError(nbytes, self._in_use, self._cap)
+            self._in_use += nbytes
+            self._peak = max(self._peak, self._in_use)
+
+    def uncharge(self, nbytes: int) -> None:
+        """Give back bytes counted by `charge`."""
+        with self._lock:
+            self._in_use -= min(int(nbytes), self._in_use)
+
     def free(self, t: torch.Tensor) -> None:
         """Return `t`'s bytes to the budget. `t` must be a tensor this pool allocated (not a view of one)."""
         with self._lock:

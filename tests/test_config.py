@@ -243,7 +243,7 @@ def test_offload_section_defaults() -> None:
     assert (o.device, o.nvme_path, o.pin_memory, o.buffer_count) == ("none", None, True, 4)  # always pinned
     assert (o.pipeline_read, o.pipeline_write, o.fast_init, o.ratio) == (False, False, False, 1.0)
     assert (p.device, p.nvme_path, p.pin_memory, p.buffer_count) == ("none", None, False, 5)
-    assert (p.buffer_size, p.max_in_cpu) == (10**8, 10**9)
+    assert (p.buffer_size, p.max_in_cpu) == (10**8, "auto")
     assert cfg.zero_optimization.offload_optimizer.device == "none"
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import torch
@@ -72,6 +73,7 @@ def initialize(
     if raw is None:
         raise ValueError("zero.initialize needs config= (a dict or the path of a DeepSpeed JSON config)")
     rank, world_size, local_rank = init_distributed(args, dist_init_required)
+    raw = _filled(raw, model, world_size)
     cfg = load_config(raw, world_size)
     engine = ZeroEngine(
         model,
@@ -87,3 +89,19 @@ def initialize(
         _data_loader(training_data, cfg, rank, world_size, collate_fn) if training_data is not None else None
     )
     return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _filled(raw: Any, model: Any, world_size: int) -> Any:
+    """`raw` with Hugging Face's "auto" values filled from the model and a plan
+    (zero.integrations.auto_values); unchanged when it has none."""
+    from offload.config._reader import read_json_file
+    from zero.integrations.auto_values import auto_keys, fill_auto_values
+
+    data = raw if isinstance(raw, dict) else read_json_file(os.fspath(raw)) if _is_path(raw) else raw
+    if not isinstance(data, dict) or not auto_keys(data):
+        return raw
+    return fill_auto_values(data, model, world_size)
+
+
+def _is_path(raw: Any) -> bool:
+    return isinstance(raw, (str, os.PathLike)) and os.path.isfile(os.fspath(raw))

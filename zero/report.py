@@ -73,6 +73,7 @@ class StepReport:
     skipped: bool = False
     # activation checkpointing in this window (zero.checkpointing.CheckpointingReport fields); empty if none
     activations: Dict[str, Any] = field(default_factory=dict)
+    predicted_s: Optional[float] = None  # the plan's step time (zero_offload.predicted_seconds)
 
     @property
     def step_s(self) -> float:
@@ -121,6 +122,8 @@ class StepReport:
             if a["offload_s"] or a["restore_wait_s"]:  # activation_checkpointing.profile
                 text += f", offload {a['offload_s'] * 1e3:.1f} ms, wait {a['restore_wait_s'] * 1e3:.1f} ms"
             parts.append(text + ")")
+        if self.predicted_s is not None:
+            parts.append(f"plan predicted {self.predicted_s:.3f} s, measured {self.step_s:.3f} s")
         if self.skipped:
             parts.append(f"SKIPPED (overflow, loss scale now {self.loss_scale:g})")
         return " | ".join(parts)
@@ -176,6 +179,7 @@ class InferenceReport:
     read_wait_s: float = 0.0  # of forward_s, time spent waiting for NVMe reads no prefetch had finished
     read_ceiling_gbs: Optional[float] = None  # the disk's sequential read bandwidth, decimal GB/s
     read_ceiling_source: str = "none"
+    predicted_s_per_forward: Optional[float] = None  # the plan's (zero_offload.predicted_seconds)
 
     @property
     def tokens_per_s(self) -> float:
@@ -234,6 +238,8 @@ class InferenceReport:
             text += f" (copied ahead: at most {format_bytes(self.peak_read_ahead_bytes)})"
         if self.forwards:
             text += f", read wait {self.read_wait_s / self.forwards * 1e3:.1f} ms/forward"
+        if self.predicted_s_per_forward is not None:
+            text += f", plan predicted {self.predicted_s_per_forward * 1e3:.1f} ms/forward"
         return text
 
 

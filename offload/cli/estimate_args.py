@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 
+from offload.cli.plan_args import add_plan_arguments
 from offload.config.zero import OffloadOptimizerConfig
 from offload.estimate.deepspeed_compat import DEFAULT_ADDITIONAL_BUFFER_FACTOR
 from offload.estimate.errors import EstimateInputError
@@ -253,4 +254,5 @@ def build_parser() -> argparse.ArgumentParser:
         help="machine profile JSON (ram_bytes, gpu_bytes, nvme_free_bytes, nvme_read_gbps, nvme_write_gbps); "
         "implies --fit and predicts each step's NVMe I/O time",
     )
+    add_plan_arguments(parser)
     return parser

@@ -15,6 +15,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from offload.cli.estimate_args import PROG, build_parser
 from offload.cli.pipe import quiet_broken_pipe
+from offload.cli.plan_args import run_plan
 from offload.config.zero import OffloadOptimizerConfig
 from offload.estimate.activations import ActivationSettings
 from offload.estimate.counting import (
@@ -219,6 +220,8 @@ def run(argv: Optional[Sequence[str]] = None) -> str:
     """Parse argv and return the text to print; raises EstimateInputError on bad input."""
     args = build_parser().parse_args(argv)
     config = read_ds_config(args.config) if args.config else None
+    if args.plan:
+        return run_plan(args, config, _model_sizes, _machine, _pinned_budget)
     if args.inference:
         return _run_inference(args, config)
     stages, opts, pars = _choices(args, config)

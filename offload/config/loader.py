@@ -141,6 +141,9 @@ class ZeroOffloadSection:
     # (offload.ops.qmatmul.quantized_linear); needs weight_quantization.
     int8_activations: bool = False
     delayed_update: DelayedUpdateConfig = field(default_factory=DelayedUpdateConfig)
+    # the plan's predicted seconds per optimizer step (or per forward without an optimizer), as
+    # `ds-estimate-memory --plan` writes it: the reports show it beside the measurement
+    predicted_seconds: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -300,7 +303,14 @@ def _parse_zero_offload(raw: Any, ctx: Context) -> ZeroOffloadSection:
         raw,
         "zero_offload",
         ctx,
-        ("report", "report_every", "pinned_budget_bytes", "int8_activations", "delayed_update"),
+        (
+            "report",
+            "report_every",
+            "pinned_budget_bytes",
+            "int8_activations",
+            "delayed_update",
+            "predicted_seconds",
+        ),
     )
     d = Section(s.mapping("delayed_update"), "zero_offload.delayed_update", ctx, ("enabled", "warmup_steps"))
     return ZeroOffloadSection(
@@ -312,6 +322,7 @@ def _parse_zero_offload(raw: Any, ctx: Context) -> ZeroOffloadSection:
             enabled=bool(d.bool("enabled", DelayedUpdateConfig.enabled)),
             warmup_steps=int(d.int("warmup_steps", DelayedUpdateConfig.warmup_steps, min=0) or 0),
         ),
+        predicted_seconds=s.float("predicted_seconds", None, min=0.0, allow_none=True),
     )
 
 

@@ -158,6 +158,7 @@ FIELD_USAGE: Dict[str, Usage] = {
     "zero_offload.report": _r("zero/engine/engine.py (prints the step report)"),
     "zero_offload.report_every": _r("zero/engine/engine.py"),
     "zero_offload.pinned_budget_bytes": _r("zero/engine/engine.py, zero/stage3 (pinned pool cap)"),
+    "zero_offload.predicted_seconds": _r("zero/report.py (the plan's prediction beside the measurement)"),
     "zero_offload.int8_activations": _r("zero/stage3/fused.py (integer products of quantized Linears)"),
     "zero_offload.delayed_update": _r("zero/optimizer/delayed.py (section)"),
     "zero_offload.delayed_update.enabled": _r("zero/optimizer/delayed.py (DelayedUpdate)"),

@@ -167,7 +167,9 @@ class OffloadParamConfig:
     pin_memory: bool = False
     buffer_count: int = 5
     buffer_size: int = 100_000_000
-    max_in_cpu: int = 1_000_000_000
+    # nvme: elements of partitions kept in host memory; "auto": as many as the pinned budget holds (all of a
+    # model that fits, so a forward reads nothing from disk), the rest streamed (zero/stage3/store.py)
+    max_in_cpu: Union[int, str] = "auto"
 
 
 @dataclass(frozen=True)
@@ -220,6 +222,13 @@ def _nvme_copies(s: Section) -> Union[str, int]:
     raise s.fail("nvme_copies", f'must be "auto", 1 or 2, got {value!r}')
 
 
+def _max_in_cpu(s: Section) -> Union[int, str]:
+    """`max_in_cpu`: "auto" (the default: what the pinned budget holds) or a count of elements >= 0."""
+    if s.get("max_in_cpu", "auto") == "auto":
+        return "auto"
+    return s.int("max_in_cpu", 0, min=0)
+
+
 def _nvme_min(device: str) -> int:
     """Staging-buffer keys are only read for NVMe; there 0 buffers (or 0 elements each) cannot work."""
     return 1 if device == "nvme" else 0
@@ -244,9 +253,7 @@ def parse_offload_optimizer(raw: Any, ctx: Context, path: str) -> OffloadOptimiz
         "read only by DeepSpeed's SuperOffload; the CPU optimizer uses torch's thread count",
     )
     ratio = s.float("ratio", OffloadOptimizerConfig.ratio, min=0.0, max=1.0)
-    max_in_cpu: Union[int, str] = "auto"
-    if s.get("max_in_cpu", "auto") != "auto":
-        max_in_cpu = s.int("max_in_cpu", 0, min=0)  # type: ignore[assignment]
+    max_in_cpu = _max_in_cpu(s)
     out = OffloadOptimizerConfig(
         device=device,
         nvme_path=_nvme_path(s, device),
@@ -285,7 +292,7 @@ def parse_offload_param(raw: Any, ctx: Context, path: str) -> OffloadParamConfig
         buffer_size=s.int(
             "buffer_size", OffloadParamConfig.buffer_size, min=_nvme_min(device), why=_NVME_BUFFER_SIZE_WHY
         ),
-        max_in_cpu=s.int("max_in_cpu", OffloadParamConfig.max_in_cpu, min=0),
+        max_in_cpu=_max_in_cpu(s),
     )
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import List, Sequence
 
-__all__ = ["RESIDENT_PLAN_VERSION", "resident_plan"]
+__all__ = ["RESIDENT_PLAN_VERSION", "auto_resident_numel", "resident_plan"]
 
 # Part of a swap cache's fingerprint (zero.from_pretrained): a cache whose files were chosen by another
 # placement is never taken for a match.
@@ -57,3 +57,19 @@ def resident_plan(numels: Sequence[int], budget: int) -> List[bool]:
             out[i] = True
             kept += n
     return out
+
+
+def auto_resident_numel(
+    numels: Sequence[int], itemsize: int, free_bytes: int, buffer_count: int, buffer_size: int
+) -> int:
+    """`offload_param.max_in_cpu: "auto"`: the elements of the partitions `numels` (`itemsize` bytes each, the
+    largest of their dtypes) that stay in host memory when `free_bytes` of the pinned budget are left. All
+    of them when they fit; otherwise what fits after the `buffer_count` staging slots that stream the rest
+    (each `min(buffer_size, largest partition)` elements)."""
+    total = sum(numels)
+    itemsize = max(1, int(itemsize))
+    if total * itemsize <= free_bytes:
+        return total
+    slot = min(int(buffer_size), max(numels, default=0)) * itemsize
+    room = max(0, int(free_bytes) - int(buffer_count) * slot)
+    return room // itemsize

@@ -20,13 +20,14 @@ from __future__ import annotations
 import enum
 import gc
 import logging
-from typing import Any, Callable, Iterable, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, Optional, Set, Tuple
 
 import torch
 
 from offload.config.loader import ZeroOffloadConfig
 from offload.config.zero import OffloadOptimizerConfig, OffloadParamConfig
 from offload.pinned import PinnedPool
+from zero.engine.placement import engine_placement
 from zero.layout.base import GradMemory, Layout
 from zero.optimizer.state import OptimizerState
 from zero.optimizer.tiers.base import StateInfo
@@ -281,7 +282,9 @@ class EngineAPI:
                 "inference_report() is the report of an engine without an optimizer; a training engine "
                 "reports each step in engine.last_report"
             )
-        return self.layout.inference_report(read_ceiling_gbs, machine_profile)  # type: ignore[attr-defined]
+        rep = self.layout.inference_report(read_ceiling_gbs, machine_profile)  # type: ignore[attr-defined]
+        rep.predicted_s_per_forward = self.config.zero_offload.predicted_seconds
+        return rep
 
     @property
     def pinned_bytes(self) -> int:
@@ -304,6 +307,12 @@ class EngineAPI:
         """The optimizer state's private swap directory; None without NVMe offload."""
         space = self._opt.space if self._opt is not None else None
         return space.dir if space is not None else None
+
+    def placement(self) -> Dict[str, Any]:
+        """Where each state went and why: parameters and optimizer state, bytes per tier (device, RAM,
+        NVMe) on this rank, and the pinned budget (zero.engine.placement)."""
+        self.check_open()
+        return engine_placement(self)
 
     def optimizer_state_info(self) -> StateInfo:
         """Where the optimizer state lives: tier, chunking, NVMe copies, bytes per pass."""

@@ -54,6 +54,7 @@ from zero.engine.build import (
     refuse_partitioned,
 )
 from zero.engine.checkpoints import CheckpointAPI
+from zero.engine.placement import format_placement
 from zero.engine.state_access import StateAccess
 from zero.engine.unused import UnusedParameterCheck
 from zero.inference import parts as inference
@@ -176,6 +177,8 @@ class ZeroEngine(EngineAPI, CheckpointAPI):
         except BaseException:
             self.close()  # no hooks, pinned buffers or swap directories left behind
             raise
+        if self.rank == 0:
+            logger.info("%s", format_placement(self.placement()))
 
     def _build(
         self,
@@ -457,6 +460,7 @@ class ZeroEngine(EngineAPI, CheckpointAPI):
         rep.step = self.global_steps
         rep.pinned_bytes_in_use = pinned_bytes_in_use()
         rep.nvme_bytes_in_use = self.optimizer_nvme_bytes
+        rep.predicted_s = self.config.zero_offload.predicted_seconds
         io = self.layout.take_param_io()
         if io is not None:
             rep.device_to_host_bytes += io.pop("device_to_host_bytes", 0)  # gradients summed per parameter

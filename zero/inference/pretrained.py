@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, 
 import torch
 from torch import nn
 
+from offload.config import ZeroOffloadConfig
 from offload.progress import progress
 from zero.inference.checkpoint_files import (
     INDEX_FILE,
@@ -103,7 +104,7 @@ def _as_dtype(value: Any, what: str) -> Optional[torch.dtype]:
     return dtype
 
 
-def _compute_dtype(dtype: Any, loaded: Any, hf_raw: Mapping[str, Any]) -> torch.dtype:
+def _compute_dtype(dtype: Any, loaded: ZeroOffloadConfig, hf_raw: Mapping[str, Any]) -> torch.dtype:
     """dtype=, else the config's fp16/bf16, else the checkpoint's config.json dtype, else float32."""
     configured = torch.float16 if loaded.fp16.enabled else torch.bfloat16 if loaded.bf16.enabled else None
     explicit = _as_dtype(dtype, "dtype")
@@ -130,7 +131,7 @@ def _with_dtype(raw: Mapping[str, Any], dtype: torch.dtype) -> Dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------- swap cache
-def _cache_root(swap_cache: Union[bool, str, os.PathLike], loaded: Any) -> Optional[str]:
+def _cache_root(swap_cache: Union[bool, str, os.PathLike], loaded: ZeroOffloadConfig) -> Optional[str]:
     """Where the cache lives (None: no cache); refuses what it cannot serve before any weight is read."""
     from offload.swap.space import check_nvme_path
 
@@ -154,7 +155,7 @@ def _cache_inputs(
     root: str,
     files: List[str],
     compute: torch.dtype,
-    loaded: Any,
+    loaded: ZeroOffloadConfig,
     world_size: int,
     rank: int,
     hf_kwargs: Mapping[str, Any],
@@ -186,11 +187,22 @@ def _cache_inputs(
         "weight_quantization": json.loads(json.dumps(dataclasses.asdict(loaded.weight_quantization))),
         "world_size": world_size,
         "rank": rank,
-        "max_in_cpu": int(loaded.zero_optimization.offload_param.max_in_cpu),
+        "max_in_cpu": _max_in_cpu_key(loaded),
         "resident_plan": RESIDENT_PLAN_VERSION,
         "hf_kwargs": {k: repr(v) for k, v in sorted(hf_kwargs.items())},
         "key_mapping": dict(key_mapping) if key_mapping else None,
     }
+
+
+def _max_in_cpu_key(loaded: ZeroOffloadConfig) -> Any:
+    """offload_param.max_in_cpu for the fingerprint: a count, or "auto" with the pinned budget it resolves
+    against (zero.stage3.placement): another budget may keep other partitions in RAM."""
+    from offload.pinned import default_pinned_budget
+
+    value = loaded.zero_optimization.offload_param.max_in_cpu
+    if value == "auto":
+        return f"auto:{default_pinned_budget(loaded.zero_offload.pinned_budget_bytes)}"
+    return int(value)
 
 
 # ------------------------------------------------------------------------------------------- streaming

@@ -34,6 +34,9 @@ from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Tuple, Uni
 import torch
 from torch import nn
 
+from zero.integrations.auto_values import HIDDEN_SIZE_KEYS as _HIDDEN_SIZE_KEYS
+from zero.integrations.auto_values import hidden_size_of
+
 if TYPE_CHECKING:
     from zero.engine.engine import ZeroEngine
 
@@ -44,12 +47,6 @@ __all__ = ["ZeroTrainer", "fill_zero_config", "from_pretrained", "hidden_size_of
 logger = logging.getLogger("zero")
 
 ConfigLike = Union[str, "os.PathLike[str]", Mapping[str, Any]]
-# The bucket sizes transformers derives from the model's hidden size (h): h^2, 0.9 h^2, 10 h
-_HIDDEN_SIZE_KEYS = (
-    ("zero_optimization.reduce_bucket_size", lambda h: h * h),
-    ("zero_optimization.stage3_prefetch_bucket_size", lambda h: int(0.9 * h * h)),
-    ("zero_optimization.stage3_param_persistence_threshold", lambda h: 10 * h),
-)
 
 
 # ------------------------------------------------------------------------------------------ the config
@@ -64,22 +61,6 @@ def _read(zero_config: ConfigLike) -> Dict[str, Any]:
     if not isinstance(raw, Mapping):
         raise TypeError(f"zero_config must be a dict or the path of a JSON file, got {type(raw).__name__}")
     return copy.deepcopy(dict(raw))
-
-
-def hidden_size_of(model: Any) -> Optional[int]:
-    """The hidden size the "auto" bucket sizes are derived from: of `model.config` (or `model` itself when
-    it is a config), `hidden_size`, `n_embd` or `d_model`, the largest of `hidden_sizes`, or the same in its
-    `text_config`; None when it has none of them."""
-    cfg = getattr(model, "config", model)
-    for name in ("hidden_size", "n_embd", "d_model"):
-        value = getattr(cfg, name, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    sizes = getattr(cfg, "hidden_sizes", None)
-    if sizes:
-        return max(int(s) for s in sizes)
-    text = getattr(cfg, "text_config", None)
-    return hidden_size_of(text) if text is not None and text is not cfg else None
 
 
 class _Filler:

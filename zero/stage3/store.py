@@ -51,6 +51,7 @@ from zero.stage3.arena import Arena
 from zero.stage3.device_copy import SideStream
 from zero.stage3.nvme_files import NvmeFiles
 from zero.stage3.pinned_budget import Stage3PinnedBudgetError, partitions_budget_error, staging_budget_error
+from zero.stage3.placement import auto_keeps_unit, auto_max_in_cpu
 from zero.stage3.quant import PartitionCodec, QuantTarget, planned_nbytes, unit_codec
 from zero.stage3.read_ahead import ReadAhead
 from zero.stage3.served import CheckpointFds, ServedPartition
@@ -87,8 +88,12 @@ class PartitionStore:
         self.pool = pool
         self.buffer_count = max(1, int(buffer_count))
         self.buffer_size = max(1, int(buffer_size))
-        self.max_in_cpu = int(max_in_cpu) if tier == "nvme" else 0
+        # "auto" (zero.stage3.placement): resolved against the pinned budget when the units are placed
+        self.auto_max_in_cpu = tier == "nvme" and max_in_cpu == "auto"
+        self.max_in_cpu = int(max_in_cpu) if tier == "nvme" and not self.auto_max_in_cpu else 0
         self.in_cpu_numel = 0
+        self.in_memory_bytes = 0  # bytes of partitions placed in memory (device or host)
+        self.charged_bytes = 0  # pageable partitions kept by "auto", charged to the pinned budget
         # unit name -> kept in host memory (NVMe tier), as `reserve` planned it for the units it was given;
         # units placed without a plan (one at a time, as zero.Init builds them) take what is left, first fit
         self._resident: Dict[str, bool] = {}
@@ -140,6 +145,10 @@ class PartitionStore:
         (UnitSize), in module order."""
         totals: Dict[torch.dtype, int] = {}
         keep = [True] * len(units)
+        if self.auto_max_in_cpu:
+            self.max_in_cpu = self.in_cpu_numel + auto_max_in_cpu(
+                units, self.pool, self.buffer_count, self.buffer_size
+            )
         if self.tier == "nvme":
             keep = resident_plan([u.part_numel for u in units], self.max_in_cpu - self.in_cpu_numel)
             self._resident.update((u.name, k) for u, k in zip(units, keep))
@@ -169,6 +178,9 @@ class PartitionStore:
         codec = unit_codec(unit, self._plan.get(unit.name))
         if codec is not None:
             self._codecs[unit.index] = codec
+        if self.auto_max_in_cpu and unit.name not in self._resident:  # placed without a plan (zero.Init)
+            keep = auto_keeps_unit(unit, self.pool, self.buffer_count, self.buffer_size)
+            self.max_in_cpu = self.in_cpu_numel + (unit.part_numel if keep else 0)
         fits = self.in_cpu_numel + unit.part_numel <= self.max_in_cpu
         in_memory = self.tier != "nvme" or (self._resident.get(unit.name, True) and fits)
         if in_memory:
@@ -176,6 +188,10 @@ class PartitionStore:
                 self.in_cpu_numel += unit.part_numel
             numel, dtype = (codec.nbytes, torch.uint8) if codec is not None else (unit.part_numel, unit.dtype)
             seg, off, view = self._guard(lambda: self.arena.take(numel, dtype), [unit], numel)
+            self.in_memory_bytes += view.numel() * view.element_size()
+            if self.auto_max_in_cpu and not self.pin_memory:
+                self._guard(lambda: self.pool.charge(view.numel() * view.element_size()), [unit], numel)
+                self.charged_bytes += view.numel() * view.element_size()
             self._mem[unit.index] = (seg, off, view)
             if fill is None:
                 if not self.arena.zeroed:
@@ -694,5 +710,7 @@ class PartitionStore:
             for seg in self.arena.segments:
                 self.pool.free(seg)
         self.arena.segments = []
+        self.pool.uncharge(self.charged_bytes)
+        self.charged_bytes = 0
         self._mem.clear()
         self.files.close()

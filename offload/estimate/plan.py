@@ -1,0 +1,544 @@
+"""A plan for a model on a machine: the configuration with the highest predicted throughput that fits.
+
+`plan_training` / `plan_inference` (offload.estimate.plan_inference) take a model's shape (`ModelShape`:
+parameters, largest layer, hidden size, layers, vocabulary, sequence length), a machine profile
+(`MachineProfile`: RAM, GPU memory, disk bandwidths, from `ds-nvme-bench --json` or detected) and measured
+rates (`ComputeProfile`, offload.estimate.probe). Each candidate - stage, offload devices, micro-batch,
+activation checkpointing - is sized by the memory estimator (offload.estimate.formulas, with `max_in_cpu:
+"auto"` resolved as the engine resolves it against the pinned budget) and timed by the model below; the
+fastest one that fits every memory limit is the plan, printed as a config `load_config` takes, with its
+predicted time, what bounds it, and the rejected alternatives.
+
+The time model, one optimizer step of one rank (training) or one forward (inference), `T` tokens:
+
+* compute: matmul FLOPs (2 per parameter outside the input embedding per token forward, x3 with backward,
+  x4 with activation checkpointing; plus attention's 4 x seq x hidden per layer and token) over the
+  measured matmul rate;
+* copies (no GPU): stage 3 gathers every partition into a layer buffer (forward, backward) and copies the
+  gradient back: 3 x the parameter bytes over the measured host copy rate (inference: none, a partition in
+  RAM is used where it lies);
+* CPU optimizer: the rank's partition over the measured CPU AdamW rate (offloaded optimizer, or a CPU-only
+  machine);
+* disk: NVMe bytes read over the read bandwidth plus bytes written over the write bandwidth (the optimizer
+  state's swapped share read and written once; the parameters' swapped share read in forward and backward,
+  written after the step);
+* PCIe (GPU): bytes between host and device over the probed copy bandwidths.
+
+On a CPU-only machine the CPU does compute, copies and the optimizer one after the other while the disk
+streams under them: step = max(compute + copies + optimizer, disk). With a GPU the device, the link and the
+CPU optimizer overlap one another: step = max(compute, PCIe) + max(optimizer, disk not hidden under
+compute). The largest term is what bounds the plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from offload.config.zero import ZeroConfig
+from offload.swap.resident import auto_resident_numel
+
+from .activations import ActivationSettings
+from .errors import EstimateInputError
+from .formulas import (
+    MemoryEstimate,
+    SwapBufferSettings,
+    TrainingSetup,
+    estimate,
+    valid_combinations,
+)
+from .machine import MachineProfile, check_fit
+from .probe import ComputeProfile
+from .split import apply_split, resolve_max_in_cpu
+from .units import format_bytes, format_count
+
+__all__ = [
+    "Candidate",
+    "ModelShape",
+    "Plan",
+    "pinned_budget_of",
+    "choose",
+    "disk_seconds",
+    "layers",
+    "plan_training",
+    "predict_training",
+]
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+HOST_COPY_GBPS_DEFAULT = 5.0  # host memcpy when the profile has none (ComputeProfile.host_copy_gbps)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the plan needs to know of a model: parameters, largest layer, and the transformer shape the
+    compute and activations follow (`vocab_size`: the input embedding, which costs no matmul)."""
+
+    params: int
+    largest_layer_params: int
+    hidden_size: int
+    num_layers: int
+    seq_len: int
+    vocab_size: int = 0
+    num_heads: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        for name in ("params", "largest_layer_params", "hidden_size", "num_layers", "seq_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise EstimateInputError(f"model shape: {name} must be a positive integer, got {value!r}")
+
+    def forward_flops_per_token(self) -> float:
+        """Matmul FLOPs of one token's forward: 2 per weight outside the embedding, plus attention's."""
+        weights = max(self.params - self.vocab_size * self.hidden_size, 1)
+        return 2.0 * weights + 4.0 * self.seq_len * self.hidden_size * self.num_layers
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration the planner weighed: its settings, memory, predicted times and verdict."""
+
+    stage: int
+    offload_optimizer: str
+    offload_param: str
+    micro_batch: int
+    checkpointing: bool
+    param_max_in_cpu: int  # elements of parameter partitions kept in RAM ("auto" resolved)
+    optimizer_max_in_cpu: int  # elements of optimizer state kept in RAM ("auto" resolved)
+    estimate: Optional[MemoryEstimate]
+    fits: bool
+    fit_label: str
+    times: Dict[str, float]  # seconds per step (or forward) of each resource
+    seconds: float  # predicted seconds per step (or forward)
+    tokens_per_s: float
+    bound: str  # the resource that bounds it
+    nvme_read_bytes: int
+    nvme_write_bytes: int
+
+    @property
+    def options(self) -> str:
+        """The settings in one line."""
+        text = f"stage={self.stage}, offload_optimizer={self.offload_optimizer}, "
+        text += f"offload_param={self.offload_param}, micro_batch={self.micro_batch}"
+        return text + (", activation checkpointing" if self.checkpointing else "")
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The candidate's fields (its memory estimate as `MemoryEstimate.to_dict`)."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "estimate"}
+        d["estimate"] = self.estimate.to_dict() if self.estimate is not None else None
+        return d
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The chosen candidate, its loadable config, and the alternatives with why each was not chosen."""
+
+    mode: str  # "train" or "inference"
+    chosen: Candidate
+    config: Dict[str, Any]
+    rejected: List[Tuple[Candidate, str]]
+    machine: MachineProfile
+    compute: ComputeProfile
+    pinned_budget_bytes: int
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def predicted_seconds(self) -> float:
+        """Predicted seconds per optimizer step (train) or per forward (inference)."""
+        return self.chosen.seconds
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Everything as JSON-ready values."""
+        return {
+            "mode": self.mode,
+            "config": self.config,
+            "predicted_seconds": self.chosen.seconds,
+            "predicted_tokens_per_s": self.chosen.tokens_per_s,
+            "bound": self.chosen.bound,
+            "chosen": self.chosen.to_dict(),
+            "rejected": [
+                {"options": c.options, "why": why, "seconds": c.seconds} for c, why in self.rejected
+            ],
+            "pinned_budget_bytes": self.pinned_budget_bytes,
+            "compute_profile": self.compute.to_dict(),
+            "notes": list(self.notes),
+        }
+
+    def _placement_line(self, unit: str) -> str:
+        c = self.chosen
+        kept = []
+        if c.offload_param != "none":
+            kept.append(f"parameters {format_count(c.param_max_in_cpu)} elements in RAM")
+        if c.offload_optimizer != "none":
+            kept.append(f"optimizer state {format_count(c.optimizer_max_in_cpu)} elements in RAM")
+        text = "Placement: " + (", ".join(kept) or "everything on the device")
+        text += f" (pinned budget {format_bytes(self.pinned_budget_bytes)}); NVMe per {unit}: "
+        return text + f"read {format_bytes(c.nvme_read_bytes)}, write {format_bytes(c.nvme_write_bytes)}"
+
+    def format(self) -> str:
+        """The plan for a terminal: the choice, its prediction and bound, the times, the rejected ones."""
+        c = self.chosen
+        unit = "step" if self.mode == "train" else "forward"
+        device = "the CPU (no GPU: host memory is the device)" if self.machine.cpu_only else "the GPU"
+        lines = [
+            f"Plan ({'training' if self.mode == 'train' else 'inference'} on {device}): {c.options}",
+            f"Predicted: {c.seconds:.3f} s per {unit}, {c.tokens_per_s:.1f} tokens/s; bound by {c.bound}",
+            "Time per " + unit + ": " + ", ".join(f"{k} {v:.3f} s" for k, v in c.times.items() if v > 0),
+            self._placement_line(unit),
+        ]
+        if self.rejected:
+            lines.append("Rejected:")
+            lines += [f"  {r.options}: {why}" for r, why in self.rejected]
+        lines += [f"Note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def pinned_budget_of(
+    machine: MachineProfile, ranks_per_node: int = 1, configured: Optional[int] = None
+) -> int:
+    """The engine's pinned budget on `machine`: `configured`, else half its RAM over the node's ranks
+    (offload.pinned.automatic_pinned_budget's rule on the profile's RAM)."""
+    if configured is not None:
+        return int(configured)
+    if machine.ram_bytes is None:
+        from offload.pinned import default_pinned_budget
+
+        return default_pinned_budget()
+    return int(machine.ram_bytes) // 2 // max(1, ranks_per_node)
+
+
+def _host_copy_gbps(compute: ComputeProfile) -> float:
+    return float(compute.host_copy_gbps or HOST_COPY_GBPS_DEFAULT)
+
+
+def layers(numel: int, largest: int) -> List[int]:
+    """`numel` elements as partitions of the largest layer's size (the last one what is left): the unit
+    sizes `max_in_cpu: "auto"` is resolved over when the model's modules are not known one by one."""
+    whole, rest = divmod(numel, max(1, largest))
+    return [largest] * whole + ([rest] if rest else [])
+
+
+def disk_seconds(read: float, write: float, machine: MachineProfile) -> float:
+    """Seconds to read and write these bytes at the machine's NVMe bandwidths (they share the device)."""
+    if read == 0 and write == 0:
+        return 0.0
+    if not machine.nvme_read_gbps or not machine.nvme_write_gbps:
+        raise EstimateInputError(
+            "the plan needs the disk's bandwidths for a configuration that uses NVMe: give a machine profile "
+            "from `ds-nvme-bench --json` (nvme_read_gbps, nvme_write_gbps)"
+        )
+    return read / (machine.nvme_read_gbps * 1e9) + write / (machine.nvme_write_gbps * 1e9)
+
+
+def _combine(times: Dict[str, float], machine: MachineProfile) -> Tuple[float, str]:
+    """Seconds of the step from the resources' times, and the resource that bounds it (module doc)."""
+    if machine.cpu_only:
+        cpu = times["compute"] + times["copies"] + times["cpu optimizer"]
+        total = max(cpu, times["disk"])
+    else:
+        front = max(times["compute"], times["pcie"])
+        hidden = max(0.0, times["disk"] - times["compute"])
+        total = front + max(times["cpu optimizer"], hidden)
+    bound = max(times, key=lambda k: times[k])
+    return total, bound
+
+
+def _training_candidate(
+    shape: ModelShape,
+    setup: TrainingSetup,
+    stage: int,
+    opt: str,
+    par: str,
+    machine: MachineProfile,
+    compute: ComputeProfile,
+    budget: int,
+    param_max_in_cpu: Optional[int] = None,
+    optimizer_max_in_cpu: Optional[int] = None,
+) -> Candidate:
+    act = setup.activations
+    assert act is not None
+    cb = setup.compute_bytes
+    part = math.ceil(shape.params / setup.world_size) if stage >= 1 else shape.params
+    # parameters: "auto" keeps what fits in the pinned budget, after the staging slots of the rest
+    param_in_cpu = 0
+    if par == "nvme" and param_max_in_cpu is not None:
+        param_in_cpu = min(param_max_in_cpu, part)
+    elif par == "nvme":
+        b = setup.buffers
+        param_in_cpu = auto_resident_numel(
+            layers(part, shape.largest_layer_params),
+            cb,
+            budget,
+            b.param_buffer_count,
+            b.param_buffer_size,
+        )
+    bufs = dataclasses.replace(setup.buffers, param_max_in_cpu=param_in_cpu)
+    setup = dataclasses.replace(setup, buffers=bufs)
+    est = estimate(setup, stage, opt, par, machine.nvme_free_bytes)
+    budget_left = budget - (param_in_cpu * cb if par == "nvme" else 0)
+    opt_want = "auto" if optimizer_max_in_cpu is None else optimizer_max_in_cpu
+    opt_in_cpu = resolve_max_in_cpu(est, setup, 1.0, opt_want, budget_left)
+    est = apply_split(est, setup, 1.0, opt_in_cpu)
+    fit = check_fit(est, machine, setup.gpus_per_node)
+    # NVMe bytes per step, one rank
+    state_bytes = 4 + setup.optimizer_state_bytes
+    opt_swapped = max(0, part - opt_in_cpu) if opt == "nvme" else 0
+    par_swapped = max(0, part - param_in_cpu) if par == "nvme" else 0
+    # units stay gathered from forward to backward while the model fits stage3_max_live_parameters
+    # (the engine's reuse): one read per step then, else one in forward and one in backward
+    par_reads = 1 if shape.params <= ZeroConfig.stage3_max_live_parameters else 2
+    read = opt_swapped * state_bytes + par_reads * par_swapped * cb
+    write = opt_swapped * state_bytes + par_swapped * cb
+    tokens = act.batch_size * act.seq_len
+    passes = 4.0 if act.checkpointing else 3.0
+    flops = passes * shape.forward_flops_per_token() * tokens
+    copy_rate = _host_copy_gbps(compute) * 1e9
+    times = {
+        "compute": flops / compute.matmul_flops,
+        "copies": 3 * part * cb / copy_rate if stage == 3 and machine.cpu_only else 0.0,
+        "cpu optimizer": part / compute.cpu_optimizer_elems_per_s
+        if (opt != "none" or machine.cpu_only)
+        else 0.0,
+        "disk": disk_seconds(read, write, machine),
+        "pcie": 0.0,
+    }
+    if not machine.cpu_only:
+        h2d, d2h = compute.h2d_gbps or 0.0, compute.d2h_gbps or 0.0
+        moved_up = (part * cb if opt != "none" else 0) + (2 * part * cb if par != "none" else 0)
+        moved_down = part * cb if opt != "none" else 0
+        times["pcie"] = (moved_up / (h2d * 1e9) if h2d else 0.0) + (moved_down / (d2h * 1e9) if d2h else 0.0)
+    seconds, bound = _combine(times, machine)
+    return Candidate(
+        stage=stage,
+        offload_optimizer=opt,
+        offload_param=par,
+        micro_batch=act.batch_size,
+        checkpointing=act.checkpointing,
+        param_max_in_cpu=param_in_cpu if par == "nvme" else (part if par == "cpu" else 0),
+        optimizer_max_in_cpu=opt_in_cpu if opt == "nvme" else (part if opt == "cpu" else 0),
+        estimate=est,
+        fits=fit.fits,
+        fit_label=fit.label,
+        times=times,
+        seconds=seconds,
+        tokens_per_s=tokens / seconds if seconds > 0 else 0.0,
+        bound=bound,
+        nvme_read_bytes=read,
+        nvme_write_bytes=write,
+    )
+
+
+def predict_training(
+    shape: ModelShape,
+    machine: MachineProfile,
+    compute: ComputeProfile,
+    *,
+    stage: int,
+    offload_optimizer: str = "none",
+    offload_param: str = "none",
+    micro_batch: int = 1,
+    checkpointing: bool = False,
+    precision: str = "bf16",
+    optimizer: str = "adam",
+    sub_group_size: int = 100_000_000,
+    pinned_budget: Optional[int] = None,
+    param_max_in_cpu: Optional[int] = None,
+    optimizer_max_in_cpu: Optional[int] = None,
+) -> Candidate:
+    """The prediction for one given training configuration (what `plan_training` weighs for each
+    candidate); `*_max_in_cpu` None: "auto" as the engine resolves it."""
+    budget = pinned_budget_of(machine, 1, pinned_budget)
+    act = ActivationSettings(
+        batch_size=micro_batch,
+        seq_len=shape.seq_len,
+        hidden_size=shape.hidden_size,
+        num_layers=shape.num_layers,
+        checkpointing=checkpointing,
+        num_heads=shape.num_heads,
+        vocab_size=shape.vocab_size or None,
+    )
+    setup = TrainingSetup(
+        params=shape.params,
+        largest_layer_params=shape.largest_layer_params,
+        precision=precision,
+        optimizer=optimizer,
+        buffers=SwapBufferSettings(sub_group_size=sub_group_size),
+        activations=act,
+    )
+    return _training_candidate(
+        shape,
+        setup,
+        stage,
+        offload_optimizer,
+        offload_param,
+        machine,
+        compute,
+        budget,
+        param_max_in_cpu,
+        optimizer_max_in_cpu,
+    )
+
+
+def _micro_batches(max_micro_batch: int) -> List[int]:
+    out, mb = [], 1
+    while mb <= max_micro_batch:
+        out.append(mb)
+        mb *= 2
+    return out if out[-1] == max_micro_batch else out + [max_micro_batch]
+
+
+def _config(
+    mode: str, c: Candidate, precision: str, nvme_path: str, sub_group_size: int, optimizer: str = "adam"
+) -> Dict[str, Any]:
+    """The plan as a config `offload.config.load_config` takes (DeepSpeed's keys)."""
+    zo: Dict[str, Any] = {"stage": c.stage}
+    if c.stage >= 1:
+        zo["sub_group_size"] = sub_group_size
+    if c.offload_optimizer != "none":
+        oo: Dict[str, Any] = {"device": c.offload_optimizer}
+        if c.offload_optimizer == "nvme":
+            oo.update(nvme_path=nvme_path, max_in_cpu="auto")
+        zo["offload_optimizer"] = oo
+    if c.offload_param != "none":
+        op: Dict[str, Any] = {"device": c.offload_param}
+        if c.offload_param == "nvme":
+            op.update(nvme_path=nvme_path, max_in_cpu="auto")
+        zo["offload_param"] = op
+    cfg: Dict[str, Any] = {"train_micro_batch_size_per_gpu": c.micro_batch, "zero_optimization": zo}
+    # the engine's reports show the prediction beside what it measures
+    cfg["zero_offload"] = {"predicted_seconds": round(c.seconds, 6)}
+    if mode == "train":
+        cfg["gradient_accumulation_steps"] = 1
+        name = {"adam": "Adam", "adamw": "AdamW", "adagrad": "Adagrad", "lion": "Lion", "sgd": "SGD"}[
+            optimizer
+        ]
+        cfg["optimizer"] = {"type": name, "params": {"lr": 1e-4}}
+    if precision in ("bf16", "fp16"):
+        cfg[precision] = {"enabled": True}
+    return cfg
+
+
+def _rank(cands: Sequence[Candidate], best: Candidate) -> List[Tuple[Candidate, str]]:
+    """The alternatives and why each lost: the best variant (micro-batch, checkpointing) of every other
+    stage and offload choice, then the chosen choice's other variants; fastest first."""
+
+    def why(c: Candidate) -> str:
+        if not c.fits:
+            return f"does not fit: {c.fit_label}"
+        share = c.tokens_per_s / best.tokens_per_s if best.tokens_per_s > 0 else 0.0
+        return f"{c.tokens_per_s:.1f} tokens/s ({share:.2f}x the plan's), bound by {c.bound}"
+
+    def key(c: Candidate) -> Tuple[int, str, str]:
+        return (c.stage, c.offload_optimizer, c.offload_param)
+
+    per_choice: Dict[Tuple[int, str, str], Candidate] = {}
+    for c in cands:
+        if key(c) == key(best):
+            continue
+        old = per_choice.get(key(c))
+        if old is None or (c.fits, c.tokens_per_s) > (old.fits, old.tokens_per_s):
+            per_choice[key(c)] = c
+    variants = [c for c in cands if key(c) == key(best) and c is not best]
+    order = sorted(per_choice.values(), key=lambda c: (not c.fits, -c.tokens_per_s))
+    order += sorted(variants, key=lambda c: (not c.fits, -c.tokens_per_s))
+    return [(c, why(c)) for c in order]
+
+
+def plan_training(
+    shape: ModelShape,
+    machine: MachineProfile,
+    compute: ComputeProfile,
+    *,
+    precision: str = "bf16",
+    optimizer: str = "adam",
+    max_micro_batch: int = 1,
+    gpus_per_node: int = 1,
+    nvme_path: str = "/local_nvme",
+    sub_group_size: int = 100_000_000,
+    pinned_budget: Optional[int] = None,
+    stages: Sequence[int] = (0, 1, 2, 3),
+    offload_optimizer: Optional[str] = None,
+    offload_param: Optional[str] = None,
+    checkpointing: Optional[bool] = None,
+    allow_nvme: bool = True,
+) -> Plan:
+    """The fastest training configuration that fits (module doc). `max_micro_batch`: micro-batches of 1, 2,
+    4, ... up to it are weighed; `stages`, `offload_optimizer`, `offload_param`, `checkpointing` narrow the
+    search (None: every choice); `allow_nvme` False leaves NVMe out. Raises EstimateInputError when nothing
+    fits."""
+    budget = pinned_budget_of(machine, gpus_per_node, pinned_budget)
+    bufs = SwapBufferSettings(sub_group_size=sub_group_size)
+    cands: List[Candidate] = []
+    for mb in _micro_batches(max(1, int(max_micro_batch))):
+        for ckpt in (False, True) if checkpointing is None else (checkpointing,):
+            act = ActivationSettings(
+                batch_size=mb,
+                seq_len=shape.seq_len,
+                hidden_size=shape.hidden_size,
+                num_layers=shape.num_layers,
+                checkpointing=ckpt,
+                num_heads=shape.num_heads,
+                vocab_size=shape.vocab_size or None,
+            )
+            setup = TrainingSetup(
+                params=shape.params,
+                largest_layer_params=shape.largest_layer_params,
+                gpus_per_node=gpus_per_node,
+                precision=precision,
+                optimizer=optimizer,
+                buffers=bufs,
+                activations=act,
+            )
+            for stage, opt, par in valid_combinations(None, offload_optimizer, offload_param):
+                if stage not in stages or (not allow_nvme and "nvme" in (opt, par)):
+                    continue
+                cands.append(_training_candidate(shape, setup, stage, opt, par, machine, compute, budget))
+    return choose("train", cands, machine, compute, budget, precision, nvme_path, sub_group_size, optimizer)
+
+
+def choose(
+    mode: str,
+    cands: List[Candidate],
+    machine: MachineProfile,
+    compute: ComputeProfile,
+    budget: int,
+    precision: str,
+    nvme_path: str,
+    sub_group_size: int,
+    optimizer: str = "adam",
+) -> Plan:
+    """The fastest fitting candidate as a Plan (its config, the rejected ones and why); EstimateInputError
+    naming the limits when none fits."""
+    fitting = [c for c in cands if c.fits]
+    if not fitting:
+        worst = "; ".join(sorted({c.fit_label for c in cands}))
+        raise EstimateInputError(f"no configuration fits this machine ({worst})")
+    # the most tokens per second; on a tie the least offload and the smaller stage
+    tier = {"none": 0, "cpu": 1, "nvme": 2}
+    best = max(
+        fitting,
+        key=lambda c: (
+            round(c.tokens_per_s, 9),
+            -tier[c.offload_param],
+            -tier[c.offload_optimizer],
+            -c.stage,
+            -int(c.checkpointing),
+        ),
+    )
+    notes = []
+    if best.checkpointing:
+        notes.append(
+            "activation checkpointing: turn it on in the model (Hugging Face: "
+            "model.gradient_checkpointing_enable(); else zero.checkpointing.checkpoint around each layer)"
+        )
+    return Plan(
+        mode=mode,
+        chosen=best,
+        config=_config(mode, best, precision, nvme_path, sub_group_size, optimizer),
+        rejected=_rank(cands, best),
+        machine=machine,
+        compute=compute,
+        pinned_budget_bytes=budget,
+        notes=notes,
+    )
