@@ -1,5 +1,5 @@
 """The planner (offload.estimate.plan, `ds-estimate-memory --plan`) and Hugging Face "auto" values filled
-outside the Trainer (zero.integrations.auto_values)."""
+outside the Trainer (zero.engine.auto_values)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from offload.estimate.machine import MachineProfile
 from offload.estimate.plan import ModelShape, plan_training
 from offload.estimate.plan_inference import plan_inference
 from offload.estimate.probe import ComputeProfile, load_compute_profile
-from zero.integrations.auto_values import auto_keys, fill_auto_values
+from zero.engine.auto_values import auto_keys, fill_auto_values
 
 GiB = 1 << 30
 RATES = ComputeProfile(cpu_optimizer_elems_per_s=5e8, matmul_flops=1e11, host_copy_gbps=5.0)
@@ -42,7 +42,9 @@ def test_training_plan_config_loads_and_a_small_model_stays_in_memory() -> None:
     plan = plan_training(GPT125, cpu_box(24 * GiB), RATES, precision="fp32", max_micro_batch=2)
     cfg = load_config(plan.config)
     z = cfg.zero_optimization
-    assert not z.offloads_params and (z.offload_optimizer is None or z.offload_optimizer.device != "nvme")
+    assert (z.offload_param is None or z.offload_param.device == "none") and (
+        z.offload_optimizer is None or z.offload_optimizer.device != "nvme"
+    )
     assert int(cfg.train_micro_batch_size_per_gpu) == plan.chosen.micro_batch == 2  # more tokens per step
     assert plan.chosen.bound == "compute" and plan.chosen.nvme_read_bytes == 0
     # no GPU: the optimizer steps on the CPU whatever offload_optimizer says

@@ -93,9 +93,9 @@ def initialize(
 
 def _filled(raw: Any, model: Any, world_size: int) -> Any:
     """`raw` with Hugging Face's "auto" values filled from the model and a plan
-    (zero.integrations.auto_values); unchanged when it has none."""
+    (zero.engine.auto_values); unchanged when it has none."""
     from offload.config._reader import read_json_file
-    from zero.integrations.auto_values import auto_keys, fill_auto_values
+    from zero.engine.auto_values import auto_keys, fill_auto_values
 
     data = raw if isinstance(raw, dict) else read_json_file(os.fspath(raw)) if _is_path(raw) else raw
     if not isinstance(data, dict) or not auto_keys(data):

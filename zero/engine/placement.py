@@ -11,7 +11,6 @@ from typing import Any, Dict
 
 from offload.estimate.units import format_bytes
 from offload.swap.slots import StateFormat
-from zero.stage3.placement import describe_param_placement
 
 __all__ = ["engine_placement", "format_placement"]
 
@@ -20,7 +19,7 @@ def _parameters(engine: Any) -> Dict[str, Any]:
     part = engine.layout.partitioner
     if part is not None:
         off = engine.config.zero_optimization.offload_param
-        return describe_param_placement(part.store, off.max_in_cpu if off is not None else "auto").as_dict()
+        return part.param_placement(off.max_in_cpu if off is not None else "auto").as_dict()
     nbytes = sum(p.numel() * p.element_size() for p in engine.module.parameters())
     return {
         "tier": "none",

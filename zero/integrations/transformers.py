@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Tuple, Uni
 import torch
 from torch import nn
 
-from zero.integrations.auto_values import HIDDEN_SIZE_KEYS as _HIDDEN_SIZE_KEYS
-from zero.integrations.auto_values import hidden_size_of
+from zero.engine.auto_values import HIDDEN_SIZE_KEYS as _HIDDEN_SIZE_KEYS
+from zero.engine.auto_values import hidden_size_of
 
 if TYPE_CHECKING:
     from zero.engine.engine import ZeroEngine

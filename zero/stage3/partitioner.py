@@ -41,6 +41,7 @@ from zero.stage3.config import default_pinned_pool, load_stage3_config
 from zero.stage3.grads import GradSink
 from zero.stage3.hooks import Stage3Hooks
 from zero.stage3.io_report import ParamIOReport, take_io_report
+from zero.stage3.placement import ParamPlacement, describe_param_placement
 from zero.stage3.quant import PartitionCodec, QuantTarget
 from zero.stage3.reduction import GradReduction
 from zero.stage3.served import CheckpointFds, ServedPartition
@@ -459,6 +460,11 @@ class Stage3Partitioner:
         """Serve the units placed from now on from the checkpoint's own files where `serve(unit)` gives
         their extents (zero.stage3.served); the partitioner closes `checkpoint` with its store."""
         self.store.serve_from(checkpoint, serve)
+
+    def param_placement(self, max_in_cpu: Union[int, str]) -> ParamPlacement:
+        """Where the partitions live and why, bytes per tier (`max_in_cpu`: the config's value;
+        zero.stage3.placement)."""
+        return describe_param_placement(self.store, max_in_cpu)
 
     def served(self, unit: Unit) -> bool:
         """Whether the unit's partition is read straight from checkpoint files (`serve_from`)."""
