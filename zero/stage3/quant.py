@@ -35,6 +35,7 @@ from offload.config.quantization import WeightQuantizationConfig, WeightQuantSpe
 from offload.ops.qmatmul import dequantize_into
 
 __all__ = [
+    "segment_totals",
     "PartitionCodec",
     "QuantTarget",
     "dequantize",
@@ -378,3 +379,21 @@ def planned_nbytes(
             slices.append((a - lo, z - lo, i, i == target_index))
         off += n
     return PartitionCodec(part_numel, slices, spec, dtype).nbytes
+
+
+def segment_totals(
+    units: Sequence[Any], keep: Sequence[bool], plan: Dict[str, QuantTarget], rank: int
+) -> Dict[torch.dtype, int]:
+    """Elements per storage dtype of the `units` kept in memory: a unit `plan` quantizes as its codec's
+    bytes (uint8), any other as its partition's elements in its own dtype."""
+    totals: Dict[torch.dtype, int] = {}
+    for u, k in zip(units, keep):
+        if not k:
+            continue
+        t = plan.get(u.name)
+        if t is not None:
+            n = planned_nbytes(t.numels, t.index, u.part_numel, rank, t.spec, u.dtype)
+            totals[torch.uint8] = totals.get(torch.uint8, 0) + n
+        else:
+            totals[u.dtype] = totals.get(u.dtype, 0) + u.part_numel
+    return totals

@@ -1,34 +1,25 @@
 """Where each unit's partition lives between uses: device memory, host memory (pinned) or an NVMe swap file.
 
-Memory tiers ("none": the compute device, "cpu": host memory, pinned from the PinnedPool when
-`pin_memory`) pack partitions back to back into a few large segments (zero.stage3.arena), so the optimizer
-sees flat buffers and no partition costs an allocation of its own. The NVMe tier keeps one swap file per
-unit, named after the module that owns it, or serves the unit from checkpoint files it lies in unconverted
-(`serve_from`; zero.stage3.nvme_files, zero.stage3.served), and moves it through `buffer_count` pinned
-staging slots of at most `buffer_size` elements: a partition that fits a slot is read with one request; a
-larger one is prefetched in pieces into as many free slots as it needs and copied out of them, or, read on
-demand, streamed through a slot chunk by chunk (on a CPU destination: read straight into it). Each slot
-has its own aio handle, so waiting for one prefetch never waits for the others. With `max_in_cpu`,
-partitions of up to that many elements in all stay in host memory, spread along the module order
+Memory tiers ("none": the compute device, "cpu": host memory, pinned when `pin_memory`) pack partitions back
+to back into a few segments (zero.stage3.arena): flat buffers for the optimizer, no allocation per partition.
+The NVMe tier keeps one swap file per unit, named after its module, or serves the unit from the checkpoint
+files it lies in unconverted (`serve_from`; zero.stage3.nvme_files, zero.stage3.served), and moves it
+through `buffer_count` pinned staging slots of at most `buffer_size` elements, each with its own aio
+handle: a partition that fits a slot is one request; a larger one is prefetched in pieces into free slots,
+or, read on demand, streamed through a slot chunk by chunk (on a CPU destination: straight into it). With
+`max_in_cpu`, partitions of up to that many elements stay in host memory, spread along the module order
 (offload.swap.resident) so that a forward's reads overlap their compute.
 
-Lending (`lend` / `give_back`): when the compute device is the CPU, a partition that lands in a slot can be
-used where it lies instead of being copied out: `lend` returns a view of the slot and keeps the slot out of
-use until `give_back`. A slot is refilled only when nothing but the store references its memory any more;
-one still viewed from outside when it is given back is replaced by a new buffer (`StoreStats.slots_replaced`).
+Lending (`lend` / `give_back`): on a CPU compute device a partition that lands in a slot is used where it
+lies; the slot stays out of use until `give_back`, and one still viewed from outside then is replaced by a
+new buffer (`StoreStats.slots_replaced`). With weight quantization (`set_quantization`, zero.stage3.quant)
+the units it selects are stored encoded (`PartitionCodec`) on any tier: slot, file and reads are
+`stored_nbytes` long, `read` decodes on the destination's device, and `memory_partition` is None for them.
+Read ahead to an accelerator (`read_ahead_device`, set by the partitioner for an inference forward on one):
+`prefetch` of a partition in host memory copies it to the device ahead (zero.stage3.read_ahead) and
+`take_ahead` hands the copy over; a write, or a pass that does not read ahead (`drop_read_ahead`), drops it.
 
-With weight quantization (`set_quantization`, zero.stage3.quant), the units it selects are stored encoded
-(`PartitionCodec`: int8/int4 codes and float16 constants, the rest raw) on whatever tier they live: their
-memory slot, swap file and reads are `stored_nbytes` long, and `read` decodes after the transfer, on the
-destination's device. `memory_partition` is None for them: their bytes are not values.
-
-Read ahead to an accelerator (`read_ahead_device`, set by the partitioner for an inference forward on
-one): `prefetch` of a partition in host memory copies it to the device ahead (zero.stage3.read_ahead);
-`take_ahead` hands the copy over as the gathered buffer (`read` decodes a quantized unit's codes from it).
-A write drops the copy, and so does a pass that does not read ahead (`drop_read_ahead`): the optimizer
-updates memory partitions in place.
-
-The module is longer than most (some 690 lines): reads, prefetches, loans and writes share one piece of
+The module is longer than most (some 700 lines): reads, prefetches, loans and writes share one piece of
 bookkeeping - which slot holds what, under one lock taken by the main thread and the optimizer's writer
 thread - and splitting it would spread that invariant over modules.
 """
@@ -52,7 +43,7 @@ from zero.stage3.device_copy import SideStream
 from zero.stage3.nvme_files import NvmeFiles
 from zero.stage3.pinned_budget import Stage3PinnedBudgetError, partitions_budget_error, staging_budget_error
 from zero.stage3.placement import auto_keeps_unit, auto_max_in_cpu
-from zero.stage3.quant import PartitionCodec, QuantTarget, planned_nbytes, unit_codec
+from zero.stage3.quant import PartitionCodec, QuantTarget, segment_totals, unit_codec
 from zero.stage3.read_ahead import ReadAhead
 from zero.stage3.served import CheckpointFds, ServedPartition
 from zero.stage3.staging_slot import StagingSlot as _Slot
@@ -143,7 +134,6 @@ class PartitionStore:
         the NVMe tier plan which of them stay in host memory (`resident_plan` over what is left of
         max_in_cpu). `units`: Units or anything with `name`, `dtype`, `part_numel` and `part_nbytes`
         (UnitSize), in module order."""
-        totals: Dict[torch.dtype, int] = {}
         keep = [True] * len(units)
         if self.auto_max_in_cpu:
             self.max_in_cpu = self.in_cpu_numel + auto_max_in_cpu(
@@ -152,16 +142,7 @@ class PartitionStore:
         if self.tier == "nvme":
             keep = resident_plan([u.part_numel for u in units], self.max_in_cpu - self.in_cpu_numel)
             self._resident.update((u.name, k) for u, k in zip(units, keep))
-        for u, k in zip(units, keep):
-            if not k:
-                continue
-            t = self._plan.get(u.name)
-            if t is not None:
-                n = planned_nbytes(t.numels, t.index, u.part_numel, self.rank, t.spec, u.dtype)
-                totals[torch.uint8] = totals.get(torch.uint8, 0) + n
-            else:
-                totals[u.dtype] = totals.get(u.dtype, 0) + u.part_numel
-        for dtype, n in totals.items():
+        for dtype, n in segment_totals(units, keep, self._plan, self.rank).items():
             self._guard(lambda n=n, dtype=dtype: self.arena.reserve(n, dtype), units, n)
 
     def _guard(self, fn: Callable[[], Any], units: Sequence[Any], numel: int) -> Any:
