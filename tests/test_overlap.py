@@ -62,7 +62,10 @@ def _config(nvme: str, pipeline: bool, dtype: str = "fp32", in_ram: int = 0, **e
 def _train(cfg: dict, steps: int, gas: int = 1):
     torch.manual_seed(0)
     engine = zero.initialize(model=GPT(MODEL), config=dict(cfg, gradient_accumulation_steps=gas))[0]
-    losses = train_steps(engine, corpus_bytes(), 2, MODEL.seq_len, steps * gas)
+    losses, overlapped = [], []
+    for window in range(steps):
+        losses += train_steps(engine, corpus_bytes(), 2, MODEL.seq_len, gas, start=window * gas)
+        overlapped.append(engine.last_report.optimizer_overlapped)  # this window's pass ran during backward
     params = torch.cat([p.detach().float().reshape(-1) for p in engine.module.parameters()])
     state = engine.optimizer.state_dict()
     out = {
@@ -71,6 +74,7 @@ def _train(cfg: dict, steps: int, gas: int = 1):
         "state": state,
         "skipped": engine.skipped_steps,
         "early": engine.overlap.enabled,
+        "overlapped": overlapped,
         "report": engine.last_report,
     }
     engine.close()
@@ -92,6 +96,7 @@ def test_overlapped_steps_match_steps_after_backward(tmp_path, dtype, in_ram, de
     plain = _train(_config(str(tmp_path), False, dtype, in_ram), steps=3)
     overlapped = _train(_config(str(tmp_path), True, dtype, in_ram), steps=3)
     assert not plain["early"] and overlapped["early"]
+    assert plain["overlapped"] == [False] * 3 and overlapped["overlapped"] == [True] * 3
     _same(plain, overlapped)
     rep = overlapped["report"]
     assert rep.nvme_read_bytes > 0 and rep.nvme_write_bytes > 0
@@ -128,6 +133,9 @@ def test_split_state_steps_its_swapped_share_during_backward(tmp_path):
 def test_overlap_with_gradient_accumulation(tmp_path, in_ram, device):
     plain = _train(_config(str(tmp_path), False, in_ram=in_ram), steps=2, gas=2)
     overlapped = _train(_config(str(tmp_path), True, in_ram=in_ram), steps=2, gas=2)
+    # every window's last backward ran the pass (the first one only accumulated), the other run's step did
+    assert overlapped["overlapped"] == [True, True] and plain["overlapped"] == [False, False]
+    assert overlapped["state"]["step"] == 2  # one update per window
     _same(plain, overlapped)
 
 
@@ -138,14 +146,19 @@ def test_overflow_in_overlapped_pass_is_undone(tmp_path, in_ram, device):
     plain = _train(_config(str(tmp_path), False, "fp16", in_ram), steps=8)
     overlapped = _train(_config(str(tmp_path), True, "fp16", in_ram), steps=8)
     assert 0 < overlapped["skipped"] < 8  # some steps overflowed and were undone, later ones went through
+    assert overlapped["overlapped"] == [True] * 8  # each of them during backward
     _same(plain, overlapped)
 
 
 def test_clipping_falls_back_to_stepping_after_backward(tmp_path):
-    cfg = _config(str(tmp_path), True, gradient_clipping=0.5)
+    """The same pipelined config overlaps without clipping and steps after backward with it (the global
+    norm is needed before any update), with the trajectory of the run without the overlap."""
+    unclipped = _train(_config(str(tmp_path), True), steps=2)
+    assert unclipped["early"] and unclipped["overlapped"] == [True, True]
     plain = _train(_config(str(tmp_path), False, gradient_clipping=0.5), steps=2)
-    clipped = _train(cfg, steps=2)
-    assert not clipped["early"]  # the global norm is needed before any update
+    clipped = _train(_config(str(tmp_path), True, gradient_clipping=0.5), steps=2)
+    assert not clipped["early"] and clipped["overlapped"] == [False, False]
+    assert clipped["report"].optimizer_chunks_in_backward == 0
     _same(plain, clipped)
 
 
@@ -162,6 +175,7 @@ def test_state_dict_between_backward_and_step_sees_committed_state(tmp_path, in_
     assert torch.equal(mid["master"], committed["master"]) and mid["step"] == 0
     assert all(torch.equal(a, p.detach()) for a, p in zip(before, engine.module.parameters()))
     engine.step()  # the update then runs after backward, from the same gradients
+    assert not engine.last_report.optimizer_overlapped
     assert engine.optimizer.state_dict()["step"] == 1
     assert not all(torch.equal(a, p.detach()) for a, p in zip(before, engine.module.parameters()))
     engine.close()

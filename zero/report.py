@@ -54,6 +54,8 @@ class StepReport:
     gradient_wait_s: float = 0.0
     optimizer_chunks: int = 0  # chunks (sub-groups) the optimizer pass updated
     optimizer_chunks_in_backward: int = 0  # of those, updated while backward still ran (overlap)
+    # the pass was started during backward (the overlap) and finished by step(); False: it ran after backward
+    optimizer_overlapped: bool = False
     nvme_read_bytes: int = 0
     nvme_write_bytes: int = 0
     device_to_host_bytes: int = 0  # gradients to the host tier

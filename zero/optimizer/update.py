@@ -180,6 +180,7 @@ class UpdatePass:
         result = self.overlap.join()
         assert result is not None
         step = self.zopt.step_count + 1
+        rep.optimizer_overlapped = True
         rep.optimizer_chunks_in_backward += self.overlap.chunks_in_backward
         try:
             if result.error is not None:
