@@ -56,13 +56,16 @@ class FileAt(Protocol):
     `offload.swap.SwapFile` is one."""
 
     @property
-    def dir_fd(self) -> int: ...
+    def dir_fd(self) -> int:
+        """The open directory's file descriptor (the caller keeps it open)."""
 
     @property
-    def name(self) -> str: ...
+    def name(self) -> str:
+        """The file's plain name in that directory."""
 
     @property
-    def path(self) -> str: ...
+    def path(self) -> str:
+        """The file's path, for error messages."""
 
 
 class FileInDir:
@@ -121,10 +124,12 @@ class TorchDeviceBuffer(DeviceBuffer):
         self.nbytes = self._bytes.numel()
 
     def copy_to_host(self, host: torch.Tensor) -> None:
+        """Copy the device bytes into the pinned `host` buffer (blocking)."""
         host.copy_(self._bytes)  # blocking device -> host copy
 
     def copy_from_host(self, host: torch.Tensor) -> None:
         # Blocking: the pinned staging buffer is released right after this returns.
+        """Copy the pinned `host` buffer into the device bytes, blocking until done."""
         self._bytes.copy_(host)
         if self._bytes.device.type == "cuda":
             import torch
@@ -377,21 +382,27 @@ class AioHandle:
 
     @property
     def backend(self) -> str:
+        """The I/O backend the handle uses."""
         return self._h.backend
 
     def get_block_size(self) -> int:
+        """Bytes per I/O request (DeepSpeed's accessor)."""
         return self._h.block_size
 
     def get_queue_depth(self) -> int:
+        """Requests in flight per thread (DeepSpeed's accessor)."""
         return self._h.queue_depth
 
     def get_single_submit(self) -> bool:
+        """Whether requests are submitted one at a time (DeepSpeed's accessor)."""
         return self._h.single_submit
 
     def get_overlap_events(self) -> bool:
+        """Whether submitting overlaps reaping completions (DeepSpeed's accessor)."""
         return self._h.overlap_events
 
     def get_intra_op_parallelism(self) -> int:
+        """I/O threads per operation (DeepSpeed's accessor)."""
         return self._h.intra_op_parallelism
 
     get_thread_count = get_intra_op_parallelism  # DeepSpeed < 0.15 name
@@ -401,6 +412,7 @@ class AioHandle:
         return self._h.alignment
 
     def pending(self) -> int:
+        """Requests submitted and not yet waited for."""
         return self._h.pending()
 
     # -- registered files -----------------------------------------------------------------------------------

@@ -153,6 +153,7 @@ class OffloadOptimizerConfig:
 
     @property
     def pipeline(self) -> bool:
+        """Whether the optimizer steps during backward (pipeline_read or pipeline_write)."""
         return self.pipeline_read or self.pipeline_write
 
 
@@ -202,10 +203,12 @@ class ZeroConfig:
 
     @property
     def offloads_optimizer(self) -> bool:
+        """Whether offload_optimizer names a device."""
         return self.offload_optimizer is not None and self.offload_optimizer.device != "none"
 
     @property
     def offloads_params(self) -> bool:
+        """Whether offload_param names a device."""
         return self.offload_param is not None and self.offload_param.device != "none"
 
 

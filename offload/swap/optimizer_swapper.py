@@ -76,6 +76,7 @@ class SwapStats:
     extra: dict = field(default_factory=dict)
 
     def reset(self) -> None:
+        """Zero every count and time."""
         self.bytes_read = self.bytes_written = self.chunks = 0
         self.io_wait_s = self.compute_s = self.gate_wait_s = self.write_back_wait_s = 0.0
 
@@ -188,14 +189,17 @@ class OptimizerSwapper:
 
     @property
     def buffer_count(self) -> int:
+        """The number of pinned staging slots."""
         return len(self._slots)
 
     @property
     def pinned_bytes(self) -> int:
+        """Pinned bytes of the staging slots."""
         return sum(s.numel() * FP32_BYTES for s in self._slots)
 
     @property
     def disk_bytes(self) -> int:
+        """Bytes of the swap files on disk."""
         return sum(f.nbytes for f in self._files)
 
     @property
@@ -515,6 +519,8 @@ class OptimizerSwapper:
         self._fallback = previous if self._in_flight else None
 
     def abort(self) -> None:
+        """Drop the step in progress: wait for its writes to the spare copy (errors ignored); the committed
+        state stays."""
         self._pending = False
         if self._in_flight:
             # The aborted step's writes went to the spare copy, which is not the state: wait for them (the

@@ -92,6 +92,7 @@ class SwapFile:
 
     @property
     def name(self) -> str:
+        """The file's name in the swap directory."""
         return os.path.basename(self.path)
 
     @property
@@ -186,16 +187,19 @@ class SwapSpace:
 
     @property
     def bytes_allocated(self) -> int:
+        """Bytes of the swap files allocated now."""
         with self._lock:
             return sum(f.nbytes for f in self._files.values())
 
     @property
     def files(self) -> List[SwapFile]:
+        """The swap files allocated now."""
         with self._lock:
             return list(self._files.values())
 
     @property
     def closed(self) -> bool:
+        """Whether the space was closed (its directory removed)."""
         return not self._finalizer.alive
 
     @property
