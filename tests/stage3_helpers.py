@@ -17,7 +17,7 @@ def s3_config(tier: str, nvme_dir: Optional[str] = None, **extra_zero) -> dict:
         off.update(nvme_path=str(nvme_dir), buffer_size=1000, buffer_count=2, max_in_cpu=0)
     off.update(extra_zero.pop("offload_param", {}))
     zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "offload_param": off}
-    zero.optimizer.update(extra_zero)
+    zero.update(extra_zero)
     return {"zero_optimization": zero}
 
 
