@@ -146,6 +146,7 @@ def estimate_bytes(shape: Dict[str, int], contender: str, params: int) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    """Command line: compare activation checkpointing contenders on a preset model; the exit status."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="small")
     for key in ("hidden", "heads", "layers", "vocab", "seq", "batch"):

@@ -100,6 +100,7 @@ class HugePages:
 
 
 def drop_cache(path: str) -> None:
+    """Write `path`'s dirty pages and drop them from the page cache, so the next read comes from the disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -120,6 +121,7 @@ def flush_device(path: str) -> None:
 def settle(op: str, path: str) -> None:
     # Untimed, before every run of either contender: a read must come from the disk, a write must not pay
     # for the host's writeback of the previous run.
+    """Untimed, before each run: drop the cache before a read, flush the device before a write."""
     if op == "read":
         drop_cache(path)
     else:
@@ -128,11 +130,13 @@ def settle(op: str, path: str) -> None:
 
 def cpu_seconds() -> float:
     # getrusage, not os.times: microseconds instead of 10 ms ticks; covers all our threads (io-wq included).
+    """User plus system CPU seconds of this process, all its threads included."""
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
 
 
 def children_cpu_seconds() -> float:
+    """User plus system CPU seconds of the waited-for child processes (fio)."""
     r = resource.getrusage(resource.RUSAGE_CHILDREN)
     return r.ru_utime + r.ru_stime
 
@@ -173,6 +177,7 @@ def ours(
 def fio(
     engine: str, op: str, path: str, size: int, block: int, depth: int, threads: int, iomem: str
 ) -> Callable[[], Dict[str, float]]:
+    """A run of fio with the same settings: it returns GB/s and CPU seconds per GB."""
     per_job = size // threads
     cmd = [
         "fio", "--name=zo", f"--filename={path}", f"--rw={op}", f"--bs={block}", f"--ioengine={engine}",
@@ -203,6 +208,7 @@ def fio(
 
 
 def rotated(items: List[T], by: int) -> List[T]:
+    """`items` rotated left by `by` places."""
     by %= len(items)
     return items[by:] + items[:by]
 
@@ -236,6 +242,7 @@ def measure(
 
 
 def main(argv: Optional[List[str]] = None) -> None:
+    """Command line: time our aio against fio on one file, both in turn, and write the results."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size", type=parse_size, default=1 << 30, help="file size (default 1GiB)")
     p.add_argument("--dir", default="/var/tmp", help="directory on the disk to measure (default /var/tmp)")

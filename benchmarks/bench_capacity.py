@@ -67,6 +67,7 @@ def ladder(max_steps: int = 80) -> List[Dict[str, int]]:
 
 
 def engine_config(cfg: Dict[str, Any], nvme: str, largest: int) -> Dict[str, Any]:
+    """The engine config of capacity case `cfg`, its swap files in `nvme`."""
     zo: Dict[str, Any] = {"stage": cfg["stage"], "sub_group_size": SUB_GROUP}
     zo["offload_optimizer"] = {
         "device": cfg["optim"],
@@ -95,6 +96,7 @@ def engine_config(cfg: Dict[str, Any], nvme: str, largest: int) -> Dict[str, Any
 
 
 def our_estimate(cfg: Dict[str, Any], size: Dict[str, int], disk_free: int) -> Any:
+    """Our estimator's answer for case `cfg` at model `size` with `disk_free` bytes of disk."""
     setup = TrainingSetup(
         size["params"],
         size["largest"],
@@ -115,6 +117,7 @@ def our_estimate(cfg: Dict[str, Any], size: Dict[str, int], disk_free: int) -> A
 
 
 def ds_bytes(cfg: Dict[str, Any], size: Dict[str, int]) -> int:
+    """DeepSpeed's estimated CPU plus GPU bytes for case `cfg` at model `size`."""
     stage, opt, par = cfg["ds"]
     rows = deepspeed_rows(
         size["params"], size["largest"], stages=[stage], offload_optimizers=[opt], offload_params=[par]
@@ -124,6 +127,7 @@ def ds_bytes(cfg: Dict[str, Any], size: Dict[str, int]) -> int:
 
 
 def largest_fitting(sizes: List[Dict[str, int]], need: Any) -> Optional[int]:
+    """Index of the last size of the increasing run that `need` accepts; None if the first fails."""
     best = None
     for i, size in enumerate(sizes):
         if need(size):
@@ -179,6 +183,7 @@ def child(name: str, d_model: int, n_layer: int, nvme: str) -> None:
 
 
 def run_child(name: str, size: Dict[str, int], nvme_root: str, timeout: int) -> Dict[str, Any]:
+    """Run case `name` at `size` in a child process (its swap files under `nvme_root`); its result dict."""
     nvme = tempfile.mkdtemp(prefix="capacity-", dir=nvme_root)
     cmd = [sys.executable, "-m", "benchmarks.bench_capacity", "--child", name, str(size["d_model"])]
     cmd += [str(size["n_layer"]), nvme]
@@ -210,6 +215,7 @@ def runtime_baseline() -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
+    """Command line: the largest model each case trains within a RAM budget, measured and estimated."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ram-budget", default="8GiB", help="host memory budget, e.g. 8GiB, 3GiB, 3.5e9")
     ap.add_argument("--nvme-path", default=tempfile.gettempdir(), help="where swap files go")
@@ -347,6 +353,7 @@ def main(argv: Optional[List[str]] = None) -> None:
 
 
 def parse_budget(text: str) -> int:
+    """A byte count from text like 8GiB, 3.5e9 or 500MB."""
     units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "KB": 10**3, "MB": 10**6, "GB": 10**9}
     t = text.strip().upper()
     for suffix, mult in units.items():

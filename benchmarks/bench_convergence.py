@@ -143,6 +143,7 @@ def plot(results: Dict[str, Dict[str, Any]], path: str, title: str = "") -> Opti
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    """Command line: train with each optimizer-state dtype and compare the loss curves; the exit status."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="training (compute) precision")

@@ -223,6 +223,7 @@ def _row(n: int, layout: str, name: str, r, base: float) -> List[object]:
 
 
 def main() -> None:
+    """Command line: time offload.ops.CPUAdam against torch's fused and foreach AdamW."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

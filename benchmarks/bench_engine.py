@@ -54,6 +54,7 @@ def _pure_io_seconds(engine) -> float:
 
 
 def main(argv: Optional[list] = None) -> int:
+    """Command line: time engine steps on a GPT of --params parameters per tier; the exit status."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--params", type=float, default=200e6, help="model size in parameters (default 200e6)")
     ap.add_argument("--repeats", type=int, default=3)

@@ -68,6 +68,7 @@ def same_bits(rows: int, cols: int, batch: int) -> bool:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
+    """Command line: time quantized matmuls against dense ones for the given shapes and rows."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--bits", type=int, choices=(4, 8), default=4)
     ap.add_argument("--group-size", type=int, default=64)

@@ -41,6 +41,7 @@ SETTINGS = [
 
 
 def gpt2_tiny() -> Any:
+    """A two-layer GPT-2 with hidden size 64."""
     cfg = transformers.GPT2Config(
         vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=2, n_head=2, bos_token_id=1, eos_token_id=2
     )
@@ -48,6 +49,7 @@ def gpt2_tiny() -> Any:
 
 
 def llama_tiny() -> Any:
+    """A two-layer Llama with hidden size 64 (untied embeddings)."""
     return transformers.LlamaForCausalLM(
         transformers.LlamaConfig(
             vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -58,6 +60,7 @@ def llama_tiny() -> Any:
 
 
 def llama_big() -> Any:
+    """A four-layer Llama with hidden size 512."""
     return transformers.LlamaForCausalLM(
         transformers.LlamaConfig(
             vocab_size=4096, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
@@ -68,15 +71,18 @@ def llama_big() -> Any:
 
 
 def prompts(vocab: int) -> torch.Tensor:
+    """Two fixed random prompts of six tokens."""
     return torch.randint(0, vocab, (2, 6), generator=torch.Generator().manual_seed(1))
 
 
 def greedy(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    """Eight greedily generated tokens after `ids`."""
     mask = torch.ones_like(ids)
     return model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
 
 
 def measure(build: Any, setting: Dict[str, Any], seed: int) -> Dict[str, float]:
+    """Logit error, greedy-token agreement and byte ratio of `build()` quantized with `setting`."""
     torch.manual_seed(seed)
     model = build().eval()
     ids = prompts(model.config.vocab_size)
@@ -105,6 +111,7 @@ def measure(build: Any, setting: Dict[str, Any], seed: int) -> Dict[str, float]:
 
 
 def main() -> None:
+    """Command line: the quantization error table over models, settings and seeds."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--big", action="store_true", help="also the Llama of hidden size 512 (slower)")

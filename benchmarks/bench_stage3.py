@@ -27,6 +27,7 @@ BATCH = 4
 
 
 def engine_config(stage: int, param: str, optim: str, nvme: str, sub_group: int) -> Dict[str, Any]:
+    """A DeepSpeed config for `stage` with the given parameter and optimizer tiers."""
     zo: Dict[str, Any] = {"stage": stage, "sub_group_size": sub_group}
     if optim != "none":
         zo["offload_optimizer"] = {"device": optim, "nvme_path": nvme, "buffer_count": 4, "max_in_cpu": 0}
@@ -42,6 +43,7 @@ def engine_config(stage: int, param: str, optim: str, nvme: str, sub_group: int)
 
 
 def main(argv: Optional[List[str]] = None) -> None:
+    """Command line: time the stage-3 placements of a GPT of --params parameters and write a table."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--params", type=float, default=20e6)
     ap.add_argument("--repeats", type=int, default=5)

@@ -44,6 +44,7 @@ def load_models_module() -> Any:
 
 
 def make_model(spec: Dict[str, Any]) -> torch.nn.Module:
+    """The spec's GPT (zero/examples/models.py), seeded from the spec."""
     mod = load_models_module()
     torch.manual_seed(int(spec.get("seed", 0)))
     return mod.GPT(mod.GPTConfig(**spec["size"]))
@@ -68,6 +69,7 @@ def batch(
 
 
 def rss_bytes() -> int:
+    """This process's resident set size in bytes (from /proc/self/statm)."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
@@ -175,6 +177,7 @@ def measure(
 
 
 def run_deepspeed(spec: Dict[str, Any]) -> Dict[str, Any]:
+    """Train the spec's model with DeepSpeed as one local rank; its timings and memory as a dict."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
@@ -214,6 +217,7 @@ def run_deepspeed(spec: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def main(argv: List[str]) -> int:
+    """Run the spec in argv[0] and write the results as JSON to argv[1]; the exit status."""
     if len(argv) != 2:
         print("usage: deepspeed_runner.py SPEC.json OUT.json", file=sys.stderr)
         return 2

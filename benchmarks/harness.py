@@ -25,14 +25,17 @@ class Result:
 
     @property
     def median(self) -> float:
+        """Median of the samples."""
         return statistics.median(self.samples)
 
     @property
     def minimum(self) -> float:
+        """Smallest sample."""
         return min(self.samples)
 
     @property
     def maximum(self) -> float:
+        """Largest sample."""
         return max(self.samples)
 
 
@@ -64,6 +67,7 @@ def interleave(
 
 
 def machine_info() -> Dict[str, object]:
+    """Host, platform, Python, CPU count and date (and the GPU when there is one) for a results file."""
     info: Dict[str, object] = {
         "host": platform.node(),
         "platform": platform.platform(),
@@ -82,6 +86,8 @@ def machine_info() -> Dict[str, object]:
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A Markdown table of `rows` under `headers` (floats to 3 significant digits)."""
+
     def fmt(v: object) -> str:
         if isinstance(v, float):
             return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"

@@ -28,6 +28,7 @@ def bars(payload: Dict[str, Any]) -> List[Tuple[str, Dict[str, float], float]]:
 
 
 def text_plot(rows: List[Tuple[str, Dict[str, float], float]], width: int = 60) -> str:
+    """A text bar chart of each row's forward, backward and optimizer seconds."""
     longest = max(step for _, _, step in rows) or 1.0
     lines = []
     for label, phases, step in rows:
@@ -38,6 +39,7 @@ def text_plot(rows: List[Tuple[str, Dict[str, float], float]], width: int = 60) 
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    """Print the end-to-end results JSON as a text bar chart and save it as an image; the exit status."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=os.path.join(OUT_DIR, "e2e.json"))
     ap.add_argument("--out", default=None, help="image path (default: next to the JSON, .png)")

@@ -60,6 +60,7 @@ class Registration:
         return self._fn is not None
 
     def cancel(self) -> None:
+        """Unregister the callback: it will not run at exit; a second call does nothing."""
         with _lock:
             _callbacks.pop(self._key, None)
             self._fn = None

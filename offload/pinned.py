@@ -172,6 +172,7 @@ class HostBuffer:
 
     @property
     def released(self) -> bool:
+        """Whether the buffer was given back (its memory is gone)."""
         return self._buf is None
 
     def hold_io(self) -> None:
@@ -203,6 +204,7 @@ class HostBuffer:
             raise OSError(err, f"populating {self.nbytes} pinned bytes at {self.ptr:#x}: {os.strerror(err)}")
 
     def release(self) -> None:
+        """Give the memory back (CUDA-unregistered first); a second call does nothing."""
         global _live_bytes
         buf, self._buf = self._buf, None
         if buf is None:
@@ -420,15 +422,18 @@ class PinnedPool:
 
     @property
     def cap_bytes(self) -> int:
+        """The pool's cap in bytes."""
         return self._cap
 
     @property
     def bytes_in_use(self) -> int:
+        """Bytes handed out and not yet freed."""
         with self._lock:
             return self._in_use
 
     @property
     def peak_bytes(self) -> int:
+        """The most bytes in use at once so far."""
         with self._lock:
             return self._peak
 

@@ -51,3 +51,11 @@ def _no_process_group_left_behind():
     yield
     if not before and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The engine tests' plain torch AdamW run (tests/engine_helpers.py `torch_reference`): losses, model."""
+    from engine_helpers import STEPS, torch_reference
+
+    return torch_reference(STEPS)

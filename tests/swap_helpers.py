@@ -100,12 +100,14 @@ def run_child(script: str, nvme_dir: str) -> Dict[str, Any]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def train_steps(engine: Any, data: torch.Tensor, batch: int, seq_len: int, micro_steps: int) -> List[float]:
-    """Forward, backward and step() on batches 0 .. micro_steps - 1 of `data`; the losses."""
+def train_steps(
+    engine: Any, data: torch.Tensor, batch: int, seq_len: int, micro_steps: int, start: int = 0
+) -> List[float]:
+    """Forward, backward and step() on batches start .. start + micro_steps - 1 of `data`; the losses."""
     from zero.examples.models import get_batch
 
     losses = []
-    for s in range(micro_steps):
+    for s in range(start, start + micro_steps):
         x, y = (t.to(engine.device) for t in get_batch(data, batch, seq_len, s))
         loss = engine(x, y)
         engine.backward(loss)

@@ -10,51 +10,13 @@ import textwrap
 
 import pytest
 import torch
+from checkpoint_helpers import config, new_engine, params_of, run
 
 import zero
 from zero.checkpoint import CRASH_ENV
-from zero.examples.models import GPT, GPTConfig, corpus_bytes, get_batch
+from zero.examples.models import GPT, GPTConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Dropout on: resuming bit for bit needs the RNG state restored too.
-CFG = GPTConfig(vocab_size=256, seq_len=16, n_layer=2, n_head=2, d_model=32, dropout=0.1)
-DATA = corpus_bytes()
-
-
-def config(offload: str, nvme_dir, fp16: bool = False):
-    zo = {"stage": 1, "sub_group_size": 5000}
-    if offload != "none":
-        zo["offload_optimizer"] = {"device": offload, "nvme_path": str(nvme_dir), "max_in_cpu": 0}
-    cfg = {
-        "train_micro_batch_size_per_gpu": 4,
-        "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "weight_decay": 0.1}},
-        "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 3, "total_num_steps": 20}},
-        "zero_optimization": zo,
-    }
-    if fp16:
-        cfg["fp16"] = {"enabled": True, "initial_scale_power": 10, "loss_scale_window": 2}
-    return cfg
-
-
-def new_engine(offload, nvme_dir, seed=0, fp16=False):
-    torch.manual_seed(seed)
-    engine, *_ = zero.initialize(model=GPT(CFG), config=config(offload, nvme_dir, fp16))
-    return engine
-
-
-def run(engine, start, steps):
-    losses = []
-    for step in range(start, start + steps):
-        x, y = get_batch(DATA, 4, CFG.seq_len, step)
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
-
-
-def params_of(engine):
-    return [p.detach().clone() for p in engine.module.parameters()]
 
 
 @pytest.mark.parametrize(
@@ -134,7 +96,7 @@ _CHILD = textwrap.dedent(
     """
     import os, sys, torch
     sys.path.insert(0, {tests!r})
-    from test_checkpoint import new_engine, run
+    from checkpoint_helpers import new_engine, run
     ckpt, nvme, second_tag = sys.argv[1], sys.argv[2], sys.argv[3]
     engine = new_engine("nvme", nvme)
     run(engine, 0, 2)

@@ -11,8 +11,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from dist_helpers import run_on_ranks
-from test_engine_dist import TINY, make_config, rank_steps
+from dist_helpers import TINY, make_config, rank_steps, run_on_ranks
 
 import zero
 from zero.examples.models import GPT

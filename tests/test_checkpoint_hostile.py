@@ -18,7 +18,7 @@ import threading
 import pytest
 import torch
 import xxhash
-from test_checkpoint import new_engine, params_of, run
+from checkpoint_helpers import new_engine, params_of, run
 
 import zero
 from zero.checkpoint._files import manifest_bytes
@@ -287,7 +287,7 @@ def test_tag_with_surrounding_whitespace_is_refused_at_save(tmp_path):
 
 
 def test_shape_mismatch_names_the_parameter_and_both_shapes(tmp_path, original):
-    from test_checkpoint import CFG, config
+    from checkpoint_helpers import CFG, config
 
     torch.manual_seed(0)
     cfg = dataclasses.replace(CFG, d_model=48)

@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from test_checkpoint import CFG, DATA, new_engine, params_of, run
+from checkpoint_helpers import CFG, DATA, new_engine, params_of, run
 
 import zero
 from zero.examples.models import GPT, get_batch

@@ -13,8 +13,7 @@ import os
 
 import pytest
 import torch
-from test_engine import DATA, STEPS, TINY, base_config, make_model
-from test_stage3_engine import s3_config
+from engine_helpers import DATA, STEPS, TINY, base_config, make_model, s3_config
 
 import zero
 from zero.examples.models import get_batch

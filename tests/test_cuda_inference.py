@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_read_ahead import engine_for, host_units, llama
+from inference_helpers import engine_for, host_units, llama
 
 pytestmark = pytest.mark.parametrize("device", ["cuda"], indirect=True)
 

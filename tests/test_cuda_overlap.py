@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_overlap import MODEL, _config, _train
+from overlap_helpers import MODEL, overlap_config, overlap_run
 
 import zero
 from zero.examples.models import GPT, corpus_bytes, get_batch
@@ -28,7 +28,7 @@ def test_stage1_gradients_leave_the_gpu_chunk_by_chunk_during_backward(tmp_path,
     """Every chunk's gradients are fetched once a gradient hook completed it, not at the end of backward;
     each chunk is copied once."""
     torch.manual_seed(0)
-    engine = zero.initialize(model=GPT(MODEL), config=_stage1(_config(str(tmp_path), True, dtype)))[0]
+    engine = zero.initialize(model=GPT(MODEL), config=_stage1(overlap_config(str(tmp_path), True, dtype)))[0]
     assert engine.device.type == device.type
     fetch = engine.overlap.fetch
     assert fetch is not None
@@ -53,5 +53,5 @@ def test_stage1_gradients_leave_the_gpu_chunk_by_chunk_during_backward(tmp_path,
     grad_bytes = engine.part_numel * engine.layout.flat.grad_buffer.element_size()
     assert engine.last_report.device_to_host_bytes == grad_bytes
     engine.close()
-    plain = _train(_stage1(_config(str(tmp_path), False, dtype)), steps=1)
+    plain = overlap_run(_stage1(overlap_config(str(tmp_path), False, dtype)), steps=1)
     assert plain["report"].device_to_host_bytes == grad_bytes

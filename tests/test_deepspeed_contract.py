@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_helpers import run_on_ranks
-from test_engine import DATA, TINY, base_config, make_model, train
-from test_stage3_helpers import MLP, s3_config
+from engine_helpers import DATA, TINY, base_config, make_model, train
+from stage3_helpers import MLP, s3_config
 from torch import nn
 
 import zero
@@ -293,7 +293,7 @@ def test_client_optimizer_wins_over_the_config_block(tmp_path, caplog):
 
 
 def test_gather_16bit_key_and_save_16bit_model(tmp_path):
-    from test_stage3_engine import s3_config as engine_s3_config
+    from engine_helpers import s3_config as engine_s3_config
 
     cfg = engine_s3_config("cpu", "cpu", tmp_path, bf16={"enabled": True})
     model = make_model()

@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_engine import LOSS_ATOL, PARAM_ATOL, make_model, train
-from test_split_state import MICRO, SUB, config, device_share
-from test_state_integrity import assert_same, weights
+from engine_helpers import LOSS_ATOL, PARAM_ATOL, make_model, train
+from state_helpers import MICRO, SUB, assert_same, config, device_share, weights
 
 import zero
 from offload.config import load_config

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_engine import DATA, TINY, base_config, make_model, train
-from test_stage3_engine import s3_config
+from engine_helpers import DATA, TINY, base_config, make_model, s3_config, train
 
 import zero
 import zero.utils as ds_utils

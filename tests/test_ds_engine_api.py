@@ -14,8 +14,7 @@ import warnings
 import pytest
 import torch
 from dist_helpers import run_on_ranks
-from test_engine import DATA, TINY, base_config, make_model, train
-from test_stage3_engine import s3_config
+from engine_helpers import DATA, TINY, base_config, make_model, s3_config, train
 
 import zero
 import zero.utils as ds_utils

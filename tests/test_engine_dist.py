@@ -6,19 +6,19 @@ import os
 
 import pytest
 import torch
-from dist_helpers import run_on_ranks
+from dist_helpers import (
+    GLOBAL_BATCH,
+    LOSS_ATOL,
+    PARAM_ATOL,
+    STEPS,
+    TINY,
+    make_config,
+    rank_steps,
+    run_on_ranks,
+)
 
 import zero
-from zero.examples.models import GPT, GPTConfig, corpus_bytes, get_batch
-
-TINY = GPTConfig(vocab_size=256, seq_len=16, n_layer=2, n_head=2, d_model=32)
-GLOBAL_BATCH = 4
-STEPS = 8
-# Two ranks sum two half-batch gradients where one rank computes the whole batch at once: the results
-# differ by float rounding only (~1e-7 relative); a wrong reduction (missing average, a lost bucket, a
-# stale partition) moves the loss by >1e-3.
-LOSS_ATOL = 2e-5
-PARAM_ATOL = 2e-5
+from zero.examples.models import GPT, corpus_bytes, get_batch
 
 CASES = {
     "stage0-none": {"stage": 0, "offload": "none"},
@@ -33,41 +33,6 @@ CASES = {
     },
     "stage1-nvme-clip-fp16": {"stage": 1, "offload": "nvme", "clip": 0.05, "fp16": True},
 }
-
-
-def make_config(case, world_size, nvme_dir):
-    gas = case.get("gas", 1)
-    zo = {
-        "stage": case["stage"],
-        "sub_group_size": 4000,
-        "overlap_comm": case.get("overlap_comm", False),
-        "reduce_bucket_size": case.get("reduce_bucket_size", 500_000_000),
-    }
-    if case["offload"] != "none":
-        zo["offload_optimizer"] = {"device": case["offload"], "nvme_path": str(nvme_dir), "max_in_cpu": 0}
-    cfg = {
-        "train_batch_size": GLOBAL_BATCH,
-        "gradient_accumulation_steps": gas,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}},
-        "gradient_clipping": case.get("clip", 0.0),
-        "zero_optimization": zo,
-    }
-    if case.get("fp16"):
-        cfg["fp16"] = {"enabled": True, "initial_scale_power": 12}
-    return cfg
-
-
-def rank_steps(engine, rank, start, n):
-    """Steps start..start+n-1 on this rank's half of each global batch (2 ranks); the losses."""
-    losses = []
-    for step in range(start, start + n):
-        x, y = get_batch(corpus_bytes(), GLOBAL_BATCH, TINY.seq_len, step)
-        half = slice(rank * 2, rank * 2 + 2)
-        loss = engine(x[half], y[half])
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
 
 
 def train_case(case, rank, world_size, nvme_dir):

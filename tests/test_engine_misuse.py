@@ -9,7 +9,7 @@ import logging
 
 import pytest
 import torch
-from test_engine import DATA, TINY, base_config, make_model
+from engine_helpers import DATA, TINY, base_config, make_model
 
 import zero
 from zero.examples.models import GPT, get_batch

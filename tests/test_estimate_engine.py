@@ -18,6 +18,8 @@ import torch
 zero = pytest.importorskip("zero")
 pytest.importorskip("offload._aio")
 
+from estimate_helpers import PADDING_ALLOWANCE, stage3_engine_config, stage3_setup  # noqa: E402
+
 from offload.estimate import (  # noqa: E402
     ENGINE_PLACEMENT,
     SwapBufferSettings,
@@ -26,8 +28,6 @@ from offload.estimate import (  # noqa: E402
     estimate,
 )
 from offload.swap.slots import swap_chunk  # noqa: E402
-
-PADDING_ALLOWANCE = 64 * 1024  # 4 KiB alignment of a few slots and a few dozen regions
 
 
 def _engine_bytes(tmp_path, offload: str, sub_group: int):
@@ -85,51 +85,6 @@ def test_pinned_and_nvme_bytes_match_the_engine(tmp_path, offload, sub_group):
 STAGE3_COMBOS = [(param, opt) for param in ("none", "cpu", "nvme") for opt in ("none", "cpu", "nvme")]
 
 
-def _stage3_config(tmp_path, param: str, optim: str, sub_group: int) -> dict:
-    zo = {
-        "stage": 3,
-        "sub_group_size": sub_group,
-        "stage3_param_persistence_threshold": 0,
-        "offload_optimizer": {
-            "device": optim,
-            "nvme_path": str(tmp_path),
-            "buffer_count": 4,
-            "pin_memory": True,
-            "max_in_cpu": 0,  # every sub-group on NVMe, as the estimate's default
-        },
-        "offload_param": {
-            "device": param,
-            "nvme_path": str(tmp_path),
-            "pin_memory": True,
-            "max_in_cpu": 0,  # every partition really in its swap file
-            "buffer_count": 3,
-            "buffer_size": 50_000,
-        },
-    }
-    return {
-        "train_micro_batch_size_per_gpu": 2,
-        "bf16": {"enabled": True},
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-        "zero_optimization": zo,
-    }
-
-
-def _stage3_setup(count, sub_group: int) -> TrainingSetup:
-    return TrainingSetup(
-        count.params,
-        count.largest_layer_params,
-        precision="bf16",
-        optimizer="adamw",
-        buffers=SwapBufferSettings(
-            optimizer_buffer_count=4,
-            sub_group_size=sub_group,
-            param_buffer_count=3,
-            param_buffer_size=50_000,
-            param_max_in_cpu=0,
-        ),
-    )
-
-
 @pytest.mark.parametrize("param, optim", STAGE3_COMBOS)
 def test_stage3_pinned_and_nvme_bytes_match_the_engine(tmp_path, param, optim, monkeypatch):
     import shutil
@@ -144,7 +99,7 @@ def test_stage3_pinned_and_nvme_bytes_match_the_engine(tmp_path, param, optim, m
     if optim == "nvme" and param == "nvme":
         free = 10**6  # too small for two copies: the engine updates one in place, as the estimate says
         monkeypatch.setattr(optimizer_state, "_disk_free", lambda path: free)
-    config = _stage3_config(tmp_path, param, optim, sub_group)
+    config = stage3_engine_config(tmp_path, param, optim, sub_group)
     if optim == "nvme" and param == "nvme":
         with pytest.warns(UserWarning, match="not enough for two copies"):
             engine, _, _, _ = zero.initialize(model=model, config=config)
@@ -157,7 +112,7 @@ def test_stage3_pinned_and_nvme_bytes_match_the_engine(tmp_path, param, optim, m
         pinned, nvme = engine.pinned_bytes, engine.nvme_bytes
     finally:
         engine.close()
-    est = estimate(_stage3_setup(count, sub_group), 3, optim, param, nvme_free_bytes=free)
+    est = estimate(stage3_setup(count, sub_group), 3, optim, param, nvme_free_bytes=free)
     # the engine pads each swap file (2 units), swap region (43 chunks) and pinned block to 4 KiB
     assert 0 <= pinned - est.per_cpu_pinned_bytes <= PADDING_ALLOWANCE, (pinned, est.per_cpu_pinned_bytes)
     assert 0 <= nvme - est.nvme_bytes <= PADDING_ALLOWANCE, (nvme, est.nvme_bytes)

@@ -8,9 +8,8 @@ import os
 
 import pytest
 import torch
+from engine_helpers import DATA, TINY, base_config, make_model, s3_config
 from safetensors.torch import load_file
-from test_engine import DATA, TINY, base_config, make_model
-from test_stage3_engine import s3_config
 
 import zero
 from zero.examples.models import get_batch

@@ -19,7 +19,7 @@ from offload.aio import AioError
 
 transformers = pytest.importorskip("transformers")
 
-from test_inference_stream import BATCH, NEW_TOKENS, PROMPT, VOCAB, llama  # noqa: E402
+from stream_helpers import BATCH, NEW_TOKENS, PROMPT, VOCAB, llama  # noqa: E402
 
 
 def gpt2():

@@ -1,13 +1,17 @@
-"""Loss scaling: scale sequences for scripted overflow patterns, worked out by hand from DeepSpeed's rules."""
+"""Loss scaling: scale sequences for scripted overflow patterns, worked out by hand from DeepSpeed's rules;
+and a static `fp16.loss_scale` driven through zero.initialize (the scale the engine reports, gradients
+unscaled against a torch loop, and an underflow only the configured scale survives)."""
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import List
 
 import pytest
 import torch
 
+import zero
 from offload.config import load_config
 from zero.optimizer.loss_scaler import (
     DynamicLossScaler,
@@ -142,3 +146,100 @@ def test_has_overflow_large_finite_fp16_is_not_overflow() -> None:
     big = torch.full((1000,), 65504.0, dtype=torch.float16)
     assert not has_overflow([big])
     assert not has_overflow([torch.zeros(0), torch.arange(10)])  # empty and integer tensors are skipped
+
+
+# ----------------------------------------------------------------------------- static scale in the engine
+STATIC = 128.0
+LR = 1e-3
+
+
+def fp16_config(offload: str, tmp_path, eps: float = 1e-8, weight_decay: float = 0.1) -> dict:
+    zo: dict = {"stage": 0, "sub_group_size": 1024}
+    if offload != "none":
+        zo["offload_optimizer"] = {"device": offload}
+        if offload == "nvme":
+            zo["offload_optimizer"].update(nvme_path=str(tmp_path), max_in_cpu=0)
+    return {
+        "train_micro_batch_size_per_gpu": 4,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": LR, "betas": [0.9, 0.95], "eps": eps, "weight_decay": weight_decay},
+        },
+        "zero_optimization": zo,
+        "fp16": {"enabled": True, "loss_scale": STATIC},
+    }
+
+
+def mlp(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
+
+
+def batch(step: int):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(4, 16, generator=g).half(), torch.randn(4, 8, generator=g).half()
+
+
+def mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return (out.float() - y.float()).pow(2).mean()
+
+
+@pytest.mark.parametrize("offload", ["none", "cpu", "nvme"])
+def test_static_loss_scale_through_the_engine_matches_a_torch_loop(tmp_path, offload) -> None:
+    """fp16 with `loss_scale: 128`: the engine reports 128 at every step and never changes it; its
+    gradients are those of `loss * 128` in fp16, divided by 128 in fp32 (the global norm it reports equals
+    the torch loop's), and its fp32 master weights follow torch.optim.AdamW stepping that loop."""
+    model = mlp()
+    ref_model = copy.deepcopy(model).half()
+    master = [torch.nn.Parameter(p.detach().float().clone()) for p in model.parameters()]
+    opt = torch.optim.AdamW(master, lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    engine, *_ = zero.initialize(model=model, config=fp16_config(offload, tmp_path))
+    assert engine.loss_scale == STATIC and next(engine.module.parameters()).dtype == torch.float16
+    for step in range(6):
+        x, y = batch(step)
+        loss = mse(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+
+        ref_loss = mse(ref_model(x), y)
+        (ref_loss * STATIC).backward()
+        grads = [p.grad.float() / STATIC for p in ref_model.parameters()]
+        ref_norm = float(torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in grads])))
+        for m, g in zip(master, grads):
+            m.grad = g
+        opt.step()
+        with torch.no_grad():
+            for p, m in zip(ref_model.parameters(), master):
+                p.copy_(m)
+                p.grad = None
+
+        assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-3, abs=1e-5)
+        assert engine.get_global_grad_norm() == pytest.approx(ref_norm, rel=1e-5)
+        rep = engine.last_report
+        assert (rep.loss_scale, rep.skipped, engine.loss_scale) == (STATIC, False, STATIC)
+    got = engine.optimizer.state_dict()["master"][: engine.trainable_numel]
+    want = torch.cat([m.detach().reshape(-1) for m in master])
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-5)  # the CPU kernels' rounding against torch
+    assert engine.skipped_steps == 0
+    engine.close()
+
+
+def test_static_loss_scale_rescues_gradients_that_underflow_fp16(tmp_path) -> None:
+    """Gradients of 2**-26 per output are 0 in fp16; scaled by 128 they are 2**-19 (a subnormal, exact),
+    so only the configured scale lets this step see them. With x = 1 every weight's gradient is exactly
+    4 * 2**-26 = 2**-24 after unscaling, and AdamW's first step (eps 1e-20, no decay) moves every weight by
+    exactly lr; a scale of 1 would leave the gradients zero and the weights where they were."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4, bias=False)
+    init = model.weight.detach().reshape(-1).clone()
+    engine, *_ = zero.initialize(
+        model=model, config=fp16_config("cpu", tmp_path, eps=1e-20, weight_decay=0.0)
+    )
+    out = engine(torch.ones(4, 8, dtype=torch.float16))
+    engine.backward(out.float().sum() * 2**-26)
+    engine.step()
+    assert engine.last_report.loss_scale == STATIC and not engine.last_report.skipped
+    assert engine.get_global_grad_norm() == pytest.approx(math.sqrt(init.numel()) * 2**-24, rel=1e-6)
+    moved = engine.optimizer.state_dict()["master"][: init.numel()] - init
+    torch.testing.assert_close(moved, torch.full_like(init, -LR), rtol=1e-4, atol=0)
+    engine.close()

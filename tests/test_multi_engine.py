@@ -4,12 +4,11 @@ trained alternately, each exactly as when it trains alone."""
 
 from __future__ import annotations
 
+import engine_helpers
 import pytest
-import test_engine
-import test_stage3_engine
 import torch
-from test_engine import TINY
-from test_stage3_helpers import MLP, s3_config
+from engine_helpers import TINY
+from stage3_helpers import MLP, s3_config
 from torch import nn
 
 import zero
@@ -22,7 +21,7 @@ def _build(seed: int) -> MLP:
 
 
 def _cfg(tier: str, tmp) -> dict:
-    cfg = test_stage3_engine.s3_config(tier, tier, tmp)
+    cfg = engine_helpers.s3_config(tier, tier, tmp)
     cfg["train_micro_batch_size_per_gpu"] = 8
     return cfg
 
@@ -109,7 +108,7 @@ def test_two_init_blocks_two_engines(tmp_path):
 @pytest.mark.slow
 def test_two_gpts_under_one_init_on_nvme(tmp_path):
     """The same with the GPT of the engine tests, parameters and optimizer state on NVMe."""
-    cfg = test_stage3_engine.s3_config("nvme", "nvme", tmp_path)
+    cfg = engine_helpers.s3_config("nvme", "nvme", tmp_path)
     with zero.Init(config=cfg):
         torch.manual_seed(0)
         actor = GPT(TINY)
@@ -119,8 +118,8 @@ def test_two_gpts_under_one_init_on_nvme(tmp_path):
     eb, *_ = zero.initialize(model=ref, config=cfg)
     la, lb = [], []
     for step in range(3):
-        la += test_engine.train(ea, 1, start=step)
-        lb += test_engine.train(eb, 1, start=50 + step)
+        la += engine_helpers.train(ea, 1, start=step)
+        lb += engine_helpers.train(eb, 1, start=50 + step)
     ea.close()
     eb.close()
     for seed, start, got in ((0, 0, la), (1, 50, lb)):
@@ -128,7 +127,7 @@ def test_two_gpts_under_one_init_on_nvme(tmp_path):
             torch.manual_seed(seed)
             alone = GPT(TINY)
         eng, *_ = zero.initialize(model=alone, config=cfg)
-        assert test_engine.train(eng, 3, start=start) == got
+        assert engine_helpers.train(eng, 3, start=start) == got
         eng.close()
 
 

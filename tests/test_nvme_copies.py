@@ -15,8 +15,8 @@ import warnings
 
 import pytest
 import torch
-from test_engine import DATA, TINY, base_config, make_model, train
-from test_state_integrity import fail_nth_write
+from engine_helpers import DATA, TINY, base_config, make_model, train
+from state_helpers import fail_nth_write
 
 import zero
 from offload.config import ConfigError, load_config

@@ -15,66 +15,16 @@ import threading
 
 import pytest
 import torch
-from swap_helpers import train_steps
+from overlap_helpers import MODEL, SUB, overlap_config, overlap_run
 
 import zero
 from offload.pinned import PinnedPool
 from offload.swap import OptimizerSwapper, SwapSpace
-from zero.examples.models import GPT, GPTConfig, corpus_bytes, get_batch
+from zero.examples.models import GPT, corpus_bytes, get_batch
 from zero.layout.partition import FlatParams, GradReadiness
 
-MODEL = GPTConfig(vocab_size=256, seq_len=16, n_layer=2, n_head=2, d_model=32)
-
-
-SUB = 8192
 RESIDENT = 3 * SUB  # max_in_cpu of the split cases: the first 3 sub-groups stay in pinned RAM
 IN_RAM = [0, RESIDENT]
-
-
-def _config(nvme: str, pipeline: bool, dtype: str = "fp32", in_ram: int = 0, **extra: object) -> dict:
-    cfg: dict = {
-        "train_micro_batch_size_per_gpu": 2,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
-        "zero_optimization": {
-            "stage": 2,
-            "sub_group_size": SUB,  # about 8 sub-groups: several become ready at different times
-            "offload_optimizer": {
-                "device": "nvme",
-                "nvme_path": nvme,
-                "buffer_count": 3,
-                "max_in_cpu": in_ram,
-                "pipeline_read": pipeline,
-                "pipeline_write": pipeline,
-            },
-        },
-    }
-    if dtype == "bf16":
-        cfg["bf16"] = {"enabled": True}
-    if dtype == "fp16":
-        # 2**20 overflows the first steps of this model by a wide margin (here the first 5: 2**16 is the
-        # last that overflows, and where fp16 matmuls round otherwise that edge moves): the scaler halves
-        # it, later steps go through.
-        cfg["fp16"] = {"enabled": True, "initial_scale_power": 20, "loss_scale_window": 2}
-    cfg.update(extra)
-    return cfg
-
-
-def _train(cfg: dict, steps: int, gas: int = 1):
-    torch.manual_seed(0)
-    engine = zero.initialize(model=GPT(MODEL), config=dict(cfg, gradient_accumulation_steps=gas))[0]
-    losses = train_steps(engine, corpus_bytes(), 2, MODEL.seq_len, steps * gas)
-    params = torch.cat([p.detach().float().reshape(-1) for p in engine.module.parameters()])
-    state = engine.optimizer.state_dict()
-    out = {
-        "losses": losses,
-        "params": params,
-        "state": state,
-        "skipped": engine.skipped_steps,
-        "early": engine.overlap.enabled,
-        "report": engine.last_report,
-    }
-    engine.close()
-    return out
 
 
 def _same(a: dict, b: dict) -> None:
@@ -89,9 +39,10 @@ def _same(a: dict, b: dict) -> None:
 @pytest.mark.parametrize("in_ram", IN_RAM)
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_overlapped_steps_match_steps_after_backward(tmp_path, dtype, in_ram, device):
-    plain = _train(_config(str(tmp_path), False, dtype, in_ram), steps=3)
-    overlapped = _train(_config(str(tmp_path), True, dtype, in_ram), steps=3)
+    plain = overlap_run(overlap_config(str(tmp_path), False, dtype, in_ram), steps=3)
+    overlapped = overlap_run(overlap_config(str(tmp_path), True, dtype, in_ram), steps=3)
     assert not plain["early"] and overlapped["early"]
+    assert plain["overlapped"] == [False] * 3 and overlapped["overlapped"] == [True] * 3
     _same(plain, overlapped)
     rep = overlapped["report"]
     assert rep.nvme_read_bytes > 0 and rep.nvme_write_bytes > 0
@@ -105,7 +56,7 @@ def test_overlapped_steps_match_steps_after_backward(tmp_path, dtype, in_ram, de
 def test_split_state_steps_its_swapped_share_during_backward(tmp_path):
     """max_in_cpu: the swapped sub-groups beat backward's end, the resident ones are stepped after it."""
     torch.manual_seed(0)
-    engine = zero.initialize(model=GPT(MODEL), config=_config(str(tmp_path), True, in_ram=RESIDENT))[0]
+    engine = zero.initialize(model=GPT(MODEL), config=overlap_config(str(tmp_path), True, in_ram=RESIDENT))[0]
     info = engine.optimizer_state_info()
     assert engine.overlap.enabled and info.resident_numel == RESIDENT and info.swapped_numel > 2 * SUB
     swapped_chunks = info.chunks - RESIDENT // SUB  # the resident share walks whole sub-groups
@@ -126,8 +77,11 @@ def test_split_state_steps_its_swapped_share_during_backward(tmp_path):
 
 @pytest.mark.parametrize("in_ram", IN_RAM)
 def test_overlap_with_gradient_accumulation(tmp_path, in_ram, device):
-    plain = _train(_config(str(tmp_path), False, in_ram=in_ram), steps=2, gas=2)
-    overlapped = _train(_config(str(tmp_path), True, in_ram=in_ram), steps=2, gas=2)
+    plain = overlap_run(overlap_config(str(tmp_path), False, in_ram=in_ram), steps=2, gas=2)
+    overlapped = overlap_run(overlap_config(str(tmp_path), True, in_ram=in_ram), steps=2, gas=2)
+    # every window's last backward ran the pass (the first one only accumulated), the other run's step did
+    assert overlapped["overlapped"] == [True, True] and plain["overlapped"] == [False, False]
+    assert overlapped["state"]["step"] == 2  # one update per window
     _same(plain, overlapped)
 
 
@@ -135,9 +89,10 @@ def test_overlap_with_gradient_accumulation(tmp_path, in_ram, device):
 def test_overflow_in_overlapped_pass_is_undone(tmp_path, in_ram, device):
     """fp16: the fused finite check stops the speculative pass; nothing is committed, params restored.
     A split state checks its resident share's gradients before stepping it in place."""
-    plain = _train(_config(str(tmp_path), False, "fp16", in_ram), steps=8)
-    overlapped = _train(_config(str(tmp_path), True, "fp16", in_ram), steps=8)
+    plain = overlap_run(overlap_config(str(tmp_path), False, "fp16", in_ram), steps=8)
+    overlapped = overlap_run(overlap_config(str(tmp_path), True, "fp16", in_ram), steps=8)
     assert 0 < overlapped["skipped"] < 8  # some steps overflowed and were undone, later ones went through
+    assert overlapped["overlapped"] == [True] * 8  # each of them during backward
     _same(plain, overlapped)
 
 
@@ -147,8 +102,8 @@ def test_speculative_steps_with_clipping_match_steps_after_backward(tmp_path, cl
     """With clipping the sub-groups are stepped during backward with coefficient 1 and validated after
     it (zero/optimizer/speculative.py): kept when clipping does not trigger, undone from the old NVMe copy
     and redone with the true coefficient when it does - bit-identical to stepping after backward."""
-    plain = _train(_config(str(tmp_path), False, in_ram=in_ram, gradient_clipping=clip), steps=3)
-    spec = _train(_config(str(tmp_path), True, in_ram=in_ram, gradient_clipping=clip), steps=3)
+    plain = overlap_run(overlap_config(str(tmp_path), False, in_ram=in_ram, gradient_clipping=clip), steps=3)
+    spec = overlap_run(overlap_config(str(tmp_path), True, in_ram=in_ram, gradient_clipping=clip), steps=3)
     assert spec["early"]
     _same(plain, spec)
     assert spec["state"]["step"] == 3
@@ -162,16 +117,16 @@ def test_speculative_steps_with_clipping_match_steps_after_backward(tmp_path, cl
 
 @pytest.mark.parametrize("clip", [0.05, 1e6], ids=["clipping-triggers", "clipping-idle"])
 def test_speculative_steps_with_clipping_and_accumulation(tmp_path, clip):
-    plain = _train(_config(str(tmp_path), False, gradient_clipping=clip), steps=2, gas=2)
-    spec = _train(_config(str(tmp_path), True, gradient_clipping=clip), steps=2, gas=2)
+    plain = overlap_run(overlap_config(str(tmp_path), False, gradient_clipping=clip), steps=2, gas=2)
+    spec = overlap_run(overlap_config(str(tmp_path), True, gradient_clipping=clip), steps=2, gas=2)
     _same(plain, spec)
 
 
 @pytest.mark.parametrize("in_ram", IN_RAM)
 def test_speculative_steps_with_clipping_and_fp16_overflow(tmp_path, in_ram):
     """fp16 with clipping: overflowing steps are dropped and skipped, the others validated as above."""
-    plain = _train(_config(str(tmp_path), False, "fp16", in_ram, gradient_clipping=0.5), steps=8)
-    spec = _train(_config(str(tmp_path), True, "fp16", in_ram, gradient_clipping=0.5), steps=8)
+    plain = overlap_run(overlap_config(str(tmp_path), False, "fp16", in_ram, gradient_clipping=0.5), steps=8)
+    spec = overlap_run(overlap_config(str(tmp_path), True, "fp16", in_ram, gradient_clipping=0.5), steps=8)
     assert spec["early"] and 0 < spec["skipped"] < 8
     _same(plain, spec)
     assert spec["report"].optimizer_chunks_redone + spec["report"].optimizer_chunks_in_backward > 0
@@ -180,7 +135,7 @@ def test_speculative_steps_with_clipping_and_fp16_overflow(tmp_path, in_ram):
 @pytest.mark.parametrize("in_ram", IN_RAM)
 def test_state_dict_between_backward_and_step_sees_committed_state(tmp_path, in_ram, device):
     torch.manual_seed(0)
-    engine = zero.initialize(model=GPT(MODEL), config=_config(str(tmp_path), True, in_ram=in_ram))[0]
+    engine = zero.initialize(model=GPT(MODEL), config=overlap_config(str(tmp_path), True, in_ram=in_ram))[0]
     data = corpus_bytes()
     x, y = (t.to(engine.device) for t in get_batch(data, 2, MODEL.seq_len, 0))
     before = [p.detach().clone() for p in engine.module.parameters()]
@@ -190,6 +145,7 @@ def test_state_dict_between_backward_and_step_sees_committed_state(tmp_path, in_
     assert torch.equal(mid["master"], committed["master"]) and mid["step"] == 0
     assert all(torch.equal(a, p.detach()) for a, p in zip(before, engine.module.parameters()))
     engine.step()  # the update then runs after backward, from the same gradients
+    assert not engine.last_report.optimizer_overlapped
     assert engine.optimizer.state_dict()["step"] == 1
     assert not all(torch.equal(a, p.detach()) for a, p in zip(before, engine.module.parameters()))
     engine.close()
@@ -198,7 +154,7 @@ def test_state_dict_between_backward_and_step_sees_committed_state(tmp_path, in_
 @pytest.mark.parametrize("in_ram", IN_RAM)
 def test_failed_backward_cancels_the_pass(tmp_path, in_ram, device):
     torch.manual_seed(0)
-    engine = zero.initialize(model=GPT(MODEL), config=_config(str(tmp_path), True, in_ram=in_ram))[0]
+    engine = zero.initialize(model=GPT(MODEL), config=overlap_config(str(tmp_path), True, in_ram=in_ram))[0]
     data = corpus_bytes()
     x, y = (t.to(engine.device) for t in get_batch(data, 2, MODEL.seq_len, 0))
     before = [p.detach().clone() for p in engine.module.parameters()]
@@ -219,7 +175,7 @@ def test_sub_groups_are_stepped_while_backward_runs(tmp_path):
     A hook on the position embedding (its gradient comes last in backward) holds backward until the pass
     reports an updated chunk, so the order does not depend on thread scheduling."""
     torch.manual_seed(0)
-    engine = zero.initialize(model=GPT(MODEL), config=_config(str(tmp_path), True))[0]
+    engine = zero.initialize(model=GPT(MODEL), config=overlap_config(str(tmp_path), True))[0]
     chunks = engine.optimizer_state_info().chunks
     assert engine.overlap.enabled and chunks > 2
     seen = []

@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from test_engine import DATA, TINY, base_config, make_model
+from engine_helpers import DATA, TINY, base_config, make_model
 
 import zero
 from offload.config import load_config

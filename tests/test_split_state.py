@@ -23,8 +23,8 @@ import math
 import pytest
 import torch
 from dist_helpers import run_on_ranks
-from test_engine import DATA, TINY, base_config, make_model, train
-from test_state_integrity import assert_same, fail_nth_write, weights
+from engine_helpers import DATA, TINY, make_model, train
+from state_helpers import MICRO, SUB, assert_same, config, device_share, fail_nth_write, weights
 
 import zero
 from offload.config.zero import OffloadOptimizerConfig
@@ -33,27 +33,6 @@ from offload.swap.split import auto_max_in_cpu, host_granule, split_numel, swap_
 from zero import StateCorruptedError
 from zero.examples.models import get_batch
 from zero.optimizer.tiers.split import plan_split
-
-SUB = 4096  # sub_group_size: about 11 sub-groups for the tiny GPT
-MICRO = 8  # micro-batches per run: 4 optimizer steps at gradient_accumulation_steps 2
-
-
-def config(
-    offload: str, tmp, stage: int, ratio: float = 1.0, max_in_cpu=0, fp16: bool = True, clip=0.5, **extra
-):
-    cfg = base_config(
-        offload, tmp, stage=stage, gradient_accumulation_steps=2, gradient_clipping=clip, **extra
-    )
-    if fp16:
-        cfg["fp16"] = {"enabled": True, "initial_scale_power": 12}
-    zo = cfg["zero_optimization"]
-    zo["sub_group_size"] = SUB
-    zo["offload_optimizer"]["ratio"] = ratio
-    if offload == "nvme":
-        zo["offload_optimizer"]["max_in_cpu"] = max_in_cpu
-    if stage == 3:
-        zo["stage3_param_persistence_threshold"] = 0
-    return cfg
 
 
 def run(cfg, micro: int = MICRO):
@@ -79,12 +58,6 @@ def assert_same_run(a: dict, b: dict) -> None:
     assert torch.equal(a["state"]["master"], b["state"]["master"])
     assert all(torch.equal(x, y) for x, y in zip(a["state"]["states"], b["state"]["states"]))
     assert a["state"]["step"] == b["state"]["step"]
-
-
-def device_share(numel: int, ratio: float) -> int:
-    """Twin-Flow: ceil(ratio x sub-groups) offloaded, the sub-groups before them on the device."""
-    n_sub = math.ceil(numel / SUB)
-    return min(numel, (n_sub - math.ceil(ratio * n_sub)) * SUB)
 
 
 # ------------------------------------------------------------------------------------------- Twin-Flow
@@ -386,7 +359,7 @@ def test_estimator_rows_follow_the_split():
 def test_estimate_of_the_split_matches_the_engine(tmp_path, param):
     """Stage 3, NVMe optimizer state with half of it in pinned RAM: the engine's pinned and NVMe bytes are
     the estimate's (apply_split over the formulas' row), as tests/test_estimate_engine.py checks unsplit."""
-    from test_estimate_engine import PADDING_ALLOWANCE, _stage3_config, _stage3_setup
+    from estimate_helpers import PADDING_ALLOWANCE, stage3_engine_config, stage3_setup
 
     from offload.estimate.counting import count_parameters
     from offload.estimate.formulas import estimate
@@ -397,7 +370,7 @@ def test_estimate_of_the_split_matches_the_engine(tmp_path, param):
     model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256))
     count = count_parameters(model)
     half = count.params // 2
-    config = _stage3_config(tmp_path, param, "nvme", sub_group)
+    config = stage3_engine_config(tmp_path, param, "nvme", sub_group)
     config["zero_optimization"]["offload_optimizer"]["max_in_cpu"] = half
     engine, *_ = zero.initialize(model=model, config=config)
     try:
@@ -407,7 +380,7 @@ def test_estimate_of_the_split_matches_the_engine(tmp_path, param):
         read = engine.last_report.nvme_read_bytes
     finally:
         engine.close()
-    setup = _stage3_setup(count, sub_group)
+    setup = stage3_setup(count, sub_group)
     est = apply_split(estimate(setup, 3, "nvme", param), setup, max_in_cpu=half)
     assert info.resident_numel == half // host_granule(sub_group) * host_granule(sub_group) > 0
     assert 0 <= pinned - est.per_cpu_pinned_bytes <= PADDING_ALLOWANCE, (pinned, est.per_cpu_pinned_bytes)

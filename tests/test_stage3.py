@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_stage3_helpers import MLP, SharedModuleLM, TiedLM, TwiceMLP, attach, s3_config
+from stage3_helpers import MLP, SharedModuleLM, TiedLM, TwiceMLP, attach, s3_config
 
 from offload.swap.resident import resident_plan
 from zero.examples.models import GPT, GPTConfig

@@ -8,14 +8,14 @@ import os
 
 import pytest
 import torch
-from test_engine import (
+from engine_helpers import (
     DATA,
     STEPS,
     TINY,
     assert_close_trajectory,
     base_config,
     make_model,
-    reference,  # noqa: F401 - module-scoped fixture: the torch AdamW run
+    s3_config,
     torch_reference,
     train,
 )
@@ -26,17 +26,6 @@ from zero.layout.units import UnitLayout
 from zero.stage3 import Stage3PinnedBudgetError
 
 TIERS = ["none", "cpu", "nvme"]
-
-
-def s3_config(param: str, optim: str, tmp, **extra):
-    cfg = base_config(optim, tmp, stage=3, **extra)
-    zo = cfg["zero_optimization"]
-    # persistence 0: every unit is gathered and freed per module, the path large models take
-    zo["stage3_param_persistence_threshold"] = zo.get("stage3_param_persistence_threshold", 0)
-    if param != "none":
-        # max_in_cpu 0: every partition really lives in its swap file (the default keeps 1e9 in memory)
-        zo["offload_param"] = {"device": param, "nvme_path": str(tmp), "max_in_cpu": 0}
-    return cfg
 
 
 def full_params(engine) -> dict:
@@ -52,7 +41,7 @@ def assert_params_match(engine, ref_model, atol=2e-5):
 
 @pytest.mark.parametrize("optim", TIERS)
 @pytest.mark.parametrize("param", TIERS)
-def test_matches_torch_adamw(tmp_path, reference, param, optim):  # noqa: F811
+def test_matches_torch_adamw(tmp_path, reference, param, optim):
     ref_losses, ref_model = reference
     engine, opt, loader, sched = zero.initialize(model=make_model(), config=s3_config(param, optim, tmp_path))
     assert isinstance(engine.layout, UnitLayout) and opt is engine.optimizer
@@ -81,7 +70,7 @@ def test_matches_torch_adamw(tmp_path, reference, param, optim):  # noqa: F811
 
 
 @pytest.mark.slow  # tests/test_engine.py shows the same for stages 0-2 in the default run
-def test_one_wrong_step_is_caught(tmp_path, reference):  # noqa: F811
+def test_one_wrong_step_is_caught(tmp_path, reference):
     """The tolerance is meaningful at stage 3 too: one skipped batch fails it."""
     ref_losses, _ = reference
     engine, *_ = zero.initialize(model=make_model(), config=s3_config("nvme", "nvme", tmp_path))
@@ -249,7 +238,7 @@ def test_save_16bit_model_needs_the_gather_key_at_stage3(tmp_path, caplog):
     engine.close()
 
 
-def test_init_built_model_trains_like_torch(tmp_path, reference):  # noqa: F811
+def test_init_built_model_trains_like_torch(tmp_path, reference):
     """zero.Init: the model is partitioned to NVMe while it is built and draws the same random numbers."""
     ref_losses, _ = reference
     cfg = s3_config("nvme", "nvme", tmp_path)
@@ -285,7 +274,7 @@ def test_pinned_budget_too_small_for_largest_layer_fails_at_initialize(tmp_path)
     assert "tok" in str(err.value) or "blocks" in str(err.value)  # names the layer
 
 
-def test_in_place_optimizer_state_when_the_disk_is_short(tmp_path, monkeypatch, reference):  # noqa: F811
+def test_in_place_optimizer_state_when_the_disk_is_short(tmp_path, monkeypatch, reference):
     """One NVMe copy of the optimizer state (ZeRO-Infinity scale): same numbers, half the disk."""
     from zero.optimizer.tiers import build as optimizer_state
 

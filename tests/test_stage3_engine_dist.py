@@ -7,8 +7,7 @@ import os
 
 import pytest
 import torch
-from dist_helpers import run_on_ranks
-from test_engine_dist import GLOBAL_BATCH, LOSS_ATOL, PARAM_ATOL, STEPS, TINY, make_config
+from dist_helpers import GLOBAL_BATCH, LOSS_ATOL, PARAM_ATOL, STEPS, TINY, make_config, run_on_ranks
 
 import zero
 from zero.examples.models import GPT, corpus_bytes, get_batch

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from test_stage3_helpers import MLP, GradCollector, s3_config
+from stage3_helpers import MLP, GradCollector, s3_config
 from torch import nn
 
 from offload.pinned import PinnedPool

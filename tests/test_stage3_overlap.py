@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_helpers import DATA, TINY, make_model, s3_config
 from swap_helpers import train_steps
-from test_engine import DATA, TINY, make_model
-from test_stage3_engine import s3_config
 
 import zero
 from zero.examples.models import get_batch

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_stage3_helpers import TiedLM, TwiceMLP, attach, s3_config
+from stage3_helpers import TiedLM, TwiceMLP, attach, s3_config
 
 from zero.examples.models import GPT, GPTConfig
 

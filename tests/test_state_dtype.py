@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_engine import DATA, TINY, base_config, make_model, torch_reference, train
+from engine_helpers import DATA, TINY, base_config, make_model, torch_reference, train
 
 import zero
 from offload.config import ConfigError, load_config

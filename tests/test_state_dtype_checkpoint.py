@@ -14,7 +14,7 @@ import warnings
 
 import pytest
 import torch
-from test_engine import base_config, make_model, train
+from engine_helpers import base_config, make_model, train
 
 import zero
 from offload import ops

@@ -21,7 +21,8 @@ import os
 
 import pytest
 import torch
-from test_engine import DATA, TINY, base_config, make_model, train
+from engine_helpers import DATA, TINY, base_config, make_model, train
+from state_helpers import assert_same, fail_nth_write, weights
 
 import zero
 from zero import StateCorruptedError
@@ -43,46 +44,6 @@ def one_copy(monkeypatch) -> None:
     from zero.optimizer.tiers import build as optimizer_state
 
     monkeypatch.setattr(optimizer_state, "_disk_free", lambda path: 1)
-
-
-def weights(engine) -> dict:
-    return {k: v.clone() for k, v in zero.consolidated_state_dict(engine).items()}
-
-
-def assert_same(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
-
-
-def fail_nth_write(swapper, nth: int) -> dict:
-    """From now on, the nth chunk write the swapper queues writes only its first half and the next wait on
-    its handle reports EIO naming the swap file: a torn write. Returns a dict that records it firing."""
-    fired: dict = {}
-    count = [0]
-    for h in swapper._handles:
-        real_write = h.async_pwrite
-
-        def write(buf, path, offset=0, h=h, real_write=real_write):
-            count[0] += 1
-            if count[0] != nth:
-                return real_write(buf, path, offset)
-            half = buf.view(torch.uint8)[: buf.numel() * buf.element_size() // 2]
-            res = real_write(half, path, offset)
-            real_wait = h.wait
-            name = getattr(path, "path", path)  # a SwapFile: the core's errors name its path
-
-            def failing_wait():
-                real_wait()
-                del h.wait  # once
-                raise OSError(errno.EIO, "injected write failure", name)
-
-            h.wait = failing_wait
-            fired.update(path=name, offset=offset)
-            return res
-
-        h.async_pwrite = write
-    return fired
 
 
 def fail_next_reads(swapper, times: int = 1) -> None:

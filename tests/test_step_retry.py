@@ -22,7 +22,7 @@ import subprocess
 
 import pytest
 import torch
-from test_engine import DATA, TINY, make_model
+from engine_helpers import DATA, TINY, make_model
 
 import zero
 from zero.examples.models import get_batch

@@ -15,8 +15,8 @@ import textwrap
 
 import pytest
 import torch
+from overlap_helpers import overlap_config  # the same small stage-2 NVMe config
 from swap_helpers import ENGINE_CHILD_PRELUDE, fill_from, reference_state, run_child, snapshot
-from test_overlap import _config  # the same small stage-2 NVMe config
 
 import zero
 from offload.pinned import PinnedPool
@@ -265,7 +265,7 @@ def test_engine_holds_a_failing_write_back_and_the_one_retry_is_exact(tmp_path):
 
 def _train(nvme: str, pipeline: bool, defer: bool, steps: int, save_dir: str = ""):
     torch.manual_seed(0)
-    engine = zero.initialize(model=GPT(MODEL), config=_config(nvme, pipeline))[0]
+    engine = zero.initialize(model=GPT(MODEL), config=overlap_config(nvme, pipeline))[0]
     assert engine.optimizer_state.defer_writes  # on by default
     engine.optimizer_state.defer_writes = defer
     data = corpus_bytes()
@@ -303,7 +303,7 @@ def test_checkpoint_right_after_step_sees_written_state(tmp_path):
     b = _train(str(nvme), False, defer=False, steps=3)
     assert a["in_flight"][-1]
     torch.manual_seed(1)  # different initial weights: everything must come from the checkpoint
-    fresh = zero.initialize(model=GPT(MODEL), config=_config(str(nvme), False))[0]
+    fresh = zero.initialize(model=GPT(MODEL), config=overlap_config(str(nvme), False))[0]
     fresh.load_checkpoint(str(ckpt), tag="last")
     got = fresh.optimizer.state_dict()
     fresh.close()
@@ -347,7 +347,7 @@ def test_write_back_failing_once_with_steps_during_backward_is_written_again(tmp
 
     ref = _train(str(tmp_path), True, defer=False, steps=4)
     torch.manual_seed(0)
-    e = zero.initialize(model=GPT(MODEL), config=_config(str(tmp_path), True))[0]
+    e = zero.initialize(model=GPT(MODEL), config=overlap_config(str(tmp_path), True))[0]
     assert e.overlap.enabled
     got = [fwd_bwd(e, 0), None]
     e.step()
@@ -371,7 +371,7 @@ def test_write_back_failing_once_with_steps_during_backward_is_written_again(tmp
 
 def test_engine_close_reports_lost_write_back_and_still_removes_swap_files(tmp_path):
     torch.manual_seed(0)
-    e = zero.initialize(model=GPT(MODEL), config=_config(str(tmp_path), False))[0]
+    e = zero.initialize(model=GPT(MODEL), config=overlap_config(str(tmp_path), False))[0]
     x, y = get_batch(corpus_bytes(), 2, MODEL.seq_len, 0)
     e.backward(e(x, y))
     e.step()

@@ -18,8 +18,7 @@ import tempfile
 
 import pytest
 import torch
-from test_engine import make_model, train
-from test_stage3_engine import s3_config
+from engine_helpers import make_model, s3_config, train
 
 import zero
 from offload.swap import SwapSpace, SwapSpaceError, check_nvme_path

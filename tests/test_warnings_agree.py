@@ -8,7 +8,7 @@ import logging
 import warnings
 
 import pytest
-from test_engine import base_config, make_model
+from engine_helpers import base_config, make_model
 
 import zero
 from offload.config import load_config

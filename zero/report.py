@@ -62,6 +62,8 @@ class StepReport:
     host_step_hidden_s: float = 0.0  # of that, what ran while forward/backward did (off the critical path)
     optimizer_chunks_hidden: int = 0  # chunks that pass had updated before the engine waited for it
     delayed_updates: int = 0  # delayed passes applied in this window (0 or 1)
+    # the pass was started during backward (the overlap) and finished by step(); False: it ran after backward
+    optimizer_overlapped: bool = False
     nvme_read_bytes: int = 0
     nvme_write_bytes: int = 0
     device_to_host_bytes: int = 0  # gradients to the host tier
@@ -77,6 +79,7 @@ class StepReport:
 
     @property
     def step_s(self) -> float:
+        """Seconds of the whole window: forward, backward, communication and optimizer phases."""
         return self.forward_s + self.backward_s + self.comm_s + self.optimizer_s
 
     @property
@@ -86,12 +89,14 @@ class StepReport:
         return moved / self.optimizer_s / 1e9 if self.optimizer_s > 0 else 0.0
 
     def as_dict(self) -> Dict[str, Any]:
+        """The fields as a dict, with step_s and nvme_gbps added."""
         d = asdict(self)
         d["step_s"] = self.step_s
         d["nvme_gbps"] = self.nvme_gbps
         return d
 
     def format(self) -> str:
+        """One log line: phase times, NVMe traffic, pinned and swap bytes, checkpointing, a skipped step."""
         parts = [
             f"step {self.step}",
             f"fwd {self.forward_s * 1e3:.1f} ms",
@@ -138,6 +143,7 @@ class PhaseClock:
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
+        """Add the wall time of the `with` block to the current report's field `name`."""
         if self._sync is not None:
             self._sync()
         t0 = time.perf_counter()
@@ -149,6 +155,7 @@ class PhaseClock:
             setattr(self.current, name, getattr(self.current, name) + time.perf_counter() - t0)
 
     def finish(self) -> StepReport:
+        """The current report, replaced by a fresh one."""
         done, self.current = self.current, StepReport()
         return done
 
@@ -183,18 +190,22 @@ class InferenceReport:
 
     @property
     def tokens_per_s(self) -> float:
+        """Tokens per second of forward time (0 before any forward)."""
         return self.tokens / self.forward_s if self.forward_s > 0 else 0.0
 
     @property
     def s_per_forward(self) -> float:
+        """Seconds per forward (0 before any forward)."""
         return self.forward_s / self.forwards if self.forwards else 0.0
 
     @property
     def nvme_read_bytes_per_forward(self) -> float:
+        """NVMe bytes read per forward (0 before any forward)."""
         return self.nvme_read_bytes / self.forwards if self.forwards else 0.0
 
     @property
     def host_to_device_bytes_per_forward(self) -> float:
+        """Host-to-device bytes per forward (0 before any forward)."""
         return self.host_to_device_bytes / self.forwards if self.forwards else 0.0
 
     @property

@@ -264,6 +264,7 @@ class Comparison:
     fio_cpu_s_per_gb: List[float] = field(default_factory=list)
 
     def as_dict(self) -> Dict[str, Any]:
+        """The comparison as JSON-ready values: the aio settings and the median GB/s of ours and of fio."""
         ours = statistics.median(self.ours_gbps) if self.ours_gbps else None
         theirs = statistics.median(self.fio_gbps) if self.fio_gbps else None
         return {

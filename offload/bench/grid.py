@@ -66,10 +66,13 @@ class AioParams:
     backend: str
 
     def as_dict(self) -> Dict[str, Any]:
+        """The settings as a dict."""
         return asdict(self)
 
     def label(self) -> str:
         # Only the settings that differ from the engine's usual ones are named, to keep lines short.
+        """A short label: backend, block size, queue depth, threads, and the flags that differ from the
+        defaults."""
         text = f"{self.backend} bs={format_size(self.block_size)} qd={self.queue_depth}"
         text += f" t={self.intra_op_parallelism}"
         if self.single_submit:

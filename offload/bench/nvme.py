@@ -38,10 +38,12 @@ class Sample:
 
     @property
     def gbps(self) -> float:
+        """GB/s of this sample."""
         return self.nbytes / self.seconds / GB
 
     @property
     def cpu_s_per_gb(self) -> float:
+        """CPU seconds per GB moved."""
         return self.cpu_seconds / (self.nbytes / GB)
 
 
@@ -54,10 +56,12 @@ class Measurement:
     write: List[Sample] = field(default_factory=list)
 
     def gbps(self, op: str) -> Optional[float]:
+        """Median GB/s of the `op` ("read" or "write") samples; None without any."""
         samples = getattr(self, op)
         return statistics.median(s.gbps for s in samples) if samples else None
 
     def cpu_s_per_gb(self, op: str) -> Optional[float]:
+        """Median CPU seconds per GB of the `op` samples; None without any."""
         samples = getattr(self, op)
         return statistics.median(s.cpu_s_per_gb for s in samples) if samples else None
 
@@ -69,6 +73,7 @@ class Measurement:
         return 2.0 / (1.0 / r + 1.0 / w)
 
     def as_dict(self) -> Dict[str, Any]:
+        """The settings and per-op medians, CPU costs and sample GB/s as JSON-ready values."""
         out: Dict[str, Any] = dict(self.params.as_dict())
         for op in ("read", "write"):
             out[f"{op}_gbps"] = self.gbps(op)
@@ -133,6 +138,7 @@ class BenchFile:
                 pass
 
     def close(self) -> None:
+        """Remove the file and free its pinned buffer; a second call does nothing."""
         cleanup, self._cleanup = self._cleanup, None
         if cleanup is not None:
             cleanup()  # removes the file (once) and drops the registration
@@ -150,6 +156,7 @@ class BenchFile:
 
     @contextmanager
     def handle(self, params: AioParams) -> Iterator[Any]:
+        """An aio handle with `params`, closed on exit."""
         try:
             h = self._aio.Handle(
                 block_size=params.block_size,
@@ -230,6 +237,8 @@ class BenchFile:
         return Sample(seconds=max(t1 - t0, 1e-9), cpu_seconds=cpu1 - cpu0, nbytes=self.size)
 
     def write(self, h: Any) -> Sample:
+        """Time writing the buffer to the file through `h` (fsynced unless O_DIRECT)."""
+
         def body() -> None:
             for off, n in self._chunks():
                 h.pwrite(self._buf.ptr, n, self.path, off, True)
@@ -244,6 +253,7 @@ class BenchFile:
         return self._timed(body)
 
     def read(self, h: Any, what: str) -> Sample:
+        """Time reading the file back through `h` after dropping the page cache, then verify sampled pages."""
         self._sync_and_drop()
         sample = self.pattern.sample(self.npages)
         self.pattern.poison(self.view, sample)

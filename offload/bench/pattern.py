@@ -30,11 +30,13 @@ class Pattern:
         self._rng = np.random.default_rng(seed + 1)
 
     def expected_page(self, index: int) -> np.ndarray:
+        """The bytes page `index` must hold."""
         page = self._base[index % _BASE_PAGES].copy()
         page[:16].view(np.uint64)[:] = (self.seed, index)
         return page
 
     def fill(self, buf: np.ndarray) -> None:
+        """Fill `buf` (whole pages) with the pattern, each page stamped with the seed and its index."""
         pages = _pages(buf)
         for start in range(0, len(pages), _BASE_PAGES):
             chunk = pages[start : start + _BASE_PAGES]
@@ -49,14 +51,17 @@ class Pattern:
         return np.unique(np.concatenate([picks, [0, npages - 1]]))
 
     def poison(self, buf: np.ndarray, indices: Sequence[int]) -> None:
+        """Overwrite the pages at `indices` with a poison value (a read must replace them)."""
         _pages(buf)[np.asarray(indices)] = _POISON
 
     def verify(self, buf: np.ndarray, indices: Sequence[int], what: str) -> None:
+        """VerificationError naming `what` unless the pages at `indices` hold the pattern."""
         pages = _pages(buf)
         for i in indices:
             self.verify_page(pages[int(i)], int(i), what)
 
     def verify_page(self, data: np.ndarray, index: int, what: str, file_offset: Optional[int] = None) -> None:
+        """VerificationError (naming `what`, the page, its first wrong byte) unless `data` is page `index`."""
         expected = self.expected_page(index)
         if data.shape == expected.shape and np.array_equal(data, expected):
             return

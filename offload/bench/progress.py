@@ -22,6 +22,7 @@ class Progress:
         self._last_len = 0
 
     def step(self, text: str = "") -> None:
+        """Count one more step and redraw the bar with `text` and the remaining time."""
         self.done = min(self.total, self.done + 1)
         fraction = self.done / self.total
         filled = int(round(fraction * self.width))

@@ -76,6 +76,7 @@ class AioConfig:
         return parse_aio(d, Context(source), "aio")
 
     def to_dict(self) -> Dict[str, Any]:
+        """The settings as a dict of DeepSpeed's `aio` keys."""
         return dataclasses.asdict(self)
 
     def handle(self) -> Any:

@@ -44,10 +44,12 @@ class FP16Config:
 
     @property
     def dynamic_loss_scale(self) -> bool:
+        """Whether the loss scale is dynamic (`loss_scale` 0)."""
         return self.loss_scale == 0
 
     @property
     def initial_dynamic_scale(self) -> float:
+        """The dynamic scaler's first scale: 2 ** initial_scale_power."""
         return float(2**self.initial_scale_power)
 
 

@@ -155,6 +155,7 @@ class OffloadOptimizerConfig:
 
     @property
     def pipeline(self) -> bool:
+        """Whether the optimizer steps during backward (pipeline_read or pipeline_write)."""
         return self.pipeline_read or self.pipeline_write
 
 

@@ -30,6 +30,7 @@ class DeepSpeedRow:
 
     @property
     def options(self) -> str:
+        """The row's options as DeepSpeed's estimator prints them."""
         text = (
             f"stage={self.stage}, offload_optimizer={self.offload_optimizer}, "
             f"offload_param={self.offload_param}"
@@ -39,6 +40,7 @@ class DeepSpeedRow:
         return text
 
     def to_dict(self) -> Dict[str, object]:
+        """The row as JSON-ready values."""
         return {
             "stage": self.stage,
             "offload_optimizer": self.offload_optimizer,

@@ -152,6 +152,7 @@ class InferenceSetup:
 
     @property
     def dtype_bytes(self) -> int:
+        """Bytes per weight element in the setup's precision."""
         return DTYPE_BYTES[self.precision]
 
     def stored_bytes(self, numel: int) -> int:

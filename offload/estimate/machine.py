@@ -118,10 +118,12 @@ class FitCheck:
 
     @property
     def fits(self) -> bool:
+        """Whether no tier is known to be too small."""
         return self.gpu is not False and self.cpu is not False and self.nvme is not False
 
     @property
     def label(self) -> str:
+        """The fit as a table cell: yes, no (the tiers too small) or yes? (the tiers not known)."""
         if not self.fits:
             short = [tier for tier in ("gpu", "cpu", "nvme") if getattr(self, tier) is False]
             return "no (" + ", ".join(short) + ")"
@@ -130,6 +132,7 @@ class FitCheck:
         return "yes" if not unknown else "yes? (" + ", ".join(unknown) + " unknown)"
 
     def to_dict(self) -> Dict[str, object]:
+        """The fit as JSON-ready values."""
         return {
             "fits": self.fits,
             "gpu": self.gpu,

@@ -67,6 +67,7 @@ class CPUAdagrad(CPUOptimizerBase):
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """One Adagrad step of every parameter with a gradient, in the fused CPU kernel; `closure`'s loss."""
         loss = None
         if closure is not None:
             with torch.enable_grad():

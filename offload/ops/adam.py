@@ -81,6 +81,7 @@ class CPUAdam(CPUOptimizerBase):
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """One Adam/AdamW step of each parameter with a gradient in the fused CPU kernel; `closure`'s loss."""
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -133,6 +133,7 @@ class DirFd:
 
     @property
     def fd(self) -> int:
+        """The open directory's descriptor; OSError EBADF once closed."""
         fd = self._fd
         if fd is None:
             raise self._error(errno.EBADF, "the directory was closed", self.path)
@@ -140,9 +141,11 @@ class DirFd:
 
     @property
     def closed(self) -> bool:
+        """Whether the descriptor was closed."""
         return self._fd is None
 
     def close(self) -> None:
+        """Close the descriptor; a second call does nothing."""
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)

@@ -55,6 +55,7 @@ class StateFormat:
 
     @property
     def state_element_bytes(self) -> int:
+        """Bytes per optimizer-state element in this format's dtype."""
         return STATE_DTYPES[self.dtype]
 
     @property

@@ -109,9 +109,11 @@ class NvmeTier(Tier):
     # -- the tier --------------------------------------------------------------------------------------------
 
     def moves(self, t: torch.Tensor) -> bool:
+        """True: every tensor is written to the scratch file."""
         return True
 
     def begin_pass(self) -> _ScratchPass:
+        """A new scratch file for this pass's offloads."""
         p = _ScratchPass(f"pass-{self._passes}.bin")
         self._passes += 1
         return p
@@ -132,6 +134,8 @@ class NvmeTier(Tier):
         return offset
 
     def offload(self, entry: Entry, pass_token: Any) -> int:
+        """Queue the write of `entry`'s bytes to the pass's scratch file (staged through pinned memory from a
+        device); the bytes moved."""
         p: _ScratchPass = pass_token
         offset = self._reserve(p, entry.nbytes)
         length = align_up(entry.nbytes, self._alignment)
@@ -167,6 +171,7 @@ class NvmeTier(Tier):
         return entry.nbytes
 
     def prefetch(self, entry: Entry) -> bool:
+        """Queue the read of `entry` back from the scratch file; False if it was queued already."""
         token = entry.token
         if token[3] is not None:
             return False
@@ -190,6 +195,8 @@ class NvmeTier(Tier):
         return True
 
     def restore(self, entry: Entry) -> torch.Tensor:
+        """Wait for `entry`'s read and return its tensor on its device; a failed read raises RuntimeError
+        naming the file."""
         self.prefetch(entry)
         p, read = entry.token[0], entry.token[3]
         entry.token = None
@@ -208,9 +215,11 @@ class NvmeTier(Tier):
         return entry.from_bytes(out)
 
     def release(self, entry: Entry) -> None:
+        """Forget `entry`: its bytes in the scratch file go with the pass."""
         entry.token = None  # its bytes in the scratch file go with the pass
 
     def end_pass(self, pass_token: Any) -> None:
+        """Delete the pass's scratch file once its queued writes and reads are done."""
         p: _ScratchPass = pass_token
         if p.path is None:
             return
@@ -232,6 +241,7 @@ class NvmeTier(Tier):
             self._submit(lambda: None).result()
 
     def take_io(self) -> Dict[str, int]:
+        """NVMe bytes written and read since the last call (resets the counts)."""
         with self._io_lock:
             out, self._io = self._io, {"nvme_write_bytes": 0, "nvme_read_bytes": 0}
         return out
@@ -241,6 +251,7 @@ class NvmeTier(Tier):
         return [f.path for f in self.space.files]
 
     def close(self) -> None:
+        """Stop the I/O thread after its queued jobs and close the aio handle; later calls do nothing."""
         if self._closed:
             return
         self._closed = True

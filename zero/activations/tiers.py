@@ -154,9 +154,11 @@ class DeviceTier(Tier):
         self._slots: Optional[_Slots] = None
 
     def moves(self, t: torch.Tensor) -> bool:
+        """Whether preallocated device slots are configured (contiguous_memory_optimization)."""
         return self._count is not None
 
     def offload(self, entry: Entry, pass_token: Any) -> int:
+        """Copy `entry` into a device slot (the slots are made on first use); 0 bytes moved off the device."""
         if self._slots is None:
             self._slots = _Slots(self._count, entry.nbytes, entry.device, self._pool)
         index = self._slots.take(entry.nbytes)
@@ -167,14 +169,17 @@ class DeviceTier(Tier):
 
     def restore(self, entry: Entry) -> torch.Tensor:
         # a view of the slot: it is handed back when autograd releases the entry
+        """A view of `entry`'s slot, handed back when autograd releases the entry."""
         return entry.from_bytes(self._slots.buffers[entry.token])
 
     def release(self, entry: Entry) -> None:
+        """Give `entry`'s slot back."""
         if entry.token is not None and self._slots is not None:
             self._slots.give(entry.token)
             entry.token = None
 
     def close(self) -> None:
+        """Free the slots."""
         if self._slots is not None:
             self._slots.close()
 
@@ -212,6 +217,7 @@ class HostBuffers:
         return buf, buf
 
     def give(self, key: Any) -> None:
+        """Return a buffer taken by `take` (a slot index or a pinned tensor) for reuse."""
         with self._lock:
             if isinstance(key, int):
                 self._slots.give(key)
@@ -219,6 +225,7 @@ class HostBuffers:
                 self._free.setdefault(key.numel(), []).append(key)
 
     def close(self) -> None:
+        """Free every pinned buffer and slot back to the pool."""
         with self._lock:
             for bufs in self._free.values():
                 for b in bufs:
@@ -241,6 +248,7 @@ class HostTier(Tier):
         self._streams: Dict[torch.device, Any] = {}
 
     def moves(self, t: torch.Tensor) -> bool:
+        """Whether `t` leaves its device: device tensors always, CPU tensors only into preallocated slots."""
         return t.device.type != "cpu" or self.buffers.preallocated
 
     def side_stream(self, device: torch.device) -> Any:
@@ -250,6 +258,7 @@ class HostTier(Tier):
         return self._streams[device]
 
     def offload(self, entry: Entry, pass_token: Any) -> int:
+        """Copy `entry` into pinned host memory (from a device on a side stream); the bytes moved."""
         t = entry.tensor
         buf, key = self.buffers.take(entry.nbytes)
         if t.device.type == "cpu":
@@ -267,6 +276,7 @@ class HostTier(Tier):
         return entry.nbytes
 
     def prefetch(self, entry: Entry) -> bool:
+        """Start copying a device entry back on a side stream; False if under way already or on the CPU."""
         token = entry.token
         if token[3] is not None or entry.device.type == "cpu":
             return False
@@ -282,6 +292,8 @@ class HostTier(Tier):
         return True
 
     def restore(self, entry: Entry) -> torch.Tensor:
+        """`entry`'s tensor on its device, the compute stream ordered after its copy back; frees the host
+        buffer."""
         if entry.device.type == "cpu":
             # contiguous slots: a view of the pinned slot, handed back when autograd releases the entry
             return entry.from_bytes(entry.token[0])
@@ -293,9 +305,11 @@ class HostTier(Tier):
         return entry.from_bytes(out)
 
     def release(self, entry: Entry) -> None:
+        """Give `entry`'s host buffer back."""
         if entry.token is not None:
             self.buffers.give(entry.token[1])
             entry.token = None
 
     def close(self) -> None:
+        """Free the host buffers."""
         self.buffers.close()

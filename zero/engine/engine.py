@@ -276,6 +276,7 @@ class ZeroEngine(EngineAPI, CheckpointAPI):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # A forward between backward and step() sees the committed weights: the pass that began stepping
         # during backward is dropped (step() then runs the optimizer after all).
+        """The wrapped module's forward (fp16 inputs cast when `fp16.auto_cast`), timed for the report."""
         self._update.drop_overlapped()
         if self.auto_cast:
             args, kwargs = _cast_floats(args, self.dtype), _cast_floats(kwargs, self.dtype)
@@ -283,20 +284,25 @@ class ZeroEngine(EngineAPI, CheckpointAPI):
             return self.module(*args, **kwargs)
 
     def train(self, mode: bool = True) -> ZeroEngine:
+        """Put the module in training mode; returns the engine."""
         self.module.train(mode)
         return self
 
     def eval(self) -> ZeroEngine:
+        """Put the module in evaluation mode; returns the engine."""
         self.module.eval()
         return self
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """The wrapped module's parameters."""
         return self.module.parameters(recurse)
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[Tuple[str, nn.Parameter]]:
+        """The wrapped module's named parameters."""
         return self.module.named_parameters(*args, **kwargs)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
+        """The wrapped module's state dict (stage 3: partitioned; see consolidated_state_dict)."""
         return self.module.state_dict(*args, **kwargs)
 
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -312,24 +318,30 @@ class ZeroEngine(EngineAPI, CheckpointAPI):
         self._boundary = bool(is_boundary)
 
     def gradient_accumulation_steps(self) -> int:
+        """DeepSpeed's: micro-steps per optimizer step."""
         return self.gas
 
     def train_micro_batch_size_per_gpu(self) -> int:
+        """DeepSpeed's: samples per micro-step on one rank."""
         return self.micro_batch_size
 
     def train_batch_size(self) -> int:
+        """DeepSpeed's: samples per optimizer step over all ranks."""
         return self.train_batch_size_
 
     def get_lr(self) -> List[float]:
+        """DeepSpeed's: the learning rate of each param group."""
         if self.optimizer is None:
             return []  # DeepSpeed's answer without an optimizer
         return [float(g["lr"]) for g in self.optimizer.param_groups]
 
     @property
     def loss_scale(self) -> float:
+        """The current fp16 loss scale; 1.0 without fp16."""
         return float(self.loss_scaler.loss_scale) if self.loss_scaler is not None else 1.0
 
     def zero_grad(self) -> None:
+        """Drop the accumulated gradients of the current window."""
         self._update.drop_overlapped()  # it read gradients that are being cleared
         if self.layout.grad_host is not None:
             self.layout.zero_grads()

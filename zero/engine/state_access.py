@@ -85,6 +85,7 @@ class StateAccess:
 
     # ------------------------------------------------------------------------------------ bookkeeping
     def engine_closed(self) -> bool:
+        """Whether the engine was closed or collected."""
         e = self._engine()
         return e is None or e._closed
 
@@ -103,13 +104,16 @@ class StateAccess:
 
     @staticmethod
     def full_numel(p: nn.Parameter) -> int:
+        """Elements of the whole parameter (`ds_numel` of a stage-3 parameter)."""
         return int(getattr(p, "ds_numel", p.numel()))
 
     @staticmethod
     def full_shape(p: nn.Parameter) -> torch.Size:
+        """Shape of the whole parameter (`ds_shape` of a stage-3 parameter)."""
         return getattr(p, "ds_shape", p.shape)
 
     def local_numel(self, p: nn.Parameter) -> int:
+        """Elements of the parameter in this rank's partition."""
         return sum(n for _, _, n in self.frags[id(p)])
 
     def state_index(self, key: Optional[str]) -> int:
@@ -203,6 +207,7 @@ class StateAccess:
         return float(self.world_size) if self.world_size > 1 else 1.0
 
     def read_local_grad(self, p: nn.Parameter) -> torch.Tensor:
+        """This rank's share of the parameter's accumulated gradient (fp32; zeros before a backward)."""
         e = self._engine_open()
         g = self._grad_partition(e)
         out = torch.zeros(self.local_numel(p), dtype=torch.float32, device=g.device)
@@ -213,6 +218,7 @@ class StateAccess:
         return out.div_(self.grad_scale(e)) if self.world_size > 1 else out
 
     def write_local_grad(self, p: nn.Parameter, value: torch.Tensor) -> None:
+        """Replace this rank's share of the parameter's gradient (between backward and step only)."""
         e = self._engine_open()
         if e._window_backwards == 0:
             raise RuntimeError(
@@ -252,6 +258,7 @@ class StateAccess:
         return torch.cat(parts) if parts else flat[:0]
 
     def check_local(self, p: nn.Parameter, value: torch.Tensor) -> torch.Tensor:
+        """`value` as this rank's share of `p`: ValueError when its element count differs."""
         if value.numel() != self.local_numel(p):
             raise ValueError(
                 f"value has {value.numel()} elements, this rank's share of the parameter has "
@@ -260,6 +267,7 @@ class StateAccess:
         return value
 
     def update_grads(self, params: Sequence[nn.Parameter], fn: Callable[[torch.Tensor, Any], Any]) -> None:
+        """Replace each parameter's gradient with `fn(full gradient, parameter)`."""
         for p in params:
             new = fn(self.to_full(p, self.read_local_grad(p)), p)
             self.write_local_grad(p, self.local_of(p, torch.as_tensor(new)))

@@ -49,6 +49,7 @@ class UnusedParameterCheck:
             )
 
     def close(self) -> None:
+        """Remove the gradient hooks."""
         for h in self._hooks:
             h.remove()
         self._hooks = []

@@ -36,6 +36,7 @@ class Linear(nn.Linear):
     under zero.Init, gather every partitioned layer once more to do it."""
 
     def reset_parameters(self) -> None:
+        """GPT-2's initialisation: normal weights (std 0.02), zero bias."""
         nn.init.normal_(self.weight, std=0.02)
         if self.bias is not None:
             nn.init.zeros_(self.bias)
@@ -45,6 +46,7 @@ class Embedding(nn.Embedding):
     """nn.Embedding initialised once with N(0, 0.02) (see Linear)."""
 
     def reset_parameters(self) -> None:
+        """GPT-2's initialisation: normal weights (std 0.02)."""
         nn.init.normal_(self.weight, std=0.02)
 
 
@@ -63,6 +65,7 @@ class Block(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Pre-norm causal self-attention, then the GELU MLP, each added to the residual."""
         b, t, c = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
         q, k, v = (y.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for y in (q, k, v))

@@ -154,44 +154,64 @@ class Layout(Protocol):
     reducer: Any  # stages 1-2 with several ranks: the gradient reducer; else None
     partitioner: Any  # stage 3: the parameter partitioner; else None
 
-    def master_init(self) -> Union[torch.Tensor, Fill]: ...
+    def master_init(self) -> Union[torch.Tensor, Fill]:
+        """The initial fp32 master of the partition: a tensor, or a fill(start, n, out) of its pieces."""
 
-    def param_spans(self) -> List[Tuple[int, int, nn.Parameter]]: ...
+    def param_spans(self) -> List[Tuple[int, int, nn.Parameter]]:
+        """(start, end, parameter) of each parameter's elements in the rank's partition."""
 
-    def master_alias(self) -> Optional[torch.Tensor]: ...
+    def master_alias(self) -> Optional[torch.Tensor]:
+        """The flat parameter buffer's slice the master shares storage with, or None."""
 
-    def make_writer(self, chunk_numel: int) -> ParamWriter: ...
+    def make_writer(self, chunk_numel: int) -> ParamWriter:
+        """The writer that copies updated master chunks into the parameters."""
 
-    def grad_gate(self, chunks: List[Tuple[int, int]]) -> Tuple[GradReadiness, Optional[DeviceGradFetch]]: ...
+    def grad_gate(self, chunks: List[Tuple[int, int]]) -> Tuple[GradReadiness, Optional[DeviceGradFetch]]:
+        """The readiness gate of the optimizer's `chunks` for a pass during backward, and its GPU fetch."""
 
-    def early_grads(self, fetching: bool) -> torch.Tensor: ...
+    def early_grads(self, fetching: bool) -> torch.Tensor:
+        """The gradients a pass during backward reads (`fetching`: a GPU fetch fills them)."""
 
-    def gradients_to_host(self) -> int: ...
+    def gradients_to_host(self) -> int:
+        """Move the partition's gradients into grad_host after backward; the bytes copied."""
 
-    def device_grad(self, grad_scale: float) -> torch.Tensor: ...
+    def device_grad(self, grad_scale: float) -> torch.Tensor:
+        """The partition's gradients on the device as fp32, divided by `grad_scale`."""
 
-    def put_master(self, writer: ParamWriter, tier: Any) -> None: ...
+    def put_master(self, writer: ParamWriter, tier: Any) -> None:
+        """Write the committed master (from `tier`, through `writer`) into the parameters."""
 
-    def master_from_module(self) -> Fill: ...
-
-    @property
-    def gathers_after_step(self) -> bool: ...
-
-    def after_step(self) -> None: ...
-
-    def module_state_dict(self) -> Dict[str, torch.Tensor]: ...
-
-    def master_state_dict(self, master: torch.Tensor) -> Dict[str, torch.Tensor]: ...
-
-    def master_index(self) -> Dict[str, Any]: ...
-
-    def zero_grads(self) -> None: ...
-
-    def take_param_io(self) -> Optional[Dict[str, int]]: ...
+    def master_from_module(self) -> Fill:
+        """fill(start, n, out): the module's current weights of the partition, as fp32."""
 
     @property
-    def param_nvme_bytes(self) -> int: ...
+    def gathers_after_step(self) -> bool:
+        """Whether the updated partitions must be gathered after each step (`after_step`)."""
 
-    def close(self) -> None: ...
+    def after_step(self) -> None:
+        """Gather the updated partitions to every rank where the layout needs it."""
 
-    def describe(self) -> str: ...
+    def module_state_dict(self) -> Dict[str, torch.Tensor]:
+        """The module's state dict on the CPU in the model dtype (collective where partitioned)."""
+
+    def master_state_dict(self, master: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """The trainable parameters by name, from this rank's fp32 `master` (collective where partitioned)."""
+
+    def master_index(self) -> Dict[str, Any]:
+        """What each element of the master is, for readers of checkpoints."""
+
+    def zero_grads(self) -> None:
+        """Zero the gradients for the next accumulation window."""
+
+    def take_param_io(self) -> Optional[Dict[str, int]]:
+        """The parameter tier's I/O counts since the last call; None without a parameter tier."""
+
+    @property
+    def param_nvme_bytes(self) -> int:
+        """Bytes of parameters in NVMe swap files (0 without a parameter tier)."""
+
+    def close(self) -> None:
+        """Remove the hooks and release the layout's buffers."""
+
+    def describe(self) -> str:
+        """One line for logs: the stage and sizes."""

@@ -165,6 +165,7 @@ class FlatLayout:
         return init
 
     def master_alias(self) -> Optional[torch.Tensor]:
+        """The flat buffer's partition slice when the master shares its storage, else None."""
         return self.flat.param_buffer[self.lo : self.hi] if self._aliased else None
 
     def master_from_module(self) -> Fill:
@@ -179,6 +180,7 @@ class FlatLayout:
         return fill
 
     def make_writer(self, chunk_numel: int) -> ParamWriter:
+        """A FlatParamWriter over the partition, staged through the pinned pool on CUDA."""
         cuda = self.place.device.type == "cuda"
         return FlatParamWriter(self.flat, self.lo, self._aliased, chunk_numel, self.pool if cuda else None)
 
@@ -240,6 +242,7 @@ class FlatLayout:
         return self.grad_host.float().div_(grad_scale)
 
     def zero_grads(self) -> None:
+        """Zero the gradient buckets (stage 2) or the flat gradient buffer."""
         if self.buckets is not None:
             self.buckets.zero()  # the next gradients overwrite the partition
             return
@@ -275,13 +278,16 @@ class FlatLayout:
 
     @property
     def gathers_after_step(self) -> bool:
+        """True at stages 1-2 with several ranks: the updated partitions are all-gathered after a step."""
         return self.place.world_size > 1 and self.place.stage >= 1
 
     def take_param_io(self) -> Optional[Dict[str, int]]:
+        """None: the parameters have no tier of their own at stages 0-2."""
         return None
 
     @property
     def param_nvme_bytes(self) -> int:
+        """0: parameters are never on NVMe at stages 0-2."""
         return 0
 
     # ------------------------------------------------------------------------------- state dicts
@@ -326,5 +332,6 @@ class FlatLayout:
         self.grad_host = None  # type: ignore[assignment]
 
     def describe(self) -> str:
+        """The stage, parameter count and gradient bucket size, for logs."""
         buckets = f", grad buckets={self.buckets.capacity}" if self.buckets is not None else ""
         return f"stage={self.place.stage}, params={self.flat.numel}{buckets}"

@@ -51,19 +51,23 @@ class DeviceGradFetch:
         self.bytes = 0  # copied by this pass
 
     def begin(self) -> None:
+        """Start a pass: no chunk recorded, backward not ended, no bytes counted."""
         self._recorded = [False] * len(self.chunks)
         self._ended = False
         self.bytes = 0  # a pass that was dropped moved nothing the step keeps
 
     def chunk_ready(self, c: int) -> None:
+        """Record that chunk `c`'s gradients are final on the stream backward computes on."""
         self._events[c].record(torch.cuda.current_stream(self.device))
         self._recorded[c] = True
 
     def backward_done(self) -> None:
+        """Record backward's end: chunks no hook recorded are final after it."""
         self._end.record(torch.cuda.current_stream(self.device))
         self._ended = True
 
     def fetch(self, c: int) -> None:
+        """Copy chunk `c`'s gradients to the host partition once they are final, on the fetch's own stream."""
         event: Optional[torch.cuda.Event] = self._events[c] if self._recorded[c] else None
         if event is None:
             if not self._ended:
@@ -77,5 +81,6 @@ class DeviceGradFetch:
         self.bytes += n * self.src.element_size()
 
     def take_bytes(self) -> int:
+        """Bytes fetched since the last call (resets the count)."""
         out, self.bytes = self.bytes, 0
         return out

@@ -26,13 +26,17 @@ class ParamWriter(Protocol):
 
     h2d_bytes: int
 
-    def param_copy(self, start: int, n: int) -> Optional[torch.Tensor]: ...
+    def param_copy(self, start: int, n: int) -> Optional[torch.Tensor]:
+        """Where the kernel writes this chunk's 16-bit weights; None when it writes none."""
 
-    def after_update(self, start: int, n: int, master: torch.Tensor) -> None: ...
+    def after_update(self, start: int, n: int, master: torch.Tensor) -> None:
+        """Chunk [start, start + n) of the master was updated: bring it into the parameters."""
 
-    def finish(self) -> None: ...
+    def finish(self) -> None:
+        """The pass ended: complete or drop what is still being written."""
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Wait for pending copies and free the staging buffers."""
 
 
 class UnitMap(Protocol):
@@ -41,11 +45,14 @@ class UnitMap(Protocol):
     partitioner: Any
     offsets: Dict[int, int]
 
-    def units_in(self, start: int, n: int) -> Iterator[Tuple[Any, int, int]]: ...
+    def units_in(self, start: int, n: int) -> Iterator[Tuple[Any, int, int]]:
+        """(unit, start, n) of each unit that overlaps [start, start + n) of the partition."""
 
-    def trainable_ranges(self, unit: Any) -> List[Tuple[int, int]]: ...
+    def trainable_ranges(self, unit: Any) -> List[Tuple[int, int]]:
+        """[start, end) of the trainable elements in `unit`'s partition."""
 
-    def is_mixed(self, unit: Any) -> bool: ...
+    def is_mixed(self, unit: Any) -> bool:
+        """Whether `unit` holds both trainable and frozen parameters."""
 
 
 class FlatParamWriter:
@@ -90,6 +97,8 @@ class FlatParamWriter:
         return self.target[self.lo + start : self.lo + start + n] if self.half else None
 
     def after_update(self, start: int, n: int, master: torch.Tensor) -> None:
+        """Copy the updated chunk into the flat parameters (nothing when they alias the master; async on
+        CUDA)."""
         if self.aliased:
             return
         dst = self.target[self.lo + start : self.lo + start + n]
@@ -111,6 +120,7 @@ class FlatParamWriter:
             torch.cuda.current_stream(self.target.device).wait_stream(self._stream)
 
     def close(self) -> None:
+        """Wait for the CUDA copies and free the pinned staging buffers."""
         if self.cuda and not self.aliased:
             self._stream.synchronize()
         if self._pool is not None:
@@ -143,6 +153,7 @@ class UnitParamWriter:
         return self.staging[:n] if self.staging is not None else None
 
     def after_update(self, start: int, n: int, master: torch.Tensor) -> None:
+        """Scatter the updated chunk (its 16-bit copy, or the master for fp32) to the units it overlaps."""
         src = self.staging[:n] if self.staging is not None else master
         self.scatter(start, n, src)
 
@@ -182,9 +193,11 @@ class UnitParamWriter:
 
     def finish(self) -> None:
         # a pass stopped early (overflow, error): the caller restores from the master
+        """Drop partly assembled units of a pass stopped early (the caller restores from the master)."""
         self._assembly.clear()
         self._missing.clear()
 
     def close(self) -> None:
+        """Drop partial units and the staging buffer."""
         self.finish()
         self.staging = None

@@ -170,6 +170,7 @@ class GradReducer:
         self.active = True
 
     def grad_ready(self, index: int) -> None:
+        """A hook reported parameter `index` final: with the overlap, send its bucket once it is complete."""
         if not (self.active and self.overlap):
             return
         b = self.param_bucket[index]
@@ -251,11 +252,13 @@ class GradReadiness:
         return cls([(off - lo, n) for off, n in zip(flat.offsets, flat.numels)], chunks, on_ready)
 
     def begin(self) -> None:
+        """Start a pass: every chunk waits for all of its gradient sources again."""
         with self._cond:
             self._remaining = list(self.counts)
             self._all = self._cancelled = False
 
     def param_ready(self, index: int) -> None:
+        """Gradient source `index` is final: wake the waiters of the chunks it completed."""
         with self._cond:
             woke = False
             for c in self.chunks_of[index]:
@@ -268,11 +271,13 @@ class GradReadiness:
                 self._cond.notify_all()
 
     def all_ready(self) -> None:
+        """Backward ended: every chunk is ready, also those whose sources no hook reported."""
         with self._cond:
             self._all = True
             self._cond.notify_all()
 
     def cancel(self) -> None:
+        """Cancel the pass: every waiter returns False."""
         with self._cond:
             self._cancelled = True
             self._cond.notify_all()

@@ -167,9 +167,11 @@ class UnitLayout:
         ]
 
     def trainable_ranges(self, unit: Unit) -> List[Tuple[int, int]]:
+        """[start, end) of the trainable elements in `unit`'s partition (all of it unless partly frozen)."""
         return self._ranges.get(unit.index, [(0, unit.part_numel)])
 
     def is_mixed(self, unit: Unit) -> bool:
+        """Whether `unit` holds both trainable and frozen parameters."""
         return unit.index in self._ranges
 
     # ---------------------------------------------------------------------------------- the master
@@ -179,6 +181,7 @@ class UnitLayout:
         return self._filler(sources)
 
     def master_alias(self) -> Optional[torch.Tensor]:
+        """None: the master never shares storage with stage-3 partitions."""
         return None
 
     def master_from_module(self) -> Fill:
@@ -211,6 +214,7 @@ class UnitLayout:
         return fill
 
     def make_writer(self, chunk_numel: int) -> ParamWriter:
+        """A UnitParamWriter casting master chunks into the units' partitions."""
         return UnitParamWriter(self, self.place.dtype, chunk_numel)
 
     def put_master(self, writer: ParamWriter, tier: Any) -> None:
@@ -230,15 +234,19 @@ class UnitLayout:
         return GradReadiness([(self.offsets[u.index], u.part_numel) for u in self.units], chunks), None
 
     def early_grads(self, fetching: bool) -> torch.Tensor:
+        """grad_host: the partitioner writes each unit's reduced gradient there during backward."""
         return self.grad_host
 
     def gradients_to_host(self) -> int:
+        """0: the gradient sink already wrote grad_host during backward."""
         return 0  # the sink wrote grad_host during backward
 
     def device_grad(self, grad_scale: float) -> torch.Tensor:
+        """grad_host as a new fp32 tensor divided by `grad_scale`."""
         return self.grad_host.float().div_(grad_scale)
 
     def zero_grads(self) -> None:
+        """Zero the gradient partition."""
         self.grad_host.zero_()
 
     def after_step(self) -> None:
@@ -253,6 +261,7 @@ class UnitLayout:
 
     @property
     def param_nvme_bytes(self) -> int:
+        """Bytes of the parameter partitions in the store's NVMe swap files."""
         return self.partitioner.bytes_on_disk
 
     # ------------------------------------------------------------------------------- state dicts
@@ -304,6 +313,7 @@ class UnitLayout:
         self.partitioner.close()
 
     def describe(self) -> str:
+        """The parameter tier, unit count and trainable elements, for logs."""
         return f"stage=3, offload_param={self.partitioner.tier}, units={len(self.units)}, " + (
             f"params={self.trainable_numel}"
         )

@@ -198,6 +198,7 @@ class UpdatePass:
             if decided is not None:
                 return decided
         step = self.zopt.step_count + 1
+        rep.optimizer_overlapped = True
         rep.optimizer_chunks_in_backward += self.overlap.chunks_in_backward
         try:
             if result.error is not None:

@@ -28,7 +28,9 @@ class PartitionSource(Protocol):
     """Where the store reads a partition on NVMe from."""
 
     @property
-    def path(self) -> str: ...
+    def path(self) -> str:
+        """The file's name for error messages."""
+        ...
 
     def read_into(self, handle: Any, buf: torch.Tensor, offset: int, asynchronous: bool = False) -> None:
         """Read bytes [offset, offset + buf.numel()) of the partition into the uint8 tensor `buf`; an
