@@ -17,6 +17,7 @@ import json
 from typing import Any, Callable, Dict, Optional
 
 from offload.estimate.counting import hf_activation_shape, read_json_file
+from offload.estimate.ds_config import ConfigChoices
 from offload.estimate.errors import EstimateInputError
 from offload.estimate.machine import MachineProfile
 from offload.estimate.plan import ModelShape, Plan, plan_training
@@ -83,10 +84,10 @@ def _compute(args: argparse.Namespace, shape: ModelShape, precision: str, batch:
 
 def run_plan(
     args: argparse.Namespace,
-    config: Any,
+    config: Optional[ConfigChoices],
     sizes: Callable[[argparse.Namespace], Any],
     machine: Callable[[argparse.Namespace], MachineProfile],
-    pinned_budget: Callable[[argparse.Namespace, Any, Optional[MachineProfile]], int],
+    pinned_budget: Callable[[argparse.Namespace, Optional[ConfigChoices], Optional[MachineProfile]], int],
 ) -> str:
     """The plan's text (or JSON with --json). `sizes`, `machine`, `pinned_budget`: ds-estimate-memory's
     readings of the model's size, the machine and the pinned budget."""

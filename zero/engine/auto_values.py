@@ -21,7 +21,7 @@ Outside, there are no arguments; each "auto" takes:
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional
 
 from torch import nn
 
@@ -51,17 +51,16 @@ _PLANNED = (
 )
 
 
-def auto_keys(cfg: Any, prefix: str = "") -> List[str]:
+def auto_keys(cfg: Mapping[str, Any], prefix: str = "") -> List[str]:
     """Dotted paths of the values "auto" in `cfg` that are Hugging Face's convention (not
     ENGINE_AUTO_KEYS)."""
     out: List[str] = []
-    if isinstance(cfg, dict):
-        for key, value in cfg.items():
-            path = f"{prefix}{key}"
-            if isinstance(value, str) and value == "auto" and path not in ENGINE_AUTO_KEYS:
-                out.append(path)
-            elif isinstance(value, dict):
-                out += auto_keys(value, path + ".")
+    for key, value in cfg.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, str) and value == "auto" and path not in ENGINE_AUTO_KEYS:
+            out.append(path)
+        elif isinstance(value, dict):
+            out += auto_keys(value, path + ".")
     return out
 
 
