@@ -111,8 +111,9 @@ def test_speculative_steps_with_clipping_match_steps_after_backward(tmp_path, cl
     assert rep.optimizer_chunks == plain["report"].optimizer_chunks
     if clip < 1:  # every sub-group stepped during backward was redone
         assert rep.optimizer_chunks_redone > 0 and rep.optimizer_chunks_in_backward == 0
-    else:  # the speculation stood
-        assert rep.optimizer_chunks_redone == 0 and rep.optimizer_chunks_in_backward > 0
+    else:  # the speculation stood: the pass started during backward was kept (how many of its chunks ran
+        # before backward ended depends on timing)
+        assert rep.optimizer_chunks_redone == 0 and rep.optimizer_overlapped
 
 
 @pytest.mark.parametrize("clip", [0.05, 1e6], ids=["clipping-triggers", "clipping-idle"])
@@ -129,7 +130,7 @@ def test_speculative_steps_with_clipping_and_fp16_overflow(tmp_path, in_ram):
     spec = overlap_run(overlap_config(str(tmp_path), True, "fp16", in_ram, gradient_clipping=0.5), steps=8)
     assert spec["early"] and 0 < spec["skipped"] < 8
     _same(plain, spec)
-    assert spec["report"].optimizer_chunks_redone + spec["report"].optimizer_chunks_in_backward > 0
+    assert spec["report"].optimizer_chunks_redone > 0 or spec["report"].optimizer_overlapped
 
 
 @pytest.mark.parametrize("in_ram", IN_RAM)
