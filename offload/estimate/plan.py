@@ -329,6 +329,36 @@ def _training_candidate(
     )
 
 
+def _training_setup(
+    shape: ModelShape,
+    micro_batch: int,
+    checkpointing: bool,
+    precision: str,
+    optimizer: str,
+    buffers: SwapBufferSettings,
+    gpus_per_node: int = 1,
+) -> TrainingSetup:
+    """The estimator's description of training `shape` with these choices."""
+    act = ActivationSettings(
+        batch_size=micro_batch,
+        seq_len=shape.seq_len,
+        hidden_size=shape.hidden_size,
+        num_layers=shape.num_layers,
+        checkpointing=checkpointing,
+        num_heads=shape.num_heads,
+        vocab_size=shape.vocab_size or None,
+    )
+    return TrainingSetup(
+        params=shape.params,
+        largest_layer_params=shape.largest_layer_params,
+        gpus_per_node=gpus_per_node,
+        precision=precision,
+        optimizer=optimizer,
+        buffers=buffers,
+        activations=act,
+    )
+
+
 def predict_training(
     shape: ModelShape,
     machine: MachineProfile,
@@ -349,23 +379,8 @@ def predict_training(
     """The prediction for one given training configuration (what `plan_training` weighs for each
     candidate); `*_max_in_cpu` None: "auto" as the engine resolves it."""
     budget = pinned_budget_of(machine, 1, pinned_budget)
-    act = ActivationSettings(
-        batch_size=micro_batch,
-        seq_len=shape.seq_len,
-        hidden_size=shape.hidden_size,
-        num_layers=shape.num_layers,
-        checkpointing=checkpointing,
-        num_heads=shape.num_heads,
-        vocab_size=shape.vocab_size or None,
-    )
-    setup = TrainingSetup(
-        params=shape.params,
-        largest_layer_params=shape.largest_layer_params,
-        precision=precision,
-        optimizer=optimizer,
-        buffers=SwapBufferSettings(sub_group_size=sub_group_size),
-        activations=act,
-    )
+    bufs = SwapBufferSettings(sub_group_size=sub_group_size)
+    setup = _training_setup(shape, micro_batch, checkpointing, precision, optimizer, bufs)
     return _training_candidate(
         shape,
         setup,
@@ -472,24 +487,7 @@ def plan_training(
     cands: List[Candidate] = []
     for mb in _micro_batches(max(1, int(max_micro_batch))):
         for ckpt in (False, True) if checkpointing is None else (checkpointing,):
-            act = ActivationSettings(
-                batch_size=mb,
-                seq_len=shape.seq_len,
-                hidden_size=shape.hidden_size,
-                num_layers=shape.num_layers,
-                checkpointing=ckpt,
-                num_heads=shape.num_heads,
-                vocab_size=shape.vocab_size or None,
-            )
-            setup = TrainingSetup(
-                params=shape.params,
-                largest_layer_params=shape.largest_layer_params,
-                gpus_per_node=gpus_per_node,
-                precision=precision,
-                optimizer=optimizer,
-                buffers=bufs,
-                activations=act,
-            )
+            setup = _training_setup(shape, mb, ckpt, precision, optimizer, bufs, gpus_per_node)
             for stage, opt, par in valid_combinations(None, offload_optimizer, offload_param):
                 if stage not in stages or (not allow_nvme and "nvme" in (opt, par)):
                     continue

@@ -1,6 +1,6 @@
 """DelayedUpdate: the host optimizer step of step t runs while step t+1's forward and backward run.
 
-`zero_offload.delayed_update` (opt-in; docs/offload.md, "Delayed update"): with the optimizer state on the
+`zero_offload.delayed_update` (opt-in; docs/engine.md, "Delayed update"): with the optimizer state on the
 host (`offload_optimizer.device` cpu or nvme) the host's Adam pass is the longest part of a step and the
 device waits for it. Here, at the end of step t's window, the gradients are checked (the norm, clipping,
 an fp16 overflow: all decided before anything runs) and copied aside, and the pass over them starts on a

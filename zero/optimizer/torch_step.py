@@ -52,13 +52,13 @@ def torch_step_rule(
     ZeRO-Offload `zero_force_ds_cpu_optimizer: false`. ValueError naming the key otherwise, or naming the
     tier when the master does not stay in place in memory."""
     name = type(client).__name__
-    if not bool(getattr(cfg, "zero_allow_untested_optimizer", False)):
+    if not cfg.zero_allow_untested_optimizer:
         raise ValueError(
             f"client optimizer {name} is not one of ZeRO's tested optimizers (Adam, AdamW, Adagrad, Lion): "
             'as DeepSpeed, set "zero_allow_untested_optimizer": true in the config to step it with its own '
             "class on the host, or pass one of those"
         )
-    if offload_device != "none" and bool(getattr(cfg, "zero_force_ds_cpu_optimizer", True)):
+    if offload_device != "none" and cfg.zero_force_ds_cpu_optimizer:
         raise ValueError(
             f"ZeRO-Offload (offload_optimizer.device={offload_device!r}) with client optimizer {name}: as "
             "DeepSpeed, offloaded states are stepped by the CPU optimizer unless "

@@ -33,10 +33,6 @@ def _model_units(model: nn.Module) -> List[Unit]:
     return out
 
 
-def _family(part: Any) -> Any:
-    return getattr(part, "family", None)
-
-
 def choose_owner(model: nn.Module) -> Any:
     """The partitioner that should train `model`, among those holding its parameters (None: none does).
 
@@ -52,8 +48,8 @@ def choose_owner(model: nn.Module) -> Any:
         return None
     if len(owners) == 1:
         return next(iter(owners.values()))
-    families = {id(_family(p)) for p in owners.values()}
-    if len(families) != 1 or _family(next(iter(owners.values()))) is None:
+    families = {id(p.family) for p in owners.values()}
+    if len(families) != 1 or next(iter(owners.values())).family is None:
         raise ValueError(
             f"the model's parameters were partitioned by {len(owners)} different partitioners (nested "
             "zero.Init blocks with different configs?); build it under one Init"
@@ -74,7 +70,7 @@ def move_foreign_units(target: Any, model: nn.Module) -> int:
     foreign = [u for u in _model_units(model) if u.owner is not target]
     for u in foreign:
         src = u.owner
-        if _family(target) is None or _family(src) is not _family(target):
+        if target.family is None or src.family is not target.family:
             raise ValueError(
                 f"parameter {u.param_names[0]!r} was partitioned by another zero.Init's partitioner; build "
                 "the whole model under one Init"
