@@ -209,3 +209,25 @@ def test_rule_optimizer_slow_disk_and_override(ckpt, tmp_path, monkeypatch):
     engine = zero.from_pretrained(ckpt, config=config(tmp_path), serve_checkpoint=True)
     assert engine.load_report.copy_reason is None and engine.nvme_bytes == 0
     engine.close()
+
+
+def test_a_fifo_in_a_checkpoint_files_place_is_refused_not_waited_on(tmp_path):
+    """The loader holds each file by the descriptor it opens: a FIFO put where a shard was (after the
+    directory was listed) is refused naming it, instead of blocking the open forever. In a child process,
+    so that a regression fails by its timeout rather than hanging the suite."""
+    fifo = tmp_path / "model.safetensors"
+    os.mkfifo(fifo)
+    script = (
+        "from zero.inference.checkpoint_files import PretrainedCheckpointError, open_files\n"
+        "from zero.stage3.served import CheckpointFds\n"
+        "try:\n"
+        f"    open_files({str(tmp_path)!r}, [{str(fifo)!r}], CheckpointFds())\n"
+        "except PretrainedCheckpointError as e:\n"
+        "    print(e)\n"
+    )
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert f"{fifo}: not a regular file" in out.stdout

@@ -137,9 +137,10 @@ def proc_path(held: CheckpointFds, file: str) -> str:
 
 
 def _open_in(root_fd: int, root: str, name: str) -> int:
-    """A read-only descriptor of the regular file `name` of the directory open as `root_fd`."""
+    """A read-only descriptor of the regular file `name` of the directory open as `root_fd`. Opened
+    non-blocking, so that a FIFO put in the file's place is refused rather than waited on."""
     path = os.path.join(root, name)
-    flags = os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC
+    flags = os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC | os.O_NONBLOCK
     try:
         fd = os.open(name, flags, dir_fd=root_fd)
     except OSError as e:
@@ -157,6 +158,7 @@ def _open_in(root_fd: int, root: str, name: str) -> int:
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
         raise PretrainedCheckpointError(f"{path}: not a regular file")
+    os.set_blocking(fd, True)
     return fd
 
 
