@@ -227,3 +227,27 @@ def test_the_reports_show_the_plans_prediction_beside_the_measurement() -> None:
     assert inf.predicted_s_per_forward == 0.25 and "plan predicted 250.0 ms/forward" in inf.format()
     plan = plan_inference(GPT125, cpu_box(24 * GiB), RATES, precision="fp32")
     assert load_config(plan.config).zero_offload.predicted_seconds == pytest.approx(plan.predicted_seconds)
+
+
+def test_a_plan_that_needs_the_disk_without_its_bandwidths_says_so() -> None:
+    """NVMe configurations are weighed only with the disk's measured bandwidths (ds-nvme-bench's profile)."""
+    from offload.estimate.errors import EstimateInputError
+
+    no_disk_rates = MachineProfile(ram_bytes=16 * GiB, nvme_free_bytes=500 * GiB, cpu_only=True)
+    with pytest.raises(EstimateInputError, match=r"disk's bandwidths .*ds-nvme-bench --json"):
+        plan_training(
+            LLAMA7, no_disk_rates, RATES, stages=(3,), offload_optimizer="nvme", offload_param="nvme"
+        )
+
+
+def test_a_given_offload_device_narrows_the_search_to_it() -> None:
+    for opt in ("none", "cpu", "nvme"):
+        plan = plan_training(GPT125, cpu_box(24 * GiB), RATES, stages=(2,), offload_optimizer=opt)
+        assert (plan.chosen.stage, plan.chosen.offload_optimizer) == (2, opt)
+        assert {c.offload_optimizer for c, _ in plan.rejected} <= {opt}
+
+
+def test_auto_bucket_sizes_need_a_model_with_a_hidden_size() -> None:
+    cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"reduce_bucket_size": "auto"}}
+    with pytest.raises(ValueError, match="'auto' bucket sizes need the model's hidden size"):
+        fill_auto_values(cfg, torch.nn.Linear(4, 4), world_size=1)

@@ -484,11 +484,16 @@ def plan_training(
     fits."""
     budget = pinned_budget_of(machine, gpus_per_node, pinned_budget)
     bufs = SwapBufferSettings(sub_group_size=sub_group_size)
+    combos = valid_combinations(
+        None,
+        None if offload_optimizer is None else (offload_optimizer,),
+        None if offload_param is None else (offload_param,),
+    )
     cands: List[Candidate] = []
     for mb in _micro_batches(max(1, int(max_micro_batch))):
         for ckpt in (False, True) if checkpointing is None else (checkpointing,):
             setup = _training_setup(shape, mb, ckpt, precision, optimizer, bufs, gpus_per_node)
-            for stage, opt, par in valid_combinations(None, offload_optimizer, offload_param):
+            for stage, opt, par in combos:
                 if stage not in stages or (not allow_nvme and "nvme" in (opt, par)):
                     continue
                 cands.append(_training_candidate(shape, setup, stage, opt, par, machine, compute, budget))
