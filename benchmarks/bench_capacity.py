@@ -5,9 +5,8 @@ what really fits (one training step in a subprocess, peak RSS against the budget
     .venv/bin/python -m benchmarks.bench_capacity --ram-budget 3GiB --max-params 300M
 
 Models: zero.examples.models.GPT, vocabulary 32000, a ladder of widths d = 256, 384, 512, ... with d / 128
-layers
-(at least 2), bf16, AdamW, micro-batch 1 x 64 tokens. Configurations (CPU-only machine: the "GPU" tier is
-host memory too, so the budget must hold the estimate's per-GPU and per-CPU bytes together):
+layers (at least 2), bf16, AdamW, micro-batch 1 x 64 tokens. Configurations (CPU-only machine: the "GPU" tier
+is host memory too, so the budget must hold the estimate's per-GPU and per-CPU bytes together):
 
 * stage 2, offload_optimizer cpu
 * stage 3, offload_optimizer nvme, offload_param cpu

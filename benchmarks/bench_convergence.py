@@ -5,15 +5,12 @@
     python -m benchmarks.bench_convergence --smoke                      # seconds: tiny model, a few steps
 
 The model is zero/examples/models.py's GPT in the GPT-3 paper's "125M" shape (12 layers, width 768, 12 heads)
-with
-a byte-level vocabulary (256), which makes it 85M parameters (the paper's count includes a 50257-token
+with a byte-level vocabulary (256), which makes it 85M parameters (the paper's count includes a 50257-token
 embedding); the text is the demo's corpus (zero.examples.models.corpus_bytes: Python's own stdlib source),
-read in
-the order zero.examples.models.get_batch gives for (step, seed). Every variant starts from the same weights
-(same
-seed) and sees the same batches; only `optimizer.params.state_dtype` differs ("fp32" sends no key: it is
-the engine's default). The engine: ZeRO-2, optimizer on --offload (cpu), AdamW with a warm-up and cosine
-schedule, gradient clipping 1.0.
+read in the order zero.examples.models.get_batch gives for (step, seed). Every variant starts from the same
+weights (same seed) and sees the same batches; only `optimizer.params.state_dtype` differs ("fp32" sends no
+key: it is the engine's default). The engine: ZeRO-2, optimizer on --offload (cpu), AdamW with a warm-up and
+cosine schedule, gradient clipping 1.0.
 
 Reported per variant: the loss curve (JSON), the final loss (the mean of the last 20 steps' losses) and its
 relative difference from fp32's, median step time. A variant the engine refuses (ConfigError, e.g. before

@@ -5,12 +5,11 @@ optimizer state on NVMe, trained for a few steps with a bounded resident set.
     .venv/bin/python -m benchmarks.bench_infinity --layers 2 --d-model 512 --steps 2   # a quick check
 
 The model (zero.examples.models.GPT, bf16) is built under `zero.Init`, so it is never whole in memory: each
-layer is
-partitioned to NVMe as soon as it is constructed. Training state at 16 bytes per parameter (bf16 weight +
-bf16 gradient + fp32 master, m, v). Printed per step: time per phase, bytes per tier (parameter NVMe reads
-and writes, optimizer NVMe reads and writes, gradients to the host), resident set size now and peak
-(getrusage), and the ds-estimate-memory prediction for the same configuration next to the measured
-numbers. One run, no repeats: the point is that it fits, not a precise timing (2 shared cores: noisy).
+layer is partitioned to NVMe as soon as it is constructed. Training state at 16 bytes per parameter (bf16
+weight + bf16 gradient + fp32 master, m, v). Printed per step: time per phase, bytes per tier (parameter NVMe
+reads and writes, optimizer NVMe reads and writes, gradients to the host), resident set size now and peak
+(getrusage), and the ds-estimate-memory prediction for the same configuration next to the measured numbers.
+One run, no repeats: the point is that it fits, not a precise timing (2 shared cores: noisy).
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """zero.from_pretrained with a Hugging Face Hub repository id (zero/inference/hub.py): resolved to its
-snapshot in
-the Hub cache as transformers resolves it. The tests build the cache's layout (refs/<branch> naming a
-commit, snapshots/<commit>/ holding the files) and load with `local_files_only=True`, so nothing reaches
-the network: the same code path a download ends in."""
+snapshot in the Hub cache as transformers resolves it. The tests build the cache's layout (refs/<branch>
+naming a commit, snapshots/<commit>/ holding the files) and load with `local_files_only=True`, so nothing
+reaches the network: the same code path a download ends in."""
 
 from __future__ import annotations
 

@@ -1,11 +1,10 @@
 """`zero.from_pretrained` (zero/inference/pretrained.py): a Hugging Face checkpoint directory streamed into
-stage-3
-partitions one safetensors file at a time. Greedy generation and logits equal transformers' own
+stage-3 partitions one safetensors file at a time. Greedy generation and logits equal transformers' own
 `AutoModelForCausalLM.from_pretrained` for GPT-2 (one file, tied head) and Llama (sharded; untied, and a tied
 base-model checkpoint without the head's prefix) with the weights on cpu and on NVMe; the dtype rule; key
-renames; the peak RSS of a load, measured in a child process, against largest shard + one layer + the
-engine's staging buffers + a fixed allowance; every bad input fails before generation with an error that
-names the file, tensor and sizes, and leaves no swap files behind."""
+renames; the peak RSS of a load, measured in a child process, against largest shard + one layer + the engine's
+staging buffers + a fixed allowance; every bad input fails before generation with an error that names the
+file, tensor and sizes, and leaves no swap files behind."""
 
 from __future__ import annotations
 

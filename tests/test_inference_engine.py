@@ -1,7 +1,6 @@
 """An engine without an optimizer (ZeRO-Inference, zero/inference/parts.py): `zero.initialize` with no
-optimizer
-block and no optimizer= returns an inference engine. Greedy generation and logits of Hugging Face GPT-2
-and Llama (tiny configs, random init) through it equal plain transformers bit for bit at stage 0 and at
+optimizer block and no optimizer= returns an inference engine. Greedy generation and logits of Hugging Face
+GPT-2 and Llama (tiny configs, random init) through it equal plain transformers bit for bit at stage 0 and at
 stage 3 with the weights on cpu and on NVMe (bf16 too, zero.Init too); backward/step/save refuse with
 NoOptimizerError; no optimizer state, gradient buffer or optimizer swap space exists; training-only keys;
 checkpoints of a training engine load into it; its swap space goes away with it."""

@@ -5,8 +5,7 @@ does not depend on the order the sub-groups run in, so the trajectory must be bi
 engine stepping after backward; an fp16 overflow found part way through the overlapped pass must undo
 it (nothing committed, parameters restored), again giving the very same trajectory. With a share of the
 state kept in RAM (`max_in_cpu`, zero/optimizer/tiers/split.py) the swapped sub-groups are stepped during
-backward
-and the resident ones after it, with the same results.
+backward and the resident ones after it, with the same results.
 """
 
 from __future__ import annotations

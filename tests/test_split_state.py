@@ -1,6 +1,5 @@
 """The optimizer state split between tiers (zero/optimizer/tiers/split.py): Twin-Flow
-(`offload_optimizer.ratio`) and
-RAM-first NVMe placement (`offload_optimizer.max_in_cpu`).
+(`offload_optimizer.ratio`) and RAM-first NVMe placement (`offload_optimizer.max_in_cpu`).
 
 * Every split steps every element with the same fused kernel (the device part is host memory on a CPU-only
   machine), so parameters, losses and optimizer state are bit-identical to the unsplit run, at every stage,

@@ -59,8 +59,7 @@ if TYPE_CHECKING:
 
 def __getattr__(name: str) -> Any:
     # Lazy, so that `import zero.optimizer.loss_scaler` (or zero.optimizer.schedulers) does not load the
-    # engine, torch.distributed
-    # and the native I/O extension.
+    # engine, torch.distributed and the native I/O extension.
     if name == "initialize":
         from zero.initialization import initialize
 

@@ -51,8 +51,7 @@ def initialize(
     wins and the block is ignored with a warning (DeepSpeed's rule). `lr_scheduler` may be a scheduler or
     a callable taking the optimizer; without one, the config's scheduler block is used. With neither an
     optimizer block nor `optimizer=`, the engine runs inference only (zero/inference/parts.py,
-    docs/inference.md):
-    `(engine, None, dataloader, None)`, forward and generate work, `backward`/`step` raise
+    docs/inference.md): `(engine, None, dataloader, None)`, forward and generate work, `backward`/`step` raise
     `zero.NoOptimizerError`.
     """
     from offload.config import load_config

@@ -1,9 +1,8 @@
 """How `offload_optimizer.ratio` and `max_in_cpu` split an optimizer partition between tiers.
 
 Torch-free, so the engine (zero/optimizer/tiers/split.py) and the memory estimator (offload/estimate) split
-with the
-same arithmetic. A partition of `part` elements is cut into sub-groups of `sub_group` elements; every split
-falls on a sub-group boundary, in index order `[device | pinned host | offload tier]`:
+with the same arithmetic. A partition of `part` elements is cut into sub-groups of `sub_group` elements; every
+split falls on a sub-group boundary, in index order `[device | pinned host | offload tier]`:
 
 * `ratio` (DeepSpeed's Twin-Flow): `ceil(ratio x sub-groups)` sub-groups live on the offload tier (cpu or
   nvme), the sub-groups before them on the training device;

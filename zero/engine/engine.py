@@ -7,7 +7,7 @@ The engine is composed of parts, each in a module of its own:
   module over ranks and tiers by the stage-3 partitioner);
 * the optimizer state (zero.optimizer.state): fp32 master + states on their tier (device memory, pinned
   host memory, NVMe), passes over it with the fused kernels, and a parameter writer
-  (zero.layout.param_writer);
+  (zero.layout.param_writer) that copies the updated weights into the parameters;
 * the overlap (zero.optimizer.overlap): the pass that steps NVMe sub-groups during backward;
 * the guard (zero.optimizer.integrity): whether a failure left the state unusable;
 * activation checkpointing (zero.checkpointing), configured from the config's section; its counts join the

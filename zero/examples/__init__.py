@@ -1,2 +1,2 @@
-"""Examples apart from the engine: a small GPT in plain torch (`models`) and `python -m
-zero.examples.demo`."""
+"""Examples apart from the engine: a small GPT in plain torch (`models`) and the demo
+(`python -m zero.examples.demo`)."""

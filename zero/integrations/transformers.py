@@ -181,9 +181,8 @@ def from_pretrained(
 ) -> nn.Module:
     """The causal LM of the local Hugging Face checkpoint `path`, its weights streamed straight into stage-3
     partitions (`zero.inference.pretrained.partitioned_model`: never whole in memory), for a `ZeroTrainer`
-    given the
-    same `zero_config` and `args`, whose engine takes the partitions over. The config must be stage 3; its
-    "auto" values are filled from `args` and the checkpoint's config.json. `hf_kwargs` as for
+    given the same `zero_config` and `args`, whose engine takes the partitions over. The config must be stage
+    3; its "auto" values are filled from `args` and the checkpoint's config.json. `hf_kwargs` as for
     `zero.from_pretrained`."""
     import transformers
 

@@ -3,12 +3,12 @@
 With `offload_optimizer.pipeline_read` / `pipeline_write` each sub-group (chunk of the optimizer partition)
 is stepped as soon as its gradients are final, so its NVMe read, update and write overlap the rest of
 backward. The pass runs on a worker thread; `GradReadiness` (zero.layout.partition) blocks it on each chunk
-until
-the gradient sources that chunk covers (flat parameters at stages 0-2, units at stage 3) were reported by
-`source_ready`. On a GPU a `DeviceGradFetch` copies each ready chunk's gradients to the host first.
+until the gradient sources that chunk covers (flat parameters at stages 0-2, units at stage 3) were reported
+by `source_ready`. On a GPU a `DeviceGradFetch` copies each ready chunk's gradients to the host first.
 
-The engine decides when the pass may run (two NVMe copies so it can be dropped, one rank, no gradient
-clipping) and what it does (`start(run)`); this object owns the thread, the gate and the counts.
+The engine decides when the pass may run (two NVMe copies so it can be dropped, one rank; with gradient
+clipping its steps are speculative, zero.optimizer.speculative) and what it does (`start(run)`); this object
+owns the thread, the gate and the counts.
 """
 
 from __future__ import annotations

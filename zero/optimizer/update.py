@@ -1,12 +1,11 @@
 """UpdatePass: one optimizer pass over the rank's partition, after backward or during it.
 
 The engine (zero.engine.engine) decides when a step happens; this object runs it: the gradient scale (loss
-scale,
-world size, clipping coefficient folded into one divisor), the overflow check (fp16; bf16 with
-`check_grad_overflow`), then the optimizer state's pass - the torch fused step on a GPU without offload,
-else the fused CPU kernels chunk by chunk, committed only when every chunk succeeded. With the overlap
-enabled the pass starts on a worker thread when backward starts (`start_overlapped`) and is finished, or
-dropped, afterwards.
+scale, world size, clipping coefficient folded into one divisor), the overflow check (fp16; bf16 with
+`check_grad_overflow`), then the optimizer state's pass - the torch fused step on a GPU without offload, else
+the fused CPU kernels chunk by chunk, committed only when every chunk succeeded. With the overlap enabled the
+pass starts on a worker thread when backward starts (`start_overlapped`) and is finished, or dropped,
+afterwards.
 """
 
 from __future__ import annotations

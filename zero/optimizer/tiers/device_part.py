@@ -1,12 +1,11 @@
 """TorchDevicePart: the device share of a Twin-Flow split (`offload_optimizer.ratio` < 1.0), stepped by torch.
 
 With a CUDA compute device the first sub-groups of the partition (zero.optimizer.tiers.split) keep their fp32
-master and
-Adam states in device memory. One pass then runs in two flows at once: `launch` queues torch's fused
-Adam/AdamW over the whole device share (asynchronous on the GPU), and the host thread goes on to walk the
-offloaded chunks with the CPU kernels. The gradient scale (loss scale, world size, clipping coefficient) is
-the pass's one divisor, applied to both shares; the overflow check happened before the pass started (a split
-state is not atomic, so its overflow is always checked first), so neither share is ever stepped on an
+master and Adam states in device memory. One pass then runs in two flows at once: `launch` queues torch's
+fused Adam/AdamW over the whole device share (asynchronous on the GPU), and the host thread goes on to walk
+the offloaded chunks with the CPU kernels. The gradient scale (loss scale, world size, clipping coefficient)
+is the pass's one divisor, applied to both shares; the overflow check happened before the pass started (a
+split state is not atomic, so its overflow is always checked first), so neither share is ever stepped on an
 overflowing gradient.
 
 The part presents `StateTier` (zero.optimizer.tiers.base) by delegating to its `DeviceState`, so checkpoints,

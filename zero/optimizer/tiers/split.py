@@ -9,10 +9,9 @@ Two features share this composition:
 * **Twin-Flow** (`offload_optimizer.ratio` below 1.0): that fraction of the sub-groups (rounded up) lives on
   the offload tier (cpu or nvme) and is stepped there; the sub-groups before them stay on the device. On
   CUDA the device part is a `TorchDevicePart` (zero.optimizer.tiers.device_part): device memory stepped by
-  torch's fused
-  Adam/AdamW, launched before the host walks the offloaded chunks so both run at once. On a CPU-only
-  machine it is plain (not pinned) host memory stepped by the same fused kernels, so every ratio gives
-  bit-identical results.
+  torch's fused Adam/AdamW, launched before the host walks the offloaded chunks so both run at once. On a
+  CPU-only machine it is plain (not pinned) host memory stepped by the same fused kernels, so every ratio
+  gives bit-identical results.
 
 Both nest: `[device | pinned host | NVMe]` is `SplitTier(device, SplitTier(pinned, swapper))`. A split always
 falls on a sub-group boundary, so chunks never straddle two tiers.
@@ -26,8 +25,7 @@ Failure safety. A split state is not atomic: the front tier is updated in place.
 its write-back drained inside the step (no deferred writes), so an NVMe error surfaces from `step` and never
 after a commit. `atomic_from` is the first element whose state is on a two-copy swapper: the engine poisons
 the state (`StateCorruptedError` until a checkpoint is loaded, zero.optimizer.integrity) only when a failed
-pass had
-updated a chunk before it, in place; a failure in the swapped share alone keeps the committed state.
+pass had updated a chunk before it, in place; a failure in the swapped share alone keeps the committed state.
 
 Stepping during backward (`offload_optimizer.pipeline_read` / `pipeline_write`). When the back is one
 two-copy swapper behind an in-memory front (`overlappable`), the pass is cut in two: `step_swapped` walks
