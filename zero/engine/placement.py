@@ -11,6 +11,7 @@ from typing import Any, Dict
 
 from offload.estimate.units import format_bytes
 from offload.swap.slots import StateFormat
+from zero.stage3.placement import ParamPlacement
 
 __all__ = ["engine_placement", "format_placement"]
 
@@ -21,17 +22,17 @@ def _parameters(engine: Any) -> Dict[str, Any]:
         off = engine.config.zero_optimization.offload_param
         return part.param_placement(off.max_in_cpu if off is not None else "auto").as_dict()
     nbytes = sum(p.numel() * p.element_size() for p in engine.module.parameters())
-    return {
-        "tier": "none",
-        "device_bytes": nbytes,
-        "host_bytes": 0,
-        "host_pinned": False,
-        "nvme_bytes": 0,
-        "max_in_cpu": 0,
-        "resident_numel": -1,
-        "budget_bytes": engine.pool.cap_bytes,
-        "why": f"stage {engine.stage}: the parameters live on the compute device",
-    }
+    return ParamPlacement(
+        tier="none",
+        device_bytes=nbytes,
+        host_bytes=0,
+        host_pinned=False,
+        nvme_bytes=0,
+        max_in_cpu=0,
+        resident_numel=-1,
+        budget_bytes=engine.pool.cap_bytes,
+        why=f"stage {engine.stage}: the parameters live on the compute device",
+    ).as_dict()
 
 
 def _optimizer(engine: Any) -> Dict[str, Any]:
