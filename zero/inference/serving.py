@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
+from typing import Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 from torch import nn
 
+from offload.config import ZeroOffloadConfig
 from zero.inference.checkpoint_files import CheckpointTensor
 from zero.inference.weight_plan import WeightPlan
 from zero.stage3.served import CheckpointFds, Extent, ServedPartition
@@ -101,7 +102,7 @@ def disk_note(fd: int, path: str, swap_dir: str) -> Optional[str]:
 
 
 def serve_decision(
-    serve: Union[bool, str], loaded: Any, held: CheckpointFds, swap_cache: bool = False
+    serve: Union[bool, str], loaded: ZeroOffloadConfig, held: CheckpointFds, swap_cache: bool = False
 ) -> Tuple[bool, Optional[str]]:
     """(whether partitions on NVMe may be served from the checkpoint, why not when they may not: None when
     there is no NVMe tier to serve), by the module's rule; `swap_cache`: a swap cache was asked for."""
