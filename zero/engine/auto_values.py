@@ -160,10 +160,10 @@ def _plan(cfg: Dict[str, Any], model: nn.Module, planner: Optional[Callable[...,
     }
     if isinstance(stage, int):
         kwargs["stages"] = (stage,)
-    for key, arg in (("offload_optimizer", "offload_optimizer"), ("offload_param", "offload_param")):
+    for key in ("offload_optimizer", "offload_param"):
         device = _get(cfg, f"zero_optimization.{key}.device")
         if isinstance(device, str) and device != "auto":
-            kwargs[arg] = device
+            kwargs[key] = device
     mb = _get(cfg, "train_micro_batch_size_per_gpu")
     kwargs["max_micro_batch"] = mb if isinstance(mb, int) else 1
     # no disk to plan with (no nvme_path, or no measured bandwidth): the NVMe choices are left out
@@ -213,14 +213,13 @@ def fill_auto_values(
     lr = _get(cfg, "optimizer.params.lr")
     if isinstance(lr, (int, float)) and not isinstance(lr, bool):
         _set_if_auto(cfg, "scheduler.params.warmup_max_lr", lr)
-    hidden_keys = HIDDEN_SIZE_KEYS
-    if any(k in keys for k, _ in hidden_keys):
+    if any(k in keys for k, _ in HIDDEN_SIZE_KEYS):
         hidden = hidden_size_of(model)
         if hidden is None:
             raise ValueError(
                 "'auto' bucket sizes need the model's hidden size (config.hidden_size, n_embd or d_model) "
                 "and the model has none; give integers instead"
             )
-        for key, size in hidden_keys:
+        for key, size in HIDDEN_SIZE_KEYS:
             _set_if_auto(cfg, key, size(hidden))
     return cfg
