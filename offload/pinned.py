@@ -6,7 +6,9 @@ adds what the C++ core must not know about:
 * the one-time warning when RLIMIT_MEMLOCK stops page-locking (with the limit and how to raise it);
 * registration with CUDA (`cudaHostRegister`) when torch has CUDA, undone before the memory is freed;
 * torch views (`pinned_tensor`) that keep the allocation alive for exactly as long as any view exists;
-* process-wide accounting (`pinned_bytes_in_use`) and a capped, thread-safe `PinnedPool`.
+* process-wide accounting (`pinned_bytes_in_use`) and a capped, thread-safe `PinnedPool`;
+* buffers pinned in part (`lock_range`, `PinnedPool.allocate_partly`): one contiguous tensor of which only
+  a range of pages is page-locked (and CUDA-registered), the rest ordinary pageable memory.
 
 When the pages fault in (`populate`): page-locking with mlock faults in every page before it returns, which
 for the gigabytes of staging buffers an engine takes costs seconds at initialisation. `pinned_tensor` and
@@ -24,7 +26,7 @@ import resource
 import sys
 import threading
 import warnings
-from typing import TYPE_CHECKING, Any, Dict, List, Literal, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Literal, Mapping, Optional, Tuple
 
 from offload import _aio
 
@@ -120,6 +122,32 @@ def _cuda_runtime() -> Optional[Any]:
     return torch.cuda.cudart()
 
 
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_MLOCK_ONFAULT = 1  # linux/mman.h
+
+
+def _page_range(byte_range: Tuple[int, int], nbytes: int) -> Tuple[int, int]:
+    """[start, end) rounded out to whole pages within [0, nbytes); (0, 0) when empty."""
+    start, end = int(byte_range[0]), int(byte_range[1])
+    if not 0 <= start <= end <= nbytes:
+        raise ValueError(f"lock_range {byte_range} is not a byte range within the buffer's {nbytes} bytes")
+    if start == end:
+        return 0, 0
+    return start // PAGE_BYTES * PAGE_BYTES, min(nbytes, -(-end // PAGE_BYTES) * PAGE_BYTES)
+
+
+def _lock_pages(ptr: int, nbytes: int, populate: Populate) -> int:
+    """Page-lock [ptr, ptr + nbytes) of a mapping: mlock (faults every page in) for "sync", else
+    mlock2(MLOCK_ONFAULT) (each page is locked as it faults in). Returns 0 or the errno."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    addr, size = ctypes.c_void_p(ptr), ctypes.c_size_t(nbytes)
+    if populate != "sync" and hasattr(libc, "mlock2"):
+        rc = libc.mlock2(addr, size, ctypes.c_uint(_MLOCK_ONFAULT))
+    else:
+        rc = libc.mlock(addr, size)
+    return 0 if rc == 0 else ctypes.get_errno()
+
+
 class HostBuffer:
     """One pinned host allocation and its CUDA registration, freed in the right order exactly once.
 
@@ -136,13 +164,20 @@ class HostBuffer:
         lock: bool = True,
         cudart: Any = None,
         populate: Populate = "sync",
+        lock_range: Optional[Tuple[int, int]] = None,
     ) -> None:
+        """`lock_range`: byte range [start, end) that alone is pinned (rounded out to whole pages; the
+        rest of the buffer is pageable); None: all of it (when `lock`)."""
         global _live_bytes
         if nbytes <= 0:
             raise ValueError(f"pinned buffer size must be positive, got {nbytes} bytes")
         if populate not in _POPULATE_MODES:
             raise ValueError(f"populate must be one of {_POPULATE_MODES}, got {populate!r}")
-        self._buf = _aio.alloc_pinned(nbytes, ALIGNMENT, huge_pages, lock, populate)
+        start, end = 0, nbytes
+        if lock_range is not None:
+            start, end = _page_range(lock_range, nbytes)
+        whole = (start, end) == (0, nbytes)
+        self._buf = _aio.alloc_pinned(nbytes, ALIGNMENT, huge_pages, lock and whole, populate)
         self._mem = self._buf  # kept after release(): ends the I/O holds that release() waits for
         self.nbytes = nbytes
         self.ptr: int = self._buf.ptr
@@ -150,16 +185,24 @@ class HostBuffer:
         self.huge_pages: bool = self._buf.huge_pages
         self._cudart = cudart
         self.cuda_registered = False
+        self.pinned_range = (start, end)  # the bytes page-locked for the device
+        self.pinned_nbytes = end - start
         with _accounting_lock:
-            _live_bytes += nbytes
-        if lock and not self.locked:
-            _warn_unlocked_once(nbytes, self._buf.lock_errno)
-        if cudart is not None:
+            _live_bytes += self.pinned_nbytes
+        lock_errno = self._buf.lock_errno
+        if lock and not whole and self.pinned_nbytes:
+            lock_errno = _lock_pages(self.ptr + start, self.pinned_nbytes, populate)
+            self.locked = lock_errno == 0
+        if lock and self.pinned_nbytes and not self.locked:
+            _warn_unlocked_once(self.pinned_nbytes, lock_errno)
+        if cudart is not None and self.pinned_nbytes:
             # cudaHostRegisterDefault (0): page-locks for the device; works on unlocked memory as well.
-            err = cudart.cudaHostRegister(self.ptr, nbytes, 0)
+            err = cudart.cudaHostRegister(self.ptr + start, self.pinned_nbytes, 0)
             if int(err) != 0:
                 self.release()
-                raise RuntimeError(f"cudaHostRegister of {nbytes} bytes at {self.ptr:#x} failed: {err}")
+                raise RuntimeError(
+                    f"cudaHostRegister of {self.pinned_nbytes} bytes at {self.ptr + start:#x} failed: {err}"
+                )
             self.cuda_registered = True
 
     def as_ctypes(self) -> ctypes.Array:
@@ -211,11 +254,11 @@ class HostBuffer:
             return
         if self.cuda_registered:
             # Unregister while the pages still exist: CUDA must drop its mapping before munmap.
-            self._cudart.cudaHostUnregister(self.ptr)
+            self._cudart.cudaHostUnregister(self.ptr + self.pinned_range[0])
             self.cuda_registered = False
-        buf.release()
+        buf.release()  # munmap: page locks of a partly pinned buffer go with its pages
         with _accounting_lock:
-            _live_bytes -= self.nbytes
+            _live_bytes -= self.pinned_nbytes
 
     def __del__(self) -> None:
         # Interpreter shutdown may have torn down module globals; the C++ object frees itself then.
@@ -227,17 +270,31 @@ class HostBuffer:
     def __repr__(self) -> str:
         state = "released" if self._buf is None else f"ptr={self.ptr:#x}"
         return (
-            f"HostBuffer({self.nbytes} bytes, {state}, locked={self.locked}, huge_pages={self.huge_pages}, "
+            f"HostBuffer({self.nbytes} bytes ({self.pinned_nbytes} pinned), {state}, locked={self.locked}, "
+            f"huge_pages={self.huge_pages}, "
             f"cuda_registered={self.cuda_registered})"
         )
 
 
 def alloc_host_buffer(
-    nbytes: int, *, huge_pages: bool = True, lock: bool = True, populate: Populate = "sync"
+    nbytes: int,
+    *,
+    huge_pages: bool = True,
+    lock: bool = True,
+    populate: Populate = "sync",
+    lock_range: Optional[Tuple[int, int]] = None,
 ) -> HostBuffer:
     """Allocate `nbytes` of pinned host memory (exact size, 2 MiB aligned, zero-filled), CUDA-registered if
-    CUDA is up. `populate`: when its pages fault in (see the module doc)."""
-    return HostBuffer(nbytes, huge_pages=huge_pages, lock=lock, cudart=_cuda_runtime(), populate=populate)
+    CUDA is up. `populate`: when its pages fault in (see the module doc). `lock_range`: only these bytes
+    (whole pages) are pinned, the rest is pageable."""
+    return HostBuffer(
+        nbytes,
+        huge_pages=huge_pages,
+        lock=lock,
+        cudart=_cuda_runtime(),
+        populate=populate,
+        lock_range=lock_range,
+    )
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -246,16 +303,25 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def pinned_tensor(numel: int, dtype: torch.dtype, *, populate: Populate = "background") -> torch.Tensor:
+def pinned_tensor(
+    numel: int,
+    dtype: torch.dtype,
+    *,
+    populate: Populate = "background",
+    pinned: Optional[Tuple[int, int]] = None,
+) -> torch.Tensor:
     """A 1-D CPU tensor of `numel` elements in pinned memory, all zeros; the memory is freed with the last
-    view. Its pages fault in on a background thread by default (see the module doc)."""
+    view. Its pages fault in on a background thread by default (see the module doc). `pinned`: the element
+    range [start, end) that alone is pinned (whole pages around it), the rest pageable."""
     import torch
 
     if numel < 0:
         raise ValueError(f"numel must be >= 0, got {numel}")
     if numel == 0:
         return torch.empty(0, dtype=dtype)
-    host = alloc_host_buffer(numel * _itemsize(dtype), populate=populate)
+    size = _itemsize(dtype)
+    lock_range = None if pinned is None else (pinned[0] * size, pinned[1] * size)
+    host = alloc_host_buffer(numel * size, populate=populate, lock_range=lock_range)
     with warnings.catch_warnings():
         # The ctypes array is writable; torch only warns for read-only buffers, but stay quiet regardless.
         warnings.simplefilter("ignore", UserWarning)
@@ -451,6 +517,30 @@ class PinnedPool:
             self._peak = max(self._peak, self._in_use)
         try:
             t = pinned_tensor(numel, dtype, populate=populate)
+        except BaseException:
+            with self._lock:
+                self._in_use -= nbytes
+            raise
+        with self._lock:
+            self._live[t.data_ptr()] = nbytes
+        return t
+
+    def allocate_partly(self, numel: int, dtype: torch.dtype, start: int, end: int) -> torch.Tensor:
+        """A 1-D tensor of `numel` zeros of which only elements [start, end) are pinned (the whole pages
+        around them; the rest is pageable host memory): only those bytes are charged. The pages lock as
+        they fault in. PinnedMemoryBudgetError if they would exceed the cap; `free` gives them back."""
+        if numel <= 0:
+            raise ValueError(f"numel must be positive, got {numel}")
+        size = _itemsize(dtype)
+        lo, hi = _page_range((start * size, end * size), numel * size)
+        nbytes = hi - lo
+        with self._lock:
+            if self._in_use + nbytes > self._cap:
+                raise PinnedMemoryBudgetError(nbytes, self._in_use, self._cap)
+            self._in_use += nbytes
+            self._peak = max(self._peak, self._in_use)
+        try:
+            t = pinned_tensor(numel, dtype, populate="none", pinned=(start, end))
         except BaseException:
             with self._lock:
                 self._in_use -= nbytes

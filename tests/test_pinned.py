@@ -237,6 +237,49 @@ def test_pool_rejects_foreign_and_double_free():
         PinnedPool(-1)
 
 
+def test_pool_pins_only_the_asked_range(memlock_limit):
+    """A partly pinned tensor: one buffer, only the whole pages around [start, end) locked and charged."""
+    hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)[1]
+    if hard != resource.RLIM_INFINITY and hard < 4 << 20:
+        pytest.skip(f"RLIMIT_MEMLOCK hard limit {hard} bytes is below the 1 MiB this test locks")
+    memlock_limit(hard)
+    page = pinned.PAGE_BYTES
+    numel, start = 1 << 18, 100_000  # 1 MiB of fp32, pinned from element 100 000 on
+    charged = numel * 4 - start * 4 // page * page
+    pool = PinnedPool(1 << 30)
+    before, locked0 = pinned_bytes_in_use(), vm_locked_kib()
+    t = pool.allocate_partly(numel, torch.float32, start, numel)
+    assert t.shape == (numel,) and torch.count_nonzero(t) == 0
+    assert pool.bytes_in_use == charged == pinned_bytes_in_use() - before < numel * 4
+    t.fill_(1.0)  # every page faulted in: the locked ones lock now
+    assert (vm_locked_kib() - locked0) << 10 == charged  # measured by the kernel
+    pool.free(t)
+    del t
+    gc.collect()
+    assert pool.bytes_in_use == 0 and pinned_bytes_in_use() == before and vm_locked_kib() == locked0
+    mid = pool.allocate_partly(numel, torch.float32, 1, 2)  # one element: its one page
+    assert pool.bytes_in_use == page
+    pool.free(mid)
+    with pytest.raises(PinnedMemoryBudgetError):
+        PinnedPool(charged - 1).allocate_partly(numel, torch.float32, start, numel)
+    with pytest.raises(ValueError, match="lock_range"):
+        pool.allocate_partly(numel, torch.float32, 0, numel + 1)
+
+
+def test_partly_pinned_buffer_registers_only_its_range_with_cuda():
+    cudart = FakeCudart()
+    before = pinned_bytes_in_use()
+    page = pinned.PAGE_BYTES
+    buf = HostBuffer(8 * page, cudart=cudart, lock_range=(3 * page + 1, 5 * page - 1))
+    assert (buf.pinned_range, buf.pinned_nbytes) == ((3 * page, 5 * page), 2 * page)
+    assert cudart.calls == [("register", buf.ptr + 3 * page, 2 * page, 0)]
+    assert pinned_bytes_in_use() - before == 2 * page
+    ptr = buf.ptr
+    buf.release()
+    assert cudart.calls[1] == ("unregister", ptr + 3 * page, before + 2 * page)
+    assert pinned_bytes_in_use() == before
+
+
 def test_pool_is_thread_safe_and_never_exceeds_cap():
     cap = 4 << 20
     pool = PinnedPool(cap)
