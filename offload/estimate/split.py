@@ -6,8 +6,10 @@ stay in pinned host memory and only the rest is swapped).
 and moves the fp32 master and optimizer states of the device and host shares out of it, with the split the
 engine makes (offload/swap/split.py: whole sub-groups, in index order device | host | NVMe): the GPU grows
 by the device share, host memory by the RAM-first share, and NVMe bytes on disk and per step shrink to the
-swapped share. `max_in_cpu: "auto"` (the engine's default, and the estimator's) depends on the pinned budget
-of the machine the engine runs on: `resolve_max_in_cpu` turns it into a count as the engine does.
+swapped share. The device share's gradients leave pinned memory for pageable host memory: only the host
+share's gradient partition is pinned. `max_in_cpu: "auto"` (the engine's default, and the estimator's)
+depends on the pinned budget of the machine the engine runs on: `resolve_max_in_cpu` turns it into a count
+as the engine does.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from offload.swap.split import auto_max_in_cpu, split_numel
 __all__ = ["apply_split", "resolve_max_in_cpu"]
 
 _MASTER, _STATES, _SLOTS = "master_params_fp32", "optimizer_states", "swap_buffers"
+_GRADS = ("grads_fp32", "grads_16bit")  # the optimizer's gradient partition (stage 3: in the compute dtype)
 
 
 def _take(row: Dict[str, int], name: str, nbytes: int) -> int:
@@ -96,6 +99,13 @@ def apply_split(
         host = pinned if setup.buffers.optimizer_pin_memory else pageable
         _take(host, _MASTER, s.device * FP32_BYTES * node)
         _take(host, _STATES, s.device * sb * node)
+    # The device share's gradients need no pinned memory: only the host share's are pinned (the engine
+    # keeps the device share's in pageable memory, as it copies them to the device for its update).
+    for name in _GRADS:
+        moved = pinned.get(name, 0) * s.device // part
+        if moved:
+            _take(pinned, name, moved)
+            pageable[name] = pageable.get(name, 0) + moved
     gpu[_MASTER] = gpu.get(_MASTER, 0) + s.device * FP32_BYTES
     gpu[_STATES] = gpu.get(_STATES, 0) + s.device * sb
     note = (

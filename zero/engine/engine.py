@@ -32,6 +32,7 @@ the window, the held step) that splitting would spread over modules that all wri
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
@@ -58,7 +59,7 @@ from zero.engine.placement import format_placement
 from zero.engine.state_access import StateAccess
 from zero.engine.unused import UnusedParameterCheck
 from zero.inference import parts as inference
-from zero.layout.base import Layout, Placement, trainable_params
+from zero.layout.base import Layout, Placement, no_device_share, trainable_params
 from zero.layout.flat import FlatLayout
 from zero.optimizer.client_face import optimizer_class
 from zero.optimizer.delayed import DelayedUpdate, check_delayed, make_delayed
@@ -66,7 +67,7 @@ from zero.optimizer.integrity import StateGuard
 from zero.optimizer.loss_scaler import build_loss_scaler
 from zero.optimizer.overlap import OverlapPass
 from zero.optimizer.param_groups import build_groups
-from zero.optimizer.tiers.build import describe_placement
+from zero.optimizer.tiers.build import describe_placement, device_share_numel
 from zero.optimizer.tiers.device_part import wants_torch_part
 from zero.optimizer.update import UpdatePass
 from zero.report import PhaseClock, StepReport
@@ -159,7 +160,16 @@ class ZeroEngine(EngineAPI, CheckpointAPI):
         # -- the parts: layout, optimizer state on its tier, overlap with backward
         self._checkpointing = None  # activation checkpointing this engine configured from its config
         pool = PinnedPool(default_pinned_budget(cfg.zero_offload.pinned_budget_bytes))
-        place = Placement(self.device, self.dtype, rank, world_size, self.stage, self.offload_device)
+        share = no_device_share
+        if self.rule is not None:
+            share = partial(
+                device_share_numel,
+                tier=self.offload_device,
+                offload=off,
+                sub_group=int(zcfg.sub_group_size),
+                state_dtype=self.rule.state_dtype,
+            )
+        place = Placement(self.device, self.dtype, rank, world_size, self.stage, self.offload_device, share)
         self.overlap = OverlapPass()  # the optimizer pass during backward (enabled below when it can run)
         self._delayed: Optional[DelayedUpdate] = None  # zero_offload.delayed_update (zero.optimizer.delayed)
         try:

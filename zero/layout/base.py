@@ -37,15 +37,23 @@ __all__ = [
     "allocate_pinned",
     "cast_parameters",
     "index_names",
+    "no_device_share",
     "trainable_params",
 ]
 
 Fill = Callable[[int, int, torch.Tensor], None]  # fill(start, n, out): fp32 values of [start, start + n)
 
 
+def no_device_share(part_numel: int) -> int:
+    """No element of the optimizer partition is stepped on the training device (ratio 1.0)."""
+    return 0
+
+
 @dataclass(frozen=True)
 class Placement:
-    """The engine's settings a layout builds on."""
+    """The engine's settings a layout builds on. `device_share(part_numel)`: the first elements of a
+    partition of `part_numel` whose optimizer state the training device steps (`offload_optimizer.ratio`
+    below 1.0, zero.optimizer.tiers.split): their gradients and master weights need no pinned memory."""
 
     device: torch.device  # compute device
     dtype: torch.dtype  # model dtype (fp32, fp16 or bf16)
@@ -53,6 +61,7 @@ class Placement:
     world_size: int
     stage: int
     optimizer_tier: str  # offload_optimizer.device: "none", "cpu" or "nvme"
+    device_share: Callable[[int], int] = no_device_share
 
 
 @dataclass(frozen=True)
@@ -78,10 +87,21 @@ class GradMemory:
 
 
 def allocate_pinned(
-    pool: PinnedPool, numel: int, what: str, dtype: torch.dtype = torch.float32
+    pool: PinnedPool,
+    numel: int,
+    what: str,
+    dtype: torch.dtype = torch.float32,
+    *,
+    pinned: Optional[Tuple[int, int]] = None,
 ) -> torch.Tensor:
-    """`numel` elements from the pinned pool; a budget error says what they were for and how to raise it."""
+    """`numel` zeros from the pinned pool; a budget error says what they were for and how to raise it.
+    `pinned`: only elements [start, end) need pinning (one tensor whose other elements are pageable host
+    memory, charged for the pinned pages only); an empty range: a plain host tensor, nothing pinned."""
     try:
+        if pinned is not None and pinned != (0, numel):
+            if pinned[0] >= pinned[1]:
+                return torch.zeros(numel, dtype=dtype)
+            return pool.allocate_partly(numel, dtype, *pinned)
         return pool.allocate(numel, dtype)
     except PinnedMemoryBudgetError as e:
         err = PinnedMemoryBudgetError(e.requested, e.in_use, e.cap)

@@ -70,15 +70,15 @@ class FlatLayout:
         if self._aliased and tier == "cpu":
 
             def alloc(numel: int, dt: torch.dtype) -> torch.Tensor:
-                return allocate_pinned(pool, numel, "the flat parameter buffers", dt)
+                # the master is the partition's slice: pinned where the host steps it, the device share not
+                return allocate_pinned(
+                    pool, numel, "the flat parameter buffers", dt, pinned=self._host_share(numel)
+                )
 
         self.buckets: Optional[GradBuckets] = None
         bucketed = place.stage == 2
         self.flat = FlatParams(params, place.world_size, alloc=alloc, grads=not bucketed)
-        if place.stage == 0 or place.world_size == 1:
-            self.lo, self.hi = 0, self.flat.padded_numel
-        else:
-            self.lo, self.hi = partition_range(self.flat.padded_numel, place.rank, place.world_size)
+        self.lo, self.hi = self._partition(self.flat.padded_numel)
         self.part_numel = self.hi - self.lo
         self.padded_numel = self.flat.padded_numel  # all ranks' partitions together
         self.trainable_numel = self.flat.numel
@@ -93,8 +93,12 @@ class FlatLayout:
                 self.part_numel, dtype=dtype if bucketed else torch.float32, device=device
             )
         else:
-            # fresh pinned memory reads as zeros: a zero_() pass would only fault every page in now
-            self.grad_host = allocate_pinned(pool, self.part_numel, "the fp32 gradient partition")
+            # fresh pinned memory reads as zeros: a zero_() pass would only fault every page in now; only the
+            # host share's gradients are pinned (the device share's stay in device memory)
+            d = place.device_share(self.part_numel)
+            self.grad_host = allocate_pinned(
+                pool, self.part_numel, "the fp32 gradient partition", pinned=(d, self.part_numel)
+            )
         self._fp32_weights = fp32_weights
         self._on_grad = on_grad
 
@@ -125,6 +129,19 @@ class FlatLayout:
                 overlap=bool(zcfg.overlap_comm),
             )
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook(i)) for i, p in enumerate(params)]
+
+    def _partition(self, padded_numel: int) -> Tuple[int, int]:
+        """[lo, hi): the rank's optimizer partition of a flat buffer of `padded_numel` elements."""
+        place = self.place
+        if place.stage == 0 or place.world_size == 1:
+            return 0, padded_numel
+        return partition_range(padded_numel, place.rank, place.world_size)
+
+    def _host_share(self, padded_numel: int) -> Tuple[int, int]:
+        """[start, end) of a flat buffer of `padded_numel` elements the host steps: the rank's partition
+        after its device share."""
+        lo, hi = self._partition(padded_numel)
+        return lo + self.place.device_share(hi - lo), hi
 
     def param_spans(self) -> List[Tuple[int, int, nn.Parameter]]:
         """[start, end) of each trainable parameter's elements in the rank's partition, with the parameter

@@ -139,8 +139,12 @@ class UnitLayout:
         if place.optimizer_tier == "none":
             self.grad_host = torch.zeros(total, dtype=dtype, device=place.device)
         else:
-            # fresh pinned memory reads as zeros: a zero_() pass would only fault every page in now
-            self.grad_host = allocate_pinned(self.pool, total, "the gradient partition", dtype)
+            # fresh pinned memory reads as zeros: a zero_() pass would only fault every page in now; only the
+            # host share's gradients are pinned (the device share's stay in device memory)
+            d = place.device_share(total)
+            self.grad_host = allocate_pinned(
+                self.pool, total, "the gradient partition", dtype, pinned=(d, total)
+            )
         self._sink.layout = self
 
     # ----------------------------------------------------------------------------------- the units

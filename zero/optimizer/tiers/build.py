@@ -25,6 +25,7 @@ from offload.progress import progress
 from offload.swap.optimizer_swapper import STATE_TORCH_DTYPES, OptimizerSwapper
 from offload.swap.slots import QUANT_BLOCK, StateFormat, plan_slot_numel
 from offload.swap.space import SwapSpace, check_nvme_path
+from offload.swap.split import split_numel
 from zero.optimizer.rules import UpdateRule, ZeroOptimizer
 from zero.optimizer.tiers.base import StateInfo, StateTier
 from zero.optimizer.tiers.device import DeviceState
@@ -38,6 +39,7 @@ __all__ = [
     "TorchPart",
     "build_tier",
     "describe_placement",
+    "device_share_numel",
     "fused_device_step",
     "swap_copies",
 ]
@@ -165,9 +167,7 @@ def build_tier(
     several tiers (zero.optimizer.tiers.split); with int8 states the split falls on whole QUANT_BLOCKs, and
     "auto" sizes the resident share at the state dtype's bytes per element."""
     fmt = StateFormat(n_states, spec.state_dtype)
-    sub_group = spec.sub_group
-    if fmt.quantized:
-        sub_group = -(-sub_group // QUANT_BLOCK) * QUANT_BLOCK
+    sub_group = _state_sub_group(spec.sub_group, fmt)
     plan = plan_split(
         numel,
         n_states,
@@ -199,6 +199,28 @@ def build_tier(
         return parts.one(n, part_init, t, part_alias, split=True, torch_part=torch_part)
 
     return build_split(plan, init, alias, part)
+
+
+def _state_sub_group(sub_group: int, fmt: StateFormat) -> int:
+    """The split's sub-group: int8 states split on whole QUANT_BLOCKs."""
+    return -(-sub_group // QUANT_BLOCK) * QUANT_BLOCK if fmt.quantized else sub_group
+
+
+def device_share_numel(
+    numel: int,
+    *,
+    tier: str,
+    offload: Optional[OffloadOptimizerConfig],
+    sub_group: int,
+    state_dtype: str = "fp32",
+) -> int:
+    """The first elements of a `numel`-element partition whose state `build_tier` keeps on the training
+    device (`offload_optimizer.ratio` below 1.0 with tier "cpu" or "nvme"; 0 otherwise): the layouts pin
+    no gradient or master memory for them."""
+    if numel <= 0 or offload is None or tier == "none":
+        return 0
+    sub = _state_sub_group(max(1, int(sub_group)), StateFormat(1, state_dtype))
+    return split_numel(numel, sub, tier=tier, ratio=float(offload.ratio)).device
 
 
 class _Parts:
