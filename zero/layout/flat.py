@@ -94,7 +94,7 @@ class FlatLayout:
             )
         else:
             # fresh pinned memory reads as zeros: a zero_() pass would only fault every page in now; only the
-            # host share's gradients are pinned (the device share's stay in device memory)
+            # host share's gradients are pinned (the device share's are pageable; its update copies them)
             d = place.device_share(self.part_numel)
             self.grad_host = allocate_pinned(
                 pool, self.part_numel, "the fp32 gradient partition", pinned=(d, self.part_numel)

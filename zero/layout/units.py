@@ -140,7 +140,7 @@ class UnitLayout:
             self.grad_host = torch.zeros(total, dtype=dtype, device=place.device)
         else:
             # fresh pinned memory reads as zeros: a zero_() pass would only fault every page in now; only the
-            # host share's gradients are pinned (the device share's stay in device memory)
+            # host share's gradients are pinned (the device share's are pageable; its update copies them)
             d = place.device_share(total)
             self.grad_host = allocate_pinned(
                 self.pool, total, "the gradient partition", dtype, pinned=(d, total)
