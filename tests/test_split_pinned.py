@@ -64,7 +64,7 @@ def _estimated_pinned(stage: int, precision: str, ratio: float) -> int:
         optimizer="adamw",
         buffers=SwapBufferSettings(sub_group_size=SUB_GROUP),
     )
-    est = apply_split(estimate(setup, stage, "cpu"), setup, ratio=ratio)
+    est = apply_split(estimate(setup, stage, "cpu"), setup, ratio=ratio, cpu_only=True)
     # With the optimizer on the CPU the staging buffers are the GPU's: the updated 16-bit weights' copy-back
     # slots and (stage 2) the gradient buckets' pinned twins. A CPU-only engine allocates neither.
     return est.per_cpu_pinned_bytes - est.cpu_pinned.get("swap_buffers", 0)
@@ -78,3 +78,21 @@ def test_pinned_bytes_follow_the_ratio_and_the_estimate(stage, precision):
     for r in RATIOS:
         est = _estimated_pinned(stage, precision, r)
         assert 0 <= pinned[r] - est <= PADDING_ALLOWANCE, (r, pinned[r], est)
+
+
+def test_with_a_gpu_the_gradient_partition_stays_pinned():
+    """The device share's gradients cross the bus on a GPU: the estimate keeps them in pinned memory."""
+    count = count_parameters(_model())
+    setup = TrainingSetup(
+        count.params,
+        count.largest_layer_params,
+        optimizer="adamw",
+        buffers=SwapBufferSettings(sub_group_size=SUB_GROUP),
+    )
+    full = estimate(setup, 2, "cpu")
+    gpu = apply_split(full, setup, ratio=0.5)
+    cpu = apply_split(full, setup, ratio=0.5, cpu_only=True)
+    grads = sum(full.cpu_pinned.get(k, 0) for k in ("grads_fp32", "grads_16bit"))
+    assert grads > 0
+    assert sum(gpu.cpu_pinned.get(k, 0) for k in ("grads_fp32", "grads_16bit")) == grads
+    assert sum(cpu.cpu_pinned.get(k, 0) for k in ("grads_fp32", "grads_16bit")) < grads

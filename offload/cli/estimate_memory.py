@@ -281,7 +281,10 @@ def run(argv: Optional[Sequence[str]] = None) -> str:
     split = []
     for e in estimates:
         kept = resolve_max_in_cpu(e, setup, args.ratio, max_in_cpu, budget)
-        split.append(_with_note(apply_split(e, setup, args.ratio, kept), max_in_cpu, kept, budget))
+        cpu_only = machine is not None and machine.cpu_only
+        split.append(
+            _with_note(apply_split(e, setup, args.ratio, kept, cpu_only=cpu_only), max_in_cpu, kept, budget)
+        )
     estimates = split
     if machine is not None:
         checks = [check_fit(est, machine, args.gpus_per_node) for est in estimates]

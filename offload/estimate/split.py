@@ -6,10 +6,10 @@ stay in pinned host memory and only the rest is swapped).
 and moves the fp32 master and optimizer states of the device and host shares out of it, with the split the
 engine makes (offload/swap/split.py: whole sub-groups, in index order device | host | NVMe): the GPU grows
 by the device share, host memory by the RAM-first share, and NVMe bytes on disk and per step shrink to the
-swapped share. The device share's gradients leave pinned memory for pageable host memory: only the host
-share's gradient partition is pinned. `max_in_cpu: "auto"` (the engine's default, and the estimator's)
-depends on the pinned budget of the machine the engine runs on: `resolve_max_in_cpu` turns it into a count
-as the engine does.
+swapped share. On a CPU-only machine (`cpu_only`) the device share's gradients leave pinned memory for
+pageable host memory: only the host share's gradient partition is pinned. `max_in_cpu: "auto"` (the
+engine's default, and the estimator's) depends on the pinned budget of the machine the engine runs on:
+`resolve_max_in_cpu` turns it into a count as the engine does.
 """
 
 from __future__ import annotations
@@ -61,10 +61,16 @@ def resolve_max_in_cpu(
 
 
 def apply_split(
-    est: MemoryEstimate, setup: TrainingSetup, ratio: float = 1.0, max_in_cpu: int = 0
+    est: MemoryEstimate,
+    setup: TrainingSetup,
+    ratio: float = 1.0,
+    max_in_cpu: int = 0,
+    *,
+    cpu_only: bool = False,
 ) -> MemoryEstimate:
     """`est` with the optimizer state split by `ratio` and `max_in_cpu` (unchanged without offload, at
-    ratio 1.0 with cpu, or at ratio 1.0 and max_in_cpu 0 with nvme)."""
+    ratio 1.0 with cpu, or at ratio 1.0 and max_in_cpu 0 with nvme). `cpu_only`: the training device is the
+    CPU (no GPU), so the device share's gradients need no pinned memory."""
     tier = est.offload_optimizer
     if tier == "none" or (ratio >= 1.0 and (tier != "nvme" or max_in_cpu <= 0)):
         return est
@@ -99,9 +105,9 @@ def apply_split(
         host = pinned if setup.buffers.optimizer_pin_memory else pageable
         _take(host, _MASTER, s.device * FP32_BYTES * node)
         _take(host, _STATES, s.device * sb * node)
-    # The device share's gradients need no pinned memory: only the host share's are pinned (the engine
-    # keeps the device share's in pageable memory, as it copies them to the device for its update).
-    for name in _GRADS:
+    # On a CPU-only machine the device share's gradients need no pinned memory: only the host share's are
+    # pinned. With a GPU the whole gradient partition stays pinned, so its copies stay asynchronous.
+    for name in _GRADS if cpu_only else ():
         moved = pinned.get(name, 0) * s.device // part
         if moved:
             _take(pinned, name, moved)

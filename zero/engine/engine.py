@@ -160,8 +160,11 @@ class ZeroEngine(EngineAPI, CheckpointAPI):
         # -- the parts: layout, optimizer state on its tier, overlap with backward
         self._checkpointing = None  # activation checkpointing this engine configured from its config
         pool = PinnedPool(default_pinned_budget(cfg.zero_offload.pinned_budget_bytes))
+        # On a CPU-only machine the device share's gradients and master never leave host memory, so they
+        # need no pinning; on an accelerator they cross the bus, and pinned memory keeps those copies
+        # asynchronous (the device share's gradients stay pinned there until they stay on the device).
         share = no_device_share
-        if self.rule is not None:
+        if self.rule is not None and self.device.type == "cpu":
             share = partial(
                 device_share_numel,
                 tier=self.offload_device,
