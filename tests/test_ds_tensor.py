@@ -18,8 +18,10 @@ from stage3_helpers import MLP, s3_config
 
 import zero
 import zero.utils as ds_utils
+from offload.config import load_config
 from zero.examples.models import get_batch
 from zero.stage3 import GatheredParameters, Stage3Partitioner
+from zero.stage3.quant import quantization_plan
 
 TIERS = ["cpu", "nvme"]
 
@@ -196,3 +198,23 @@ def test_two_ranks(tmp_path):
             plain.hidden[2].weight.copy_(want)
         ref = plain(torch.ones(2, 16))
         assert torch.equal(r0[tier, "out"], ref) and torch.equal(r1[tier, "out"], ref), tier
+
+
+def test_a_partition_stored_quantized(tmp_path):
+    """A weight stored int8 (ZeRO-Inference's weight_quantization): its ds_tensor is a placeholder; a write
+    re-encodes only the written parameter, the unit's other parameters keep their stored values."""
+    cfg = s3_config("cpu", tmp_path)
+    cfg["weight_quantization"] = {"quantized_initialization": {"num_bits": 8}}
+    torch.manual_seed(0)
+    model = MLP()
+    part = Stage3Partitioner(cfg)
+    part.set_quantization(quantization_plan(model, load_config(cfg).weight_quantization))
+    part.attach(model)
+    w, b = model.hidden[0].weight, model.hidden[0].bias
+    assert part.codec(w.ds_unit) is not None and w.ds_tensor.numel() == 0
+    w_before = _gathered(w)
+    b.ds_tensor.data = torch.arange(40.0)
+    assert torch.equal(_gathered(b), torch.arange(40.0)) and torch.equal(_gathered(w), w_before)
+    w.ds_tensor.copy_(torch.full((w.ds_numel,), 0.5))  # a constant group is exact in int8
+    assert bool((_gathered(w) == 0.5).all()) and torch.equal(_gathered(b), torch.arange(40.0))
+    part.close()
