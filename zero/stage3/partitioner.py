@@ -17,9 +17,11 @@ It is composed of parts, each in a module of its own: the unit builder that turn
 whole-model state dicts (zero.stage3.state_dict), and its I/O counts (zero.stage3.io_report). The
 partitioner owns what they share: which units are whole, and how many elements are gathered (`live_numel`).
 
-The module is longer than most (about 620 lines): some 110 of them are the seam's short delegations to the
+The module is longer than most (about 650 lines): some 110 of them are the seam's short delegations to the
 store, which keep the store private to stage 3, and the gather / free logic beside them is one piece of
-state (references, backward holds, units kept for reuse, live counts) that a split would spread out.
+state (references, backward holds, units kept for reuse, live counts) that a split would spread out;
+`write_share` (a write to a parameter's `ds_tensor`, zero.stage3.shard) updates the gathered copies it
+holds.
 """
 
 from __future__ import annotations
