@@ -17,9 +17,11 @@ It is composed of parts, each in a module of its own: the unit builder that turn
 whole-model state dicts (zero.stage3.state_dict), and its I/O counts (zero.stage3.io_report). The
 partitioner owns what they share: which units are whole, and how many elements are gathered (`live_numel`).
 
-The module is longer than most (about 620 lines): some 110 of them are the seam's short delegations to the
+The module is longer than most (about 650 lines): some 110 of them are the seam's short delegations to the
 store, which keep the store private to stage 3, and the gather / free logic beside them is one piece of
-state (references, backward holds, units kept for reuse, live counts) that a split would spread out.
+state (references, backward holds, units kept for reuse, live counts) that a split would spread out;
+`write_share` (a write to a parameter's `ds_tensor`, zero.stage3.shard) updates the gathered copies it
+holds.
 """
 
 from __future__ import annotations
@@ -548,6 +550,37 @@ class Stage3Partitioner:
         else:
             self._free(unit)
 
+    def write_share(self, unit: Unit, index: int, values: Optional[torch.Tensor]) -> None:
+        """A write to the `ds_tensor` of parameter `index` of `unit` (zero.stage3.shard): `values` (this
+        rank's share, 1-D, the unit's dtype) go into the partition - a swap file or a quantized partition
+        is read, patched and written back - or, None, the share in memory was changed in place. Then copies
+        follow: reads ahead are dropped, and a gathered unit gets this rank's share in its full buffer at
+        once (other ranks' copies follow at their next gather). Not collective."""
+        lo, hi = unit.params[index].ds_partition_range
+        start, n = unit.offsets[index] + lo, hi - lo  # the share's place in the unit's flat buffer
+        mem = self.store.memory_partition(unit)
+        if values is not None and mem is not None:
+            mem[start - unit.lo : start - unit.lo + n].copy_(values)
+        elif values is not None:
+            whole = self.read_partition(unit, torch.empty(unit.part_numel, dtype=unit.dtype))
+            whole[start - unit.lo : start - unit.lo + n].copy_(values)
+            self.store.write(unit, whole, only={index})
+        if mem is not None:
+            self.store.forget_ahead(unit)
+        full = unit.full
+        if full is None or full is self.partition_as_full(unit):
+            return
+        if (
+            unit.encoded is not None
+        ):  # gathered as codes (one rank, inference): gathered again at its next use
+            if unit.refs == 0 and not unit.bwd_hold:
+                self._free(unit)
+            return
+        if values is None:
+            assert mem is not None  # only a memory partition is changed in place
+            values = mem[start - unit.lo : start - unit.lo + n]
+        full[start : start + n].copy_(values)
+
     def load_state_dict_shard(self, shard: Dict[str, torch.Tensor]) -> List[str]:
         """Write full tensors of some parameters (by qualified name) into their partitions, one unit in
         memory at a time; returns the names used (zero.stage3.state_dict.load_shard)."""
@@ -598,7 +631,7 @@ class Stage3Partitioner:
             self.hooks = None
         self.release_all()
         for u in self.units:  # no ds_tensor may keep a view of memory given back to the pool
-            set_partition_tensors(u, None, None)
+            set_partition_tensors(u, None, None, owned=False)
         self.store.close()
 
     def take_io_report(self) -> ParamIOReport:

@@ -647,6 +647,10 @@ class PartitionStore:
         self._aio_write(host, path)  # failures raise AioError naming the file, offset and errno
         self.stats.bytes_written += self.stored_nbytes(unit)
 
+    def forget_ahead(self, unit: Unit) -> None:
+        """Drop the unit's copy read ahead to the device, if any: its memory partition changed in place."""
+        self._ahead.drop(unit)
+
     def read_private(self, unit: Unit, dst: torch.Tensor) -> None:
         """`read` into a host tensor through the writer's own handle, never a staging slot: for the thread
         that writes partitions (the optimizer), while the main thread's gathers use the slots."""

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zero.stage3.shard import make_shard, retire_shard
+
 __all__ = [
     "ParamSlice",
     "PartitionStatus",
@@ -187,6 +189,11 @@ class UnitOwner(Protocol):
         """The partition itself when it serves as the unit's full buffer, else None."""
         ...
 
+    def write_share(self, unit: Unit, index: int, values: Optional[torch.Tensor]) -> None:
+        """A write to parameter `index`'s `ds_tensor` (zero.stage3.shard): `values` into the partition, or
+        (None) its memory-resident share was changed in place; copies of the partition follow."""
+        ...
+
 
 def fill_partition(unit: Unit, dst: torch.Tensor) -> None:
     """Write this rank's share of the unit's parameters into `dst` (part_numel elements), zeros elsewhere.
@@ -225,27 +232,29 @@ def set_status(unit: Unit, status: PartitionStatus) -> None:
         p.ds_status = status
 
 
-def set_partition_tensors(unit: Unit, partition: Optional[torch.Tensor], location: Optional[str]) -> None:
+def set_partition_tensors(
+    unit: Unit, partition: Optional[torch.Tensor], location: Optional[str], owned: bool = True
+) -> None:
     """DeepSpeed's `param.ds_tensor`: this rank's share of each parameter (elements `ds_partition_range` of
-    the flattened parameter), 1-D, with `ds_tensor.ds_numel` its element count and
-    `ds_tensor.final_location` where the partition lives (`location`: "nvme", else None, as in DeepSpeed).
+    the flattened parameter), a 1-D zero.stage3.shard.ParamShard, with `ds_tensor.ds_numel` its element
+    count and `ds_tensor.final_location` where the partition lives (`location`: "nvme", else None, as in
+    DeepSpeed).
 
     `partition`: the unit's partition when it lives in memory - each ds_tensor is then a view of it, so it
-    always holds the current values and in-place changes go into the partition. None (on NVMe, or freed):
-    each ds_tensor is an empty placeholder of the unit's dtype; `ds_numel` still says how many elements
-    this rank's swap file holds."""
+    always holds the current values and in-place changes go into the partition. None (on NVMe, stored
+    quantized, or freed): each ds_tensor is an empty placeholder of the unit's dtype; `ds_numel` still says
+    how many elements this rank's share holds. Writes (`.data = t`, `copy_`) reach the partition through
+    the unit's owner; `owned=False` (the partitioner is closed): they are refused."""
     for i, p in enumerate(unit.params):
         lo, hi = p.ds_partition_range
-        if partition is None:
-            t = torch.empty(0, dtype=unit.dtype)
-        elif hi > lo:
-            start = unit.offsets[i] + lo - unit.lo
-            t = partition[start : start + hi - lo]
-        else:
-            t = partition[:0]
-        t.ds_numel = hi - lo
-        t.final_location = location
-        p.ds_tensor = t
+        if not owned:  # the same shard emptied in place: no new tensor while a finalizer closes the engine
+            retire_shard(getattr(p, "ds_tensor", None), unit.dtype)
+            continue
+        view = None
+        if partition is not None:
+            start = unit.offsets[i] + lo - unit.lo if hi > lo else 0
+            view = partition[start : start + hi - lo]
+        p.ds_tensor = make_shard(unit, i, view, hi - lo, location)
 
 
 def is_partitioned(p: object) -> bool:
