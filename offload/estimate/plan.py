@@ -38,7 +38,6 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from offload.config.zero import ZeroConfig
-from offload.swap.resident import auto_resident_numel
 
 from .activations import ActivationSettings
 from .errors import EstimateInputError
@@ -51,6 +50,7 @@ from .formulas import (
 )
 from .machine import MachineProfile, check_fit
 from .probe import ComputeProfile
+from .setup import layers
 from .split import apply_split, resolve_max_in_cpu
 from .units import format_bytes, format_count
 
@@ -212,13 +212,6 @@ def _host_copy_gbps(compute: ComputeProfile) -> float:
     return float(compute.host_copy_gbps or HOST_COPY_GBPS_DEFAULT)
 
 
-def layers(numel: int, largest: int) -> List[int]:
-    """`numel` elements as partitions of the largest layer's size (the last one what is left): the unit
-    sizes `max_in_cpu: "auto"` is resolved over when the model's modules are not known one by one."""
-    whole, rest = divmod(numel, max(1, largest))
-    return [largest] * whole + ([rest] if rest else [])
-
-
 def disk_seconds(read: float, write: float, machine: MachineProfile) -> float:
     """Seconds to read and write these bytes at the machine's NVMe bandwidths (they share the device)."""
     if read == 0 and write == 0:
@@ -262,17 +255,10 @@ def _training_candidate(
     part = math.ceil(shape.params / setup.world_size) if stage >= 1 else shape.params
     # parameters: "auto" keeps what fits in the pinned budget, after the staging slots of the rest
     param_in_cpu = 0
-    if par == "nvme" and param_max_in_cpu is not None:
-        param_in_cpu = min(param_max_in_cpu, part)
-    elif par == "nvme":
-        b = setup.buffers
-        param_in_cpu = auto_resident_numel(
-            layers(part, shape.largest_layer_params),
-            cb,
-            budget,
-            b.param_buffer_count,
-            b.param_buffer_size,
-        )
+    if par == "nvme":
+        want = "auto" if param_max_in_cpu is None else param_max_in_cpu
+        asked = dataclasses.replace(setup.buffers, param_max_in_cpu=want)
+        param_in_cpu = asked.param_in_cpu(layers(part, shape.largest_layer_params), cb, budget)
     bufs = dataclasses.replace(setup.buffers, param_max_in_cpu=param_in_cpu)
     setup = dataclasses.replace(setup, buffers=bufs)
     est = estimate(setup, stage, opt, par, machine.nvme_free_bytes)
