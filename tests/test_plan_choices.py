@@ -116,3 +116,12 @@ def test_the_training_block_rate_prices_the_transformer_blocks() -> None:
         GPT125, box, base, stage=3, offload_param="cpu", offload_optimizer="cpu", precision="fp32"
     )
     assert s3.times["copies"] == pytest.approx(4 * GPT125.params * 4 / 2e9)
+
+
+def test_probe_machine_measures_a_training_block_only_for_training() -> None:
+    from offload.estimate.probe import probe_machine
+
+    train = probe_machine(tokens=32, hidden=64, dtype="fp32", device="cpu", seq_len=16, heads=4)
+    forward = probe_machine(tokens=32, hidden=64, dtype="fp32", device="cpu")
+    assert train.train_flops is not None and train.train_flops > 0 and "train_flops" in train.sources
+    assert forward.train_flops is None

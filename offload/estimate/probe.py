@@ -12,7 +12,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 __all__ = [
     "ComputeProfile",
@@ -64,13 +64,16 @@ def load_compute_profile(data: Dict[str, Any]) -> ComputeProfile:
     return ComputeProfile(**known)
 
 
-def _best_of(fn: Callable[[], None], seconds: float, sync: Callable[[], None] = lambda: None) -> float:
-    """Median seconds of one call of `fn`, over calls for about `seconds` (after one warm-up)."""
+def _best_of(
+    fn: Callable[[], None], seconds: float, sync: Callable[[], None] = lambda: None, min_calls: int = 1
+) -> float:
+    """Median seconds of one call of `fn`, over calls for about `seconds` and at least `min_calls` (after
+    one warm-up)."""
     fn()
     sync()
-    times = []
+    times: List[float] = []
     deadline = time.perf_counter() + seconds
-    while not times or (time.perf_counter() < deadline and len(times) < 50):
+    while len(times) < min_calls or (time.perf_counter() < deadline and len(times) < 50):
         t0 = time.perf_counter()
         fn()
         sync()
@@ -145,7 +148,7 @@ def probe_training_block(
         out.float().square().mean().backward()
 
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    seconds = _best_of(step, 0.3, sync)
+    seconds = _best_of(step, 0.3, sync, min_calls=3)  # a step of its own takes longer: the median of 3
     return 3.0 * block_flops_per_token(hidden, seq) * seqs * seq / seconds
 
 
