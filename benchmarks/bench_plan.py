@@ -4,10 +4,12 @@
 
 `--profile` is the machine profile `ds-nvme-bench --json` writes (the disk's bandwidths). Each round, for each
 configuration in turn (A B A B), the rates are probed (offload.estimate.probe: CPU AdamW, host copy, a
-matmul of the model's shape), the planner predicts the step (or forward) time of exactly that configuration
-(offload.estimate.plan.predict_training, plan_inference.predict_inference), and the engine runs it:
+matmul of the model's shape, for training a transformer block's forward + backward), the planner predicts
+the step (or forward) time of exactly that configuration (offload.estimate.plan.predict_training,
+plan_inference.predict_inference), and the engine runs it:
 `--warmup` steps, then `--steps` timed ones (inference: forwards). The table gives the medians over rounds
-of both and their ratio, with what the plan says bounds it. Output: benchmarks/out/plan.json and plan.md.
+of both and their ratio, with what the plan says bounds it. Output: benchmarks/out/plan.json (with each timed
+training step's engine report: forward, backward, optimizer, I/O wait, NVMe bytes) and plan.md.
 
 Configurations (GPT shapes of benchmarks/bench_e2e.py, vocabulary 32000, sequence 128, fp32):
 
