@@ -4,10 +4,12 @@
 
 `--profile` is the machine profile `ds-nvme-bench --json` writes (the disk's bandwidths). Each round, for each
 configuration in turn (A B A B), the rates are probed (offload.estimate.probe: CPU AdamW, host copy, a
-matmul of the model's shape), the planner predicts the step (or forward) time of exactly that configuration
-(offload.estimate.plan.predict_training, plan_inference.predict_inference), and the engine runs it:
+matmul of the model's shape, for training a transformer block's forward + backward), the planner predicts
+the step (or forward) time of exactly that configuration (offload.estimate.plan.predict_training,
+plan_inference.predict_inference), and the engine runs it:
 `--warmup` steps, then `--steps` timed ones (inference: forwards). The table gives the medians over rounds
-of both and their ratio, with what the plan says bounds it. Output: benchmarks/out/plan.json and plan.md.
+of both and their ratio, with what the plan says bounds it. Output: benchmarks/out/plan.json (with each timed
+training step's engine report: forward, backward, optimizer, I/O wait, NVMe bytes) and plan.md.
 
 Configurations (GPT shapes of benchmarks/bench_e2e.py, vocabulary 32000, sequence 128, fp32):
 
@@ -105,6 +107,7 @@ def _measure(name: str, c: Dict[str, Any], nvme: str, warmup: int, steps: int) -
     engine, *_ = zero.initialize(model=model, config=_config(c, nvme))
     placement = engine.placement()
     times: List[float] = []
+    phases: List[Dict[str, Any]] = []  # training: each timed step's report (forward/backward/optimizer/I/O)
     nvme_read = 0.0
     try:
         for i in range(warmup + steps):
@@ -121,6 +124,8 @@ def _measure(name: str, c: Dict[str, Any], nvme: str, warmup: int, steps: int) -
                     engine(x)
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
+                if "opt" in c and engine.last_report is not None:
+                    phases.append(engine.last_report.as_dict())
         if "opt" not in c:
             rep = engine.inference_report()
             nvme_read = rep.nvme_read_bytes_per_forward
@@ -136,11 +141,20 @@ def _measure(name: str, c: Dict[str, Any], nvme: str, warmup: int, steps: int) -
         "all": times,
         "nvme_read_bytes": nvme_read,
         "placement": placement,
+        "phases": phases,
     }
 
 
 def _predict(c: Dict[str, Any], shape: ModelShape, profile: Any) -> Any:
-    compute = probe_machine(tokens=c["mb"] * c["seq"], hidden=shape.hidden_size, dtype="fp32", device="cpu")
+    train = "opt" in c  # training: a transformer block's forward + backward is probed too
+    compute = probe_machine(
+        tokens=c["mb"] * c["seq"],
+        hidden=shape.hidden_size,
+        dtype="fp32",
+        device="cpu",
+        seq_len=c["seq"] if train else None,
+        heads=shape.num_heads,
+    )
     if "opt" in c:
         pred = predict_training(
             shape,

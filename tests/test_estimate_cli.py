@@ -317,15 +317,16 @@ def test_hf_config_is_counted_like_the_real_model(tmp_path):
     )
 
 
-def test_param_max_in_cpu_flag_moves_parameters_between_host_and_nvme():
+def test_param_max_in_cpu_flag_moves_parameters_between_host_and_nvme(tmp_path):
+    budget = write(tmp_path / "budget.json", json.dumps({"zero_offload": {"pinned_budget_bytes": 8 << 30}}))
     common = ["--params", "1B", "--largest-layer", "10M", "--stage", "3", "--offload-optimizer", "nvme"]
-    common += ["--offload-param", "nvme", "--precision", "bf16", "--json"]
+    common += ["--offload-param", "nvme", "--precision", "bf16", "--json", "--config", budget]
     rows = {}
     for flag in (None, "0", "250M"):
         proc = cli(*common, *(["--param-max-in-cpu", flag] if flag else []))
         assert proc.returncode == 0, proc.stderr
         rows[flag] = json.loads(proc.stdout)["rows"][0]
-    # default 1e9 elements: the whole bf16 partition in host memory; 0: all of it on NVMe; 250M: a quarter
+    # default "auto": the whole bf16 partition fits the 8 GiB budget; 0: all of it on NVMe; 250M: a quarter
     for flag, on_nvme in ((None, 0), ("0", 10**9), ("250M", 750 * 10**6)):
         parts = rows[flag]["breakdown"]
         assert parts["cpu"]["params_16bit"] == (10**9 - on_nvme) * 2
@@ -337,6 +338,30 @@ def test_param_max_in_cpu_flag_moves_parameters_between_host_and_nvme():
     assert rows["0"]["per_cpu_bytes"] == rows[None]["per_cpu_bytes"] - 2 * 10**9 + staging
     bad = cli(*common, "--param-max-in-cpu", "-1")
     assert bad.returncode != 0 and "--param-max-in-cpu" in bad.stderr
+
+
+def test_param_max_in_cpu_defaults_to_the_engines_auto(tmp_path):
+    """Without the flag, offload_param.max_in_cpu is the engine's default ("auto"): what fits in the pinned
+    budget after the staging slots that stream the rest, not DeepSpeed's 1e9."""
+    from offload.config.zero import OffloadParamConfig
+
+    assert OffloadParamConfig.max_in_cpu == "auto"
+    budget = 1 << 30
+    cfg = write(tmp_path / "budget.json", json.dumps({"zero_offload": {"pinned_budget_bytes": budget}}))
+    common = ["--params", "1B", "--largest-layer", "10M", "--stage", "3", "--offload-optimizer", "cpu"]
+    common += ["--offload-param", "nvme", "--precision", "bf16", "--json", "--config", cfg]
+    rows = {}
+    for flag in (None, "auto"):
+        proc = cli(*common, *(["--param-max-in-cpu", flag] if flag else []))
+        assert proc.returncode == 0, proc.stderr
+        rows[flag] = json.loads(proc.stdout)["rows"][0]
+    assert rows[None] == rows["auto"]
+    # 1 GiB holds 512Mi bf16 elements, less 5 staging slots (offload_param.buffer_count) of the 10M layer
+    kept = (budget - 5 * 10_000_000 * 2) // 2
+    parts = rows[None]["breakdown"]
+    assert parts["cpu"]["params_16bit"] == kept * 2
+    assert parts["nvme"]["params_16bit"] == (10**9 - kept) * 2
+    assert any("max_in_cpu=auto" in n and "parameter elements" in n for n in rows[None]["notes"])
 
 
 def test_config_sub_group_below_the_engines_minimum_is_rounded_up(tmp_path):

@@ -25,7 +25,8 @@ GiB = 1 << 30
 
 
 def test_without_a_gpu_the_device_is_host_memory():
-    buffers = SwapBufferSettings(sub_group_size=10**8)
+    # parameters kept in RAM by a count, not by "auto" (which would size them against this machine's budget)
+    buffers = SwapBufferSettings(sub_group_size=10**8, param_max_in_cpu=10**9)
     setup = TrainingSetup(params=7 * 10**9, largest_layer_params=135 * 10**6, buffers=buffers)
     estimates = estimate_all(setup, [0, 1, 2, 3], ["none", "cpu", "nvme"], ["none", "cpu", "nvme"])
     host = MachineProfile(ram_bytes=21 * GiB, nvme_free_bytes=2000 * GiB, cpu_only=True)
@@ -60,6 +61,9 @@ def test_fit_report_on_a_cpu_only_machine(tmp_path):
         "1e8",
         "--machine-profile",
         str(profile),
+        # every parameter on NVMe: "auto" would keep half the host (the pinned budget) of them in RAM
+        "--param-max-in-cpu",
+        "0",
     ]
     text = run(args)
     assert "No GPU: the device is this host's memory" in text

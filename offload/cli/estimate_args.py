@@ -7,7 +7,7 @@ import argparse
 import math
 
 from offload.cli.plan_args import add_plan_arguments
-from offload.config.zero import OffloadOptimizerConfig
+from offload.config.zero import OffloadOptimizerConfig, OffloadParamConfig
 from offload.estimate.deepspeed_compat import DEFAULT_ADDITIONAL_BUFFER_FACTOR
 from offload.estimate.errors import EstimateInputError
 from offload.estimate.placement import (
@@ -158,9 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     zero.add_argument(
         "--param-max-in-cpu",
-        type=_count_or_zero("--param-max-in-cpu"),
-        help="offload_param.max_in_cpu: parameter elements kept in host memory with offload_param nvme "
-        "(default 1e9; 0: every partition on NVMe)",
+        type=_auto_or(_count_or_zero("--param-max-in-cpu")),
+        help="offload_param.max_in_cpu: parameter elements per rank kept in host memory with offload_param "
+        f"nvme; 0: every partition on NVMe (default: the --config's, else the engine's "
+        f"{OffloadParamConfig.max_in_cpu!r}: what fits in this machine's pinned budget, as the engine "
+        "resolves it)",
     )
     zero.add_argument(
         "--max-in-cpu",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple, Union
@@ -52,7 +53,7 @@ from offload.estimate.placement import (
 )
 from offload.estimate.report import deepspeed_json, estimates_json, render_deepspeed, render_estimates
 from offload.estimate.result import MemoryEstimate
-from offload.estimate.setup import SwapBufferSettings, TrainingSetup
+from offload.estimate.setup import SwapBufferSettings, TrainingSetup, layers
 from offload.estimate.split import apply_split, resolve_max_in_cpu
 from offload.estimate.units import format_bytes, format_count
 from offload.pinned import PINNED_BUDGET_ENV, automatic_pinned_budget, default_pinned_budget
@@ -216,6 +217,26 @@ def _with_note(est: MemoryEstimate, max_in_cpu: Union[int, str], kept: int, budg
     return dataclasses.replace(est, notes=(*est.notes, note))
 
 
+def _resolve_param_max_in_cpu(setup: TrainingSetup, budget: int) -> TrainingSetup:
+    """`setup` with offload_param.max_in_cpu "auto" resolved as the engine resolves it: the elements of one
+    rank's partitions (the largest layer's size each) that fit in its pinned `budget`."""
+    n = setup.world_size
+    parts = layers(math.ceil(setup.params / n), math.ceil(setup.largest_layer_params / n))
+    kept = setup.buffers.param_in_cpu(parts, setup.compute_bytes, budget)
+    return dataclasses.replace(setup, buffers=dataclasses.replace(setup.buffers, param_max_in_cpu=kept))
+
+
+def _with_param_note(est: MemoryEstimate, kept: Union[int, str]) -> MemoryEstimate:
+    if est.offload_param != "nvme":
+        return est
+    note = (
+        f"offload_param max_in_cpu=auto: {format_count(int(kept))} parameter elements per rank in host "
+        "memory, the rest on NVMe: what fits in the pinned budget, as the engine places it "
+        "(--param-max-in-cpu 0: all on NVMe)"
+    )
+    return dataclasses.replace(est, notes=(*est.notes, note))
+
+
 def run(argv: Optional[Sequence[str]] = None) -> str:
     """Parse argv and return the text to print; raises EstimateInputError on bad input."""
     args = build_parser().parse_args(argv)
@@ -270,12 +291,15 @@ def run(argv: Optional[Sequence[str]] = None) -> str:
         buffers=_buffers(args, config),
         activations=_activation_settings(args, config),
     )
-    estimates: List[MemoryEstimate] = estimate_all(setup, stages, opts, pars)
-    if not estimates:
-        raise EstimateInputError(_first_reason(stages, opts, pars))
     checks = machine = recommended = None
     if args.fit or args.machine_profile:
         machine = _machine(args)
+    param_auto = setup.buffers.param_max_in_cpu == "auto" and "nvme" in pars and 3 in stages
+    if param_auto:
+        setup = _resolve_param_max_in_cpu(setup, _pinned_budget(args, config, machine))
+    estimates: List[MemoryEstimate] = estimate_all(setup, stages, opts, pars)
+    if not estimates:
+        raise EstimateInputError(_first_reason(stages, opts, pars))
     max_in_cpu = _max_in_cpu(args, config)
     budget = _pinned_budget(args, config, machine) if max_in_cpu == "auto" else 0
     split = []
@@ -286,6 +310,8 @@ def run(argv: Optional[Sequence[str]] = None) -> str:
             _with_note(apply_split(e, setup, args.ratio, kept, cpu_only=cpu_only), max_in_cpu, kept, budget)
         )
     estimates = split
+    if param_auto:
+        estimates = [_with_param_note(e, setup.buffers.param_max_in_cpu) for e in estimates]
     if machine is not None:
         checks = [check_fit(est, machine, args.gpus_per_node) for est in estimates]
         recommended = recommend(estimates, checks)
@@ -345,13 +371,18 @@ def _run_inference(args: argparse.Namespace, config: Optional[ConfigChoices]) ->
     tiers = [args.offload_param] if args.offload_param else None
     if tiers is None:
         tiers = [config.offload_param] if config and config.offload_param else ["none", "cpu", "nvme"]
+    buffers = _buffers(args, config)
+    budget = None
+    if buffers.param_max_in_cpu == "auto" and "nvme" in tiers:
+        budget = _pinned_budget(args, config, _machine(args) if args.machine_profile else None)
     estimates = [
         estimate_inference(
             InferenceSetup(
                 units=tuple(units),
                 precision=precision,
                 offload_param=tier,
-                buffers=_buffers(args, config),
+                buffers=buffers,
+                pinned_budget=budget,
                 world_size=args.gpus_per_node * args.nodes,
                 batch_size=batch if kv is not None else None,
                 seq_len=args.seq_len,

@@ -75,7 +75,13 @@ def _compute(args: argparse.Namespace, shape: ModelShape, precision: str, batch:
             return load_compute_profile(data)
         except ValueError as exc:
             raise EstimateInputError(f"--compute-profile {args.compute_profile}: {exc}") from None
-    profile = probe_machine(tokens=batch * shape.seq_len, hidden=shape.hidden_size, dtype=precision)
+    profile = probe_machine(
+        tokens=batch * shape.seq_len,
+        hidden=shape.hidden_size,
+        dtype=precision,
+        seq_len=None if args.inference else shape.seq_len,
+        heads=shape.num_heads,
+    )
     if args.save_compute_profile:
         with open(args.save_compute_profile, "w", encoding="utf-8") as f:
             json.dump(profile.to_dict(), f, indent=2)

@@ -142,7 +142,7 @@ def read_ds_config(path: str) -> ConfigChoices:
             max_in_cpu = int(max_in_cpu)
         if isinstance(max_in_cpu, bool) or not isinstance(max_in_cpu, int) or max_in_cpu < 0:
             raise EstimateInputError(
-                f"{where}: {prefix}max_in_cpu must be an integer >= 0, got {max_in_cpu!r}"
+                f'{where}: {prefix}max_in_cpu must be "auto" or an integer >= 0, got {max_in_cpu!r}'
             )
         buffers["param_max_in_cpu"] = max_in_cpu
 

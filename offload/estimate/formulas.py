@@ -27,7 +27,7 @@ from .placement import (
     valid_combinations,
 )
 from .result import MemoryEstimate
-from .setup import SwapBufferSettings, TrainingSetup
+from .setup import SwapBufferSettings, TrainingSetup, layers
 
 _TIERS = ("gpu", "cpu_pinned", "cpu_pageable", "nvme")
 
@@ -102,7 +102,7 @@ def _stage3(
     # the gathered layers on the GPU.
     on_nvme = 0
     if offload_param == "nvme":
-        in_cpu = min(bufs.param_max_in_cpu, part)
+        in_cpu = bufs.param_in_cpu(layers(part, max(1, layer_part)), cb)
         on_nvme = part - in_cpu
         ledger.add(_host_tier(bufs.param_pin_memory), param_component, in_cpu * cb)
         ledger.add("nvme", param_component, on_nvme * cb)

@@ -131,6 +131,8 @@ class InferenceSetup:
     batch_size: Optional[int] = None
     seq_len: Optional[int] = None  # prompt plus new tokens: the positions the cache holds at the end
     kv: Optional[KVCacheShape] = None
+    # one rank's pinned budget, for offload_param.max_in_cpu "auto" (None: this process's, as the engine's)
+    pinned_budget: Optional[int] = None
 
     def __post_init__(self) -> None:
         if not self.units or any(n < 1 for n in self.units):
@@ -192,7 +194,9 @@ def estimate_inference(setup: InferenceSetup) -> InferenceEstimate:
     b = setup.buffers
     tier = setup.offload_param
     parts = [math.ceil(n / setup.world_size) for n in setup.units]
-    resident = resident_plan(parts, b.param_max_in_cpu) if tier == "nvme" else [True] * len(parts)
+    itemsize = max((setup.stored_bytes(p) // max(1, p) for p in parts), default=1)
+    in_cpu = b.param_in_cpu(parts, max(1, itemsize), setup.pinned_budget) if tier == "nvme" else 0
+    resident = resident_plan(parts, in_cpu) if tier == "nvme" else [True] * len(parts)
     on_nvme = [p for p, r in zip(parts, resident) if not r]
     placed_cpu = [p for p, r in zip(parts, resident) if r]
     in_host = [r and tier != "none" for r in resident]  # per unit: its partition lives in host memory
@@ -237,7 +241,9 @@ def estimate_inference(setup: InferenceSetup) -> InferenceEstimate:
         rows["KV cache"] = _row(device=kv)
     options = f"offload_param={tier}"
     if tier == "nvme":
-        options += f", max_in_cpu={format_count(b.param_max_in_cpu)}"
+        options += f", max_in_cpu={format_count(in_cpu)}"
+        if b.param_max_in_cpu == "auto":
+            options += " (auto)"
     if setup.weight_bits is not None:
         options += f", weights int{setup.weight_bits} (group {setup.group_size})"
         notes.append("quantized weights: the weight_quantization key needs the engine's weight quantization")

@@ -11,23 +11,28 @@ predicted time, what bounds it, and the rejected alternatives.
 
 The time model, one optimizer step of one rank (training) or one forward (inference), `T` tokens:
 
-* compute: matmul FLOPs (2 per parameter outside the input embedding per token forward, x3 with backward,
-  x4 with activation checkpointing; plus attention's 4 x seq x hidden per layer and token) over the
-  measured matmul rate;
-* copies (no GPU): stage 3 gathers every partition into a layer buffer (forward, backward) and copies the
-  gradient back: 3 x the parameter bytes over the measured host copy rate (inference: none, a partition in
-  RAM is used where it lies);
-* CPU optimizer: the rank's partition over the measured CPU AdamW rate (offloaded optimizer, or a CPU-only
-  machine);
+* compute: FLOPs (2 per parameter outside the input embedding per token forward, x3 with backward, x4
+  with activation checkpointing; plus attention's 4 x seq x hidden per layer and token); in training the
+  transformer blocks' share over the probed block rate (`ComputeProfile.train_flops`: norms, activations
+  and autograd included) and the rest over the matmul rate, else all over the matmul rate;
+* copies (no GPU): stage 3 gathers every partition into a layer buffer (forward, backward), copies the
+  gradient back and the updated master into the partitions: 4 x the parameter bytes over the measured host
+  copy rate (inference: none, a partition in RAM is used where it lies);
+* CPU optimizer: the host share of the rank's partition over the measured CPU AdamW rate (offloaded
+  optimizer, or a CPU-only machine); device optimizer: the share `offload_optimizer.ratio` leaves on the
+  GPU over the device's AdamW rate;
 * disk: NVMe bytes read over the read bandwidth plus bytes written over the write bandwidth (the optimizer
   state's swapped share read and written once; the parameters' swapped share read in forward and backward,
-  written after the step);
+  written after the step); "disk (not overlapped)" is the part nothing runs under: the parameters' writes
+  (made during the optimizer pass), and a tier's traffic when its buffer_count is 1;
 * PCIe (GPU): bytes between host and device over the probed copy bandwidths.
 
-On a CPU-only machine the CPU does compute, copies and the optimizer one after the other while the disk
-streams under them: step = max(compute + copies + optimizer, disk). With a GPU the device, the link and the
-CPU optimizer overlap one another: step = max(compute, PCIe) + max(optimizer, disk not hidden under
-compute). The largest term is what bounds the plan.
+On a CPU-only machine the CPU does compute, copies, the optimizer and the not-overlapped disk one after the
+other while the disk streams under them. With a GPU the device, the link and the CPU optimizer overlap one
+another: step = max(compute, PCIe) + max(optimizer + not-overlapped disk, disk not hidden under compute,
+device optimizer). The largest term is what bounds the plan. `plan_training` then weighs the chosen
+configuration's `offload_optimizer.ratio` and NVMe buffer counts (`_refine`), each count's staging slots
+charged to the pinned budget.
 """
 
 from __future__ import annotations
@@ -37,8 +42,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from offload.config.zero import ZeroConfig
-from offload.swap.resident import auto_resident_numel
+from offload.config.zero import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
+from offload.swap.split import split_numel
 
 from .activations import ActivationSettings
 from .errors import EstimateInputError
@@ -50,7 +55,8 @@ from .formulas import (
     valid_combinations,
 )
 from .machine import MachineProfile, check_fit
-from .probe import ComputeProfile
+from .probe import ComputeProfile, block_flops_per_token
+from .setup import layers
 from .split import apply_split, resolve_max_in_cpu
 from .units import format_bytes, format_count
 
@@ -94,6 +100,23 @@ class ModelShape:
         weights = max(self.params - self.vocab_size * self.hidden_size, 1)
         return 2.0 * weights + 4.0 * self.seq_len * self.hidden_size * self.num_layers
 
+    def block_flops_per_token(self) -> float:
+        """Of `forward_flops_per_token`, the transformer blocks' (12 hidden^2 weights and attention per
+        layer, offload.estimate.probe.block_flops_per_token); the rest (the output head) is plain matmul."""
+        per_layer = block_flops_per_token(self.hidden_size, self.seq_len)
+        return min(self.num_layers * per_layer, self.forward_flops_per_token())
+
+
+def compute_seconds(shape: ModelShape, tokens: int, passes: float, compute: ComputeProfile) -> float:
+    """Seconds of `passes` forward-equivalents (3: forward + backward, 4 with activation checkpointing)
+    over `tokens`: the transformer blocks at the probed training-block rate (`train_flops`: norms,
+    activations, attention and autograd included) when the profile has one, the rest at the matmul rate."""
+    total = passes * shape.forward_flops_per_token() * tokens
+    if not compute.train_flops:
+        return total / compute.matmul_flops
+    blocks = passes * shape.block_flops_per_token() * tokens
+    return blocks / compute.train_flops + (total - blocks) / compute.matmul_flops
+
 
 @dataclass(frozen=True)
 class Candidate:
@@ -115,13 +138,27 @@ class Candidate:
     bound: str  # the resource that bounds it
     nvme_read_bytes: int
     nvme_write_bytes: int
+    ratio: float = OffloadOptimizerConfig.ratio  # offload_optimizer.ratio: the share stepped on the host
+    optimizer_buffer_count: int = OffloadOptimizerConfig.buffer_count  # NVMe staging slots of the state
+    param_buffer_count: int = OffloadParamConfig.buffer_count  # NVMe parameter prefetch slots
+    staging_bytes: int = 0  # pinned staging slots of both (bounded by the pinned budget)
 
     @property
     def options(self) -> str:
-        """The settings in one line."""
+        """The settings in one line (ratio and buffer counts where they differ from the engine's defaults)."""
         text = f"stage={self.stage}, offload_optimizer={self.offload_optimizer}, "
         text += f"offload_param={self.offload_param}, micro_batch={self.micro_batch}"
-        return text + (", activation checkpointing" if self.checkpointing else "")
+        text += ", activation checkpointing" if self.checkpointing else ""
+        if self.ratio != OffloadOptimizerConfig.ratio:
+            text += f", ratio={self.ratio:g}"
+        if (
+            self.offload_optimizer == "nvme"
+            and self.optimizer_buffer_count != OffloadOptimizerConfig.buffer_count
+        ):
+            text += f", optimizer buffer_count={self.optimizer_buffer_count}"
+        if self.offload_param == "nvme" and self.param_buffer_count != OffloadParamConfig.buffer_count:
+            text += f", param buffer_count={self.param_buffer_count}"
+        return text
 
     def to_dict(self) -> Dict[str, Any]:
         """The candidate's fields (its memory estimate as `MemoryEstimate.to_dict`)."""
@@ -212,13 +249,6 @@ def _host_copy_gbps(compute: ComputeProfile) -> float:
     return float(compute.host_copy_gbps or HOST_COPY_GBPS_DEFAULT)
 
 
-def layers(numel: int, largest: int) -> List[int]:
-    """`numel` elements as partitions of the largest layer's size (the last one what is left): the unit
-    sizes `max_in_cpu: "auto"` is resolved over when the model's modules are not known one by one."""
-    whole, rest = divmod(numel, max(1, largest))
-    return [largest] * whole + ([rest] if rest else [])
-
-
 def disk_seconds(read: float, write: float, machine: MachineProfile) -> float:
     """Seconds to read and write these bytes at the machine's NVMe bandwidths (they share the device)."""
     if read == 0 and write == 0:
@@ -233,13 +263,15 @@ def disk_seconds(read: float, write: float, machine: MachineProfile) -> float:
 
 def _combine(times: Dict[str, float], machine: MachineProfile) -> Tuple[float, str]:
     """Seconds of the step from the resources' times, and the resource that bounds it (module doc)."""
+    serial = times.get("disk (not overlapped)", 0.0)  # on the CPU's path (training only)
     if machine.cpu_only:
-        cpu = times["compute"] + times["copies"] + times["cpu optimizer"]
+        cpu = times["compute"] + times["copies"] + times["cpu optimizer"] + serial
         total = max(cpu, times["disk"])
     else:
         front = max(times["compute"], times["pcie"])
         hidden = max(0.0, times["disk"] - times["compute"])
-        total = front + max(times["cpu optimizer"], hidden)
+        # the device share (ratio below 1) steps on the device while the host share steps on the CPU
+        total = front + max(times["cpu optimizer"] + serial, hidden, times.get("device optimizer", 0.0))
     bound = max(times, key=lambda k: times[k])
     return total, bound
 
@@ -255,6 +287,7 @@ def _training_candidate(
     budget: int,
     param_max_in_cpu: Optional[int] = None,
     optimizer_max_in_cpu: Optional[int] = None,
+    ratio: float = OffloadOptimizerConfig.ratio,
 ) -> Candidate:
     act = setup.activations
     assert act is not None
@@ -262,28 +295,39 @@ def _training_candidate(
     part = math.ceil(shape.params / setup.world_size) if stage >= 1 else shape.params
     # parameters: "auto" keeps what fits in the pinned budget, after the staging slots of the rest
     param_in_cpu = 0
-    if par == "nvme" and param_max_in_cpu is not None:
-        param_in_cpu = min(param_max_in_cpu, part)
-    elif par == "nvme":
-        b = setup.buffers
-        param_in_cpu = auto_resident_numel(
-            layers(part, shape.largest_layer_params),
-            cb,
-            budget,
-            b.param_buffer_count,
-            b.param_buffer_size,
-        )
+    if par == "nvme":
+        want = "auto" if param_max_in_cpu is None else param_max_in_cpu
+        asked = dataclasses.replace(setup.buffers, param_max_in_cpu=want)
+        param_in_cpu = asked.param_in_cpu(layers(part, shape.largest_layer_params), cb, budget)
     bufs = dataclasses.replace(setup.buffers, param_max_in_cpu=param_in_cpu)
     setup = dataclasses.replace(setup, buffers=bufs)
     est = estimate(setup, stage, opt, par, machine.nvme_free_bytes)
     budget_left = budget - (param_in_cpu * cb if par == "nvme" else 0)
     opt_want = "auto" if optimizer_max_in_cpu is None else optimizer_max_in_cpu
-    opt_in_cpu = resolve_max_in_cpu(est, setup, 1.0, opt_want, budget_left)
-    est = apply_split(est, setup, 1.0, opt_in_cpu)
+    ratio = ratio if opt != "none" else 1.0
+    opt_in_cpu = resolve_max_in_cpu(est, setup, ratio, opt_want, budget_left)
+    est = apply_split(est, setup, ratio, opt_in_cpu)
     fit = check_fit(est, machine, setup.gpus_per_node)
+    fit_label = fit.label
+    share = split_numel(part, setup.buffers.sub_group_size, tier=opt, ratio=ratio, max_in_cpu=opt_in_cpu)
+    # stepped by the CPU: the host share; without a GPU all of it (the "device" is the same CPU)
+    on_host = part if machine.cpu_only else part - share.device
+    # pinned staging slots: the optimizer's NVMe chunks and the parameters' prefetch buffers
+    b = setup.buffers
+    staging = 0
+    if opt == "nvme":
+        chunk = setup.nvme_chunk(part)
+        staging += (
+            min(b.optimizer_buffer_count, -(-part // chunk)) * chunk * (4 + setup.optimizer_state_bytes)
+        )
+    if par == "nvme":
+        staging += b.param_buffer_count * min(b.param_buffer_size, shape.largest_layer_params) * cb
+    fits = fit.fits and staging <= budget
+    if fit.fits and not fits:
+        fit_label = f"no (pinned: staging {format_bytes(staging)} over the budget {format_bytes(budget)})"
     # NVMe bytes per step, one rank
     state_bytes = 4 + setup.optimizer_state_bytes
-    opt_swapped = max(0, part - opt_in_cpu) if opt == "nvme" else 0
+    opt_swapped = share.offload if opt == "nvme" else 0
     par_swapped = max(0, part - param_in_cpu) if par == "nvme" else 0
     # units stay gathered from forward to backward while the model fits stage3_max_live_parameters
     # (the engine's reuse): one read per step then, else one in forward and one in backward
@@ -292,21 +336,35 @@ def _training_candidate(
     write = opt_swapped * state_bytes + par_swapped * cb
     tokens = act.batch_size * act.seq_len
     passes = 4.0 if act.checkpointing else 3.0
-    flops = passes * shape.forward_flops_per_token() * tokens
     copy_rate = _host_copy_gbps(compute) * 1e9
+    # Off the compute's path only with staging slots to run ahead in: the updated parameters' swap files
+    # are written during the optimizer pass (always on its path); with one optimizer slot each chunk's
+    # read and write wait for its update, with one parameter slot each unit's read waits for compute.
+    serial_read = par_reads * par_swapped * cb if b.param_buffer_count < 2 else 0
+    serial_write = par_swapped * cb
+    if b.optimizer_buffer_count < 2:
+        serial_read += opt_swapped * state_bytes
+        serial_write += opt_swapped * state_bytes
     times = {
-        "compute": flops / compute.matmul_flops,
-        "copies": 3 * part * cb / copy_rate if stage == 3 and machine.cpu_only else 0.0,
-        "cpu optimizer": part / compute.cpu_optimizer_elems_per_s
+        "compute": compute_seconds(shape, tokens, passes, compute),
+        # stage 3 without a GPU: the gathers of forward and backward, the gradient copied back, and the
+        # updated master copied into the partitions after the step
+        "copies": 4 * part * cb / copy_rate if stage == 3 and machine.cpu_only else 0.0,
+        "cpu optimizer": on_host / compute.cpu_optimizer_elems_per_s
         if (opt != "none" or machine.cpu_only)
         else 0.0,
-        "disk": disk_seconds(read, write, machine),
+        "device optimizer": share.device / compute.device_optimizer_elems_per_s
+        if share.device and compute.device_optimizer_elems_per_s and not machine.cpu_only
+        else 0.0,
+        "disk": disk_seconds(read - serial_read, write - serial_write, machine),
+        "disk (not overlapped)": disk_seconds(serial_read, serial_write, machine),
         "pcie": 0.0,
     }
     if not machine.cpu_only:
         h2d, d2h = compute.h2d_gbps or 0.0, compute.d2h_gbps or 0.0
-        moved_up = (part * cb if opt != "none" else 0) + (2 * part * cb if par != "none" else 0)
-        moved_down = part * cb if opt != "none" else 0
+        # the host share's gradients go down and its updated parameters come back up
+        moved_up = (on_host * cb if opt != "none" else 0) + (2 * part * cb if par != "none" else 0)
+        moved_down = on_host * cb if opt != "none" else 0
         times["pcie"] = (moved_up / (h2d * 1e9) if h2d else 0.0) + (moved_down / (d2h * 1e9) if d2h else 0.0)
     seconds, bound = _combine(times, machine)
     return Candidate(
@@ -318,14 +376,18 @@ def _training_candidate(
         param_max_in_cpu=param_in_cpu if par == "nvme" else (part if par == "cpu" else 0),
         optimizer_max_in_cpu=opt_in_cpu if opt == "nvme" else (part if opt == "cpu" else 0),
         estimate=est,
-        fits=fit.fits,
-        fit_label=fit.label,
+        fits=fits,
+        fit_label=fit_label,
         times=times,
         seconds=seconds,
         tokens_per_s=tokens / seconds if seconds > 0 else 0.0,
         bound=bound,
         nvme_read_bytes=read,
         nvme_write_bytes=write,
+        ratio=ratio,
+        optimizer_buffer_count=b.optimizer_buffer_count,
+        param_buffer_count=b.param_buffer_count,
+        staging_bytes=staging,
     )
 
 
@@ -413,12 +475,14 @@ def _config(
     if c.offload_optimizer != "none":
         oo: Dict[str, Any] = {"device": c.offload_optimizer}
         if c.offload_optimizer == "nvme":
-            oo.update(nvme_path=nvme_path, max_in_cpu="auto")
+            oo.update(nvme_path=nvme_path, max_in_cpu="auto", buffer_count=c.optimizer_buffer_count)
+        if c.ratio != OffloadOptimizerConfig.ratio:
+            oo["ratio"] = c.ratio
         zo["offload_optimizer"] = oo
     if c.offload_param != "none":
         op: Dict[str, Any] = {"device": c.offload_param}
         if c.offload_param == "nvme":
-            op.update(nvme_path=nvme_path, max_in_cpu="auto")
+            op.update(nvme_path=nvme_path, max_in_cpu="auto", buffer_count=c.param_buffer_count)
         zo["offload_param"] = op
     cfg: Dict[str, Any] = {"train_micro_batch_size_per_gpu": c.micro_batch, "zero_optimization": zo}
     # the engine's reports show the prediction beside what it measures
@@ -442,7 +506,14 @@ def _rank(cands: Sequence[Candidate], best: Candidate) -> List[Tuple[Candidate, 
         if not c.fits:
             return f"does not fit: {c.fit_label}"
         share = c.tokens_per_s / best.tokens_per_s if best.tokens_per_s > 0 else 0.0
-        return f"{c.tokens_per_s:.1f} tokens/s ({share:.2f}x the plan's), bound by {c.bound}"
+        text = f"{c.tokens_per_s:.1f} tokens/s ({share:.2f}x the plan's), bound by {c.bound}"
+        if round(share, 3) >= 1.0 and c.staging_bytes > best.staging_bytes:
+            text += (
+                f"; no faster, and {format_bytes(c.staging_bytes - best.staging_bytes)} more pinned staging"
+            )
+        elif round(share, 3) >= 1.0 and c.ratio < best.ratio:
+            text += "; no faster, and more optimizer state on the device"
+        return text
 
     def key(c: Candidate) -> Tuple[int, str, str]:
         return (c.stage, c.offload_optimizer, c.offload_param)
@@ -497,7 +568,78 @@ def plan_training(
                 if stage not in stages or (not allow_nvme and "nvme" in (opt, par)):
                     continue
                 cands.append(_training_candidate(shape, setup, stage, opt, par, machine, compute, budget))
-    return choose("train", cands, machine, compute, budget, precision, nvme_path, sub_group_size, optimizer)
+    args = ("train", cands, machine, compute, budget, precision, nvme_path, sub_group_size, optimizer)
+    best = choose(*args).chosen
+    setup = _training_setup(
+        shape, best.micro_batch, best.checkpointing, precision, optimizer, bufs, gpus_per_node
+    )
+    notes = _refine(cands, best, shape, setup, machine, compute, budget)
+    plan = choose(*args)
+    return dataclasses.replace(plan, notes=notes + plan.notes)
+
+
+OPTIMIZER_BUFFER_COUNTS = (1, 2, 4, 8)  # offload_optimizer.buffer_count choices (NVMe)
+PARAM_BUFFER_COUNTS = (1, 2, 5, 8)  # offload_param.buffer_count choices (NVMe)
+RATIOS = (0.75, 0.5, 0.25)  # offload_optimizer.ratio choices below 1 (a GPU with a device optimizer rate)
+
+
+def _refine(
+    cands: List[Candidate],
+    best: Candidate,
+    shape: ModelShape,
+    setup: TrainingSetup,
+    machine: MachineProfile,
+    compute: ComputeProfile,
+    budget: int,
+) -> List[str]:
+    """Weigh `best`'s `offload_optimizer.ratio`, then its optimizer and parameter NVMe buffer counts, one
+    after the other (each keeps the fastest so far); every variant is appended to `cands`. Returns notes
+    on what was not weighed and why."""
+    notes: List[str] = []
+    stage, opt, par = best.stage, best.offload_optimizer, best.offload_param
+
+    def run(s: TrainingSetup, ratio: float) -> Candidate:
+        c = _training_candidate(shape, s, stage, opt, par, machine, compute, budget, ratio=ratio)
+        cands.append(c)
+        return c
+
+    def faster(c: Candidate, than: Candidate) -> bool:
+        return c.fits and round(c.tokens_per_s, 9) > round(than.tokens_per_s, 9)
+
+    ratio = best.ratio
+    if opt != "none" and machine.cpu_only:
+        notes.append(
+            "offload_optimizer.ratio stays 1: no GPU, so the device is the host and a device share "
+            "would step on the same CPU (no gain)"
+        )
+    elif opt != "none" and not compute.device_optimizer_elems_per_s:
+        notes.append("offload_optimizer.ratio stays 1: the compute profile has no device optimizer rate")
+    elif opt != "none":
+        for r in RATIOS:
+            c = run(setup, r)
+            if faster(c, best):
+                best, ratio = c, r
+    if opt == "nvme":
+        chosen = setup
+        for k in OPTIMIZER_BUFFER_COUNTS:
+            if k == setup.buffers.optimizer_buffer_count:
+                continue
+            s = dataclasses.replace(
+                setup, buffers=dataclasses.replace(setup.buffers, optimizer_buffer_count=k)
+            )
+            c = run(s, ratio)
+            if faster(c, best) or (
+                c.fits and c.tokens_per_s >= best.tokens_per_s and c.staging_bytes < best.staging_bytes
+            ):
+                best, chosen = c, s
+        setup = chosen
+    if par == "nvme":
+        for k in PARAM_BUFFER_COUNTS:
+            if k == setup.buffers.param_buffer_count:
+                continue
+            s = dataclasses.replace(setup, buffers=dataclasses.replace(setup.buffers, param_buffer_count=k))
+            run(s, ratio)
+    return notes
 
 
 def choose(
@@ -527,6 +669,8 @@ def choose(
             -tier[c.offload_optimizer],
             -c.stage,
             -int(c.checkpointing),
+            c.ratio,  # the least optimizer state on the device
+            -c.staging_bytes,  # the fewest pinned staging slots
         ),
     )
     notes = []

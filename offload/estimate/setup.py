@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import List, Optional, Sequence, Union
 
+from offload.config.zero import OffloadParamConfig
+from offload.swap.resident import auto_resident_numel
 from offload.swap.slots import QUANT_BLOCK, state_chunk  # the engine's slot sizing
 
 from .activations import ActivationSettings
@@ -21,14 +23,13 @@ from .placement import (
     STATE_DTYPE_BYTES,
 )
 
-__all__ = ["SwapBufferSettings", "TrainingSetup"]
+__all__ = ["SwapBufferSettings", "TrainingSetup", "layers"]
 
 # DeepSpeed's defaults for the swap-buffer settings (our config schema is DeepSpeed-compatible).
 DEFAULT_OPTIMIZER_BUFFER_COUNT = 4
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
 DEFAULT_PARAM_BUFFER_COUNT = 5
 DEFAULT_PARAM_BUFFER_SIZE = 100_000_000
-DEFAULT_PARAM_MAX_IN_CPU = 1_000_000_000
 DEFAULT_REDUCE_BUCKET_SIZE = 500_000_000
 
 
@@ -43,8 +44,8 @@ class SwapBufferSettings:
     optimizer_pin_memory: bool = ENGINE_PLACEMENT.pin_memory_default
     param_pin_memory: bool = ENGINE_PLACEMENT.pin_memory_default
     # offload_param.max_in_cpu: with NVMe parameters, partitions of up to this many elements in all stay
-    # in host memory (DeepSpeed's default 1e9 keeps a model under 1e9 parameters off the disk entirely).
-    param_max_in_cpu: int = DEFAULT_PARAM_MAX_IN_CPU
+    # in host memory; "auto" (the engine's default): what fits in the pinned budget (`param_in_cpu`)
+    param_max_in_cpu: Union[int, str] = OffloadParamConfig.max_in_cpu
     # offload_optimizer.nvme_copies: "auto" (two when nvme_path has room, else one), 1 or 2
     optimizer_nvme_copies: Union[str, int] = "auto"
     # zero_optimization.reduce_bucket_size / overlap_comm: stage 2's gradient buckets on the GPU.
@@ -62,8 +63,36 @@ class SwapBufferSettings:
                 raise EstimateInputError(f"buffer setting {name} must be a positive integer, got {value!r}")
         for name in ("param_max_in_cpu", "reduce_bucket_size"):
             value = getattr(self, name)
+            if name == "param_max_in_cpu" and value == "auto":
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise EstimateInputError(f"buffer setting {name} must be an integer >= 0, got {value!r}")
+                allowed = '"auto" or ' if name == "param_max_in_cpu" else ""
+                raise EstimateInputError(
+                    f"buffer setting {name} must be {allowed}an integer >= 0, got {value!r}"
+                )
+
+    def param_in_cpu(self, numels: Sequence[int], itemsize: int, pinned_budget: Optional[int] = None) -> int:
+        """`param_max_in_cpu` as elements of the partitions `numels` (`itemsize` bytes each) kept in host
+        memory: a count as given (at most all of them); "auto" as the engine resolves it
+        (offload.swap.resident.auto_resident_numel) against `pinned_budget` bytes (None: this process's
+        budget, offload.pinned.default_pinned_budget)."""
+        total = sum(numels)
+        if self.param_max_in_cpu != "auto":
+            return min(int(self.param_max_in_cpu), total)
+        if pinned_budget is None:
+            from offload.pinned import default_pinned_budget
+
+            pinned_budget = default_pinned_budget()
+        return auto_resident_numel(
+            numels, itemsize, pinned_budget, self.param_buffer_count, self.param_buffer_size
+        )
+
+
+def layers(numel: int, largest: int) -> List[int]:
+    """`numel` elements as partitions of the largest layer's size (the last one what is left): the unit
+    sizes `max_in_cpu: "auto"` is resolved over when the model's modules are not known one by one."""
+    whole, rest = divmod(numel, max(1, largest))
+    return [largest] * whole + ([rest] if rest else [])
 
 
 @dataclass(frozen=True)

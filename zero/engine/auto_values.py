@@ -171,7 +171,11 @@ def _plan(cfg: Dict[str, Any], model: nn.Module, planner: Optional[Callable[...,
     if planner is not None:
         return planner(shape, machine, **kwargs)
     compute = probe_machine(
-        tokens=kwargs["max_micro_batch"] * shape.seq_len, hidden=shape.hidden_size, dtype=dtype
+        tokens=kwargs["max_micro_batch"] * shape.seq_len,
+        hidden=shape.hidden_size,
+        dtype=dtype,
+        seq_len=shape.seq_len,
+        heads=shape.num_heads,
     )
     return plan_training(shape, machine, compute, **kwargs)
 
