@@ -20,12 +20,21 @@ Configurations (GPT shapes of benchmarks/bench_e2e.py, vocabulary 32000, sequenc
   keeps the whole model in RAM, so the forward reads nothing from disk; batch 1, 64 tokens;
 * `infer-7b-4gib`: a 6.7B GPT (32 x 4096) in fp32, larger than this machine's RAM, with a pinned budget
   of 4 GiB (needs the disk space and about 30 GiB of swap-file writes: not run by default).
+
+`--checkpoint DIR` runs the inference configurations the way a user does instead: the Hugging Face
+checkpoint in DIR (config.json and safetensors shards, e.g. one `benchmarks.bench_inference` wrote) loaded
+with `zero.from_pretrained` under the configuration's placement (`--serve-checkpoint`: "auto" serves the
+NVMe partitions straight from the checkpoint's files, "false" copies them into swap files), the shape the
+planner gets read from its config.json (the model built on the meta device); each run's load seconds,
+time to first token (load plus the first forward) and LoadReport are recorded. `--drop-caches` drops the
+page cache before each run (root).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import tempfile
 import time
@@ -79,6 +88,80 @@ def _shape(c: Dict[str, Any]) -> ModelShape:
         vocab_size=32000,
         num_heads=s["n_head"],
     )
+
+
+def _checkpoint_shape(ckpt: str, c: Dict[str, Any]) -> ModelShape:
+    """The ModelShape of the causal LM in the checkpoint folder `ckpt`, built on the meta device."""
+    import transformers
+
+    cfg = transformers.AutoConfig.from_pretrained(ckpt)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    params = sum(p.numel() for p in model.parameters())
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    del model
+    return ModelShape(
+        params=params,
+        largest_layer_params=largest,
+        hidden_size=cfg.hidden_size,
+        num_layers=cfg.num_hidden_layers,
+        seq_len=c["seq"],
+        vocab_size=cfg.vocab_size,
+        num_heads=cfg.num_attention_heads,
+    )
+
+
+def _drop_page_cache() -> str:
+    """Drop the page cache (root); a note saying why not, else ""."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return ""
+    except OSError as e:
+        return f"page cache not dropped ({e.strerror})"
+
+
+def _measure_pretrained(
+    c: Dict[str, Any], ckpt: str, serve: Any, nvme: str, vocab: int, warmup: int, steps: int
+) -> Dict[str, Any]:
+    """Load `ckpt` with zero.from_pretrained under the configuration's placement, then time the forwards:
+    load seconds, time to first token (load + the first forward), the forwards' median and bytes read."""
+    import zero
+
+    t0 = time.perf_counter()
+    engine = zero.from_pretrained(ckpt, config=_config(c, nvme), serve_checkpoint=serve)
+    load_s = time.perf_counter() - t0
+    times: List[float] = []
+    try:
+        placement = engine.placement()
+        load = engine.load_report
+        for i in range(warmup + steps):
+            g = torch.Generator().manual_seed(i)
+            x = torch.randint(0, vocab, (c["mb"], c["seq"]), generator=g)
+            if i == warmup:
+                engine.inference_report()  # the timed forwards only
+            t1 = time.perf_counter()
+            with torch.no_grad():
+                engine(x)
+            times.append(time.perf_counter() - t1)
+        rep = engine.inference_report()
+    finally:
+        engine.close()
+        del engine
+        gc.collect()
+    return {
+        "seconds": statistics.median(times[warmup:]),
+        "all": times[warmup:],
+        "load_s": load_s,
+        "first_token_s": load_s + times[0],
+        "nvme_read_bytes": rep.nvme_read_bytes_per_forward,
+        "read_wait_s_per_forward": rep.read_wait_s / max(1, rep.forwards),
+        "checkpoint_bytes_served": load.checkpoint_bytes_served,
+        "swap_bytes_written": load.swap_bytes_written,
+        "copy_reason": load.copy_reason,
+        "placement": placement,
+    }
 
 
 def _config(c: Dict[str, Any], nvme: str) -> Dict[str, Any]:
@@ -188,20 +271,36 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--nvme-dir", default=None, help="where swap files go (default: a temporary directory)")
     ap.add_argument("--out-name", default="plan")
+    ap.add_argument("--checkpoint", help="inference configurations: load this HF checkpoint (see above)")
+    ap.add_argument("--serve-checkpoint", choices=("auto", "false"), default="auto")
+    ap.add_argument("--drop-caches", action="store_true", help="drop the page cache before each run (root)")
     args = ap.parse_args()
     profile = load_machine_profile(args.profile)
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         raise SystemExit(f"bench_plan: unknown configuration(s) {unknown}; known: {list(CONFIGS)}")
-    shapes = {n: _shape(CONFIGS[n]) for n in names}
+    ckpt = args.checkpoint
+
+    def from_ckpt(n: str) -> bool:
+        return bool(ckpt) and "opt" not in CONFIGS[n]
+
+    shapes = {n: _checkpoint_shape(ckpt, CONFIGS[n]) if from_ckpt(n) else _shape(CONFIGS[n]) for n in names}
+    serve = "auto" if args.serve_checkpoint == "auto" else False
     results: Dict[str, Dict[str, Any]] = {n: {"predicted": [], "measured": [], "runs": []} for n in names}
     with tempfile.TemporaryDirectory(prefix="zo-plan-", dir=args.nvme_dir) as nvme:
         for r in range(args.repeats):
             for n in names:
                 c = CONFIGS[n]
+                note = _drop_page_cache() if args.drop_caches else ""
                 pred, compute = _predict(c, shapes[n], profile)
-                got = _measure(n, c, nvme, args.warmup, args.steps)
+                load = os.getloadavg()
+                if from_ckpt(n):
+                    vocab = shapes[n].vocab_size
+                    got = _measure_pretrained(c, ckpt, serve, nvme, vocab, args.warmup, args.steps)
+                else:
+                    got = _measure(n, c, nvme, args.warmup, args.steps)
+                got.update(loadavg_before=load, loadavg_after=os.getloadavg(), cache_note=note)
                 results[n]["predicted"].append(pred.seconds)
                 results[n]["measured"].append(got["seconds"])
                 results[n]["runs"].append(
@@ -209,7 +308,14 @@ def main() -> None:
                 )
                 print(
                     f"[plan] round {r + 1} {n}: predicted {pred.seconds:.3f} s ({pred.bound}), measured "
-                    f"{got['seconds']:.3f} s, NVMe read {got['nvme_read_bytes'] / 1e6:.1f} MB",
+                    f"{got['seconds']:.3f} s, NVMe read {got['nvme_read_bytes'] / 1e6:.1f} MB (predicted "
+                    f"{pred.nvme_read_bytes / 1e6:.1f}), load average "
+                    f"{got['loadavg_before'][0]:.1f} -> {got['loadavg_after'][0]:.1f}"
+                    + (
+                        f", load {got['load_s']:.1f} s, first token {got['first_token_s']:.1f} s"
+                        if "load_s" in got
+                        else ""
+                    ),
                     flush=True,
                 )
     rows = []

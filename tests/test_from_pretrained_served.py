@@ -231,3 +231,20 @@ def test_a_fifo_in_a_checkpoint_files_place_is_refused_not_waited_on(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert f"{fifo}: not a regular file" in out.stdout
+
+
+def test_placement_counts_the_served_bytes_on_nvme(ckpt, tmp_path):
+    """engine.placement(): partitions served from the checkpoint are on NVMe as much as copied ones."""
+    copied = zero.from_pretrained(ckpt, config=config(tmp_path), serve_checkpoint=False)
+    want = copied.placement()["parameters"]
+    copied.close()
+    served = zero.from_pretrained(ckpt, config=config(tmp_path), serve_checkpoint=True)
+    got = served.placement()["parameters"]
+    report = served.load_report
+    served.close()
+    assert report.checkpoint_bytes_served > 0
+    assert got["nvme_bytes"] >= report.checkpoint_bytes_served
+    # the swap files are 4 KiB-rounded: the copied partitions take at least the served bytes
+    assert report.checkpoint_bytes_served <= want["nvme_bytes"] < report.checkpoint_bytes_served + 4096 * 64
+    assert "served from the checkpoint's files" in got["why"]
+    assert "served" not in want["why"]

@@ -49,7 +49,7 @@ class ParamPlacement:
     device_bytes: int  # partitions in the compute device's memory
     host_bytes: int  # partitions in host memory (the cpu tier, or kept by max_in_cpu with nvme)
     host_pinned: bool
-    nvme_bytes: int  # swap files
+    nvme_bytes: int  # swap files, and partitions served from a checkpoint's files
     max_in_cpu: Union[int, str]  # the config's value ("auto" or a count)
     resident_numel: int  # elements in memory (device or host)
     budget_bytes: int  # the pinned budget the placement was sized against
@@ -66,7 +66,8 @@ def describe_param_placement(store: Any, max_in_cpu: Union[int, str]) -> ParamPl
 
     tier = store.tier
     mem = int(store.in_memory_bytes)
-    disk = int(store.bytes_on_disk)
+    served = int(store.files.served_bytes)  # read from a checkpoint's files (zero.stage3.served)
+    disk = int(store.bytes_on_disk) + served
     budget = int(store.pool.cap_bytes)
     if tier == "none":
         why = "offload_param.device=none: the partitions live on the compute device"
@@ -78,6 +79,8 @@ def describe_param_placement(store: Any, max_in_cpu: Union[int, str]) -> ParamPl
         why = f"max_in_cpu=auto: the model fits in the pinned budget of {format_bytes(budget)}"
     else:
         why = f"max_in_cpu=auto: what fits in the pinned budget of {format_bytes(budget)} stays in RAM"
+    if served:
+        why += f"; {format_bytes(served)} on NVMe served from the checkpoint's files, not copied"
     return ParamPlacement(
         tier=tier,
         device_bytes=mem if tier == "none" else 0,

@@ -6,9 +6,18 @@ asynchronous)` puts bytes [offset, offset + len(buf)) of the partition into `buf
 values lie, unconverted, in the tensors of a safetensors checkpoint (zero.from_pretrained serves them
 directly): a list of `Extent`s, each a byte range of a checkpoint file held open by descriptor
 (`CheckpointFds`), and zeros everywhere else (the padding at the end of the last rank's share, a
-parameter the checkpoint does not hold). A read is one aio request per extent the range touches; the I/O
-core bounces the unaligned starts and ends of O_DIRECT ranges, so what lands in `buf` is the file's bytes,
-bit for bit. A served partition is read-only: nothing is ever written into a checkpoint file.
+parameter the checkpoint does not hold). A served partition is read-only: nothing is ever written into a
+checkpoint file.
+
+Alignment: a checkpoint's tensors lie at offsets that are not multiples of the 4 KiB O_DIRECT needs (the
+data starts after the JSON header), and the I/O core copies every piece of a request whose file offset and
+memory address are not both aligned through a bounce buffer. `lead(offset)` says where in a 4 KiB-aligned
+buffer a read from partition offset `offset` should start so that file and memory agree modulo 4 KiB (for
+the extents holding most of the bytes; tensors whose sizes are multiples of 4 KiB, as a transformer's
+matrices are, all agree); the store lands served reads there. Each extent a range touches is then read as
+its unaligned head and tail (under 4 KiB each, bounced) and its aligned middle (straight into `buf`); an
+extent that does not agree is one request, bounced throughout. Either way what lands in `buf` is the
+file's bytes, bit for bit.
 """
 
 from __future__ import annotations
@@ -21,7 +30,9 @@ import torch
 
 from offload.swap.space import SwapFile
 
-__all__ = ["CheckpointFds", "Extent", "PartitionSource", "ServedPartition", "SwapSource"]
+__all__ = ["ALIGN", "CheckpointFds", "Extent", "PartitionSource", "ServedPartition", "SwapSource"]
+
+ALIGN = 4096  # O_DIRECT's alignment on every common device (a multiple of any smaller one)
 
 
 class PartitionSource(Protocol):
@@ -35,6 +46,11 @@ class PartitionSource(Protocol):
     def read_into(self, handle: Any, buf: torch.Tensor, offset: int, asynchronous: bool = False) -> None:
         """Read bytes [offset, offset + buf.numel()) of the partition into the uint8 tensor `buf`; an
         asynchronous read is complete once `handle.wait()` returns."""
+        ...
+
+    def lead(self, offset: int) -> int:
+        """Where (modulo ALIGN, 0 <= lead < ALIGN) a buffer should start in ALIGN-aligned memory for a read
+        from `offset` to go straight to the device; a multiple of 8 (any dtype's view fits)."""
         ...
 
 
@@ -54,6 +70,10 @@ class SwapSource:
     def read_into(self, handle: Any, buf: torch.Tensor, offset: int, asynchronous: bool = False) -> None:
         """One request for the whole range (see PartitionSource)."""
         (handle.async_pread if asynchronous else handle.sync_pread)(buf, self.file, offset)
+
+    def lead(self, offset: int) -> int:
+        """0: a swap file holds the partition from offset 0 (see PartitionSource)."""
+        return 0
 
 
 class CheckpointFds:
@@ -134,6 +154,13 @@ class ServedPartition:
         self.name = name
         self.extents = ext
         self.nbytes = int(nbytes)
+        # file offset - partition offset (mod ALIGN) of the most bytes: reads land where that agrees
+        shares: Dict[int, int] = {}
+        for e in ext:
+            k = (e.file_offset - e.part_offset) % ALIGN
+            shares[k] = shares.get(k, 0) + e.nbytes
+        shift = max(shares, key=lambda k: shares[k], default=0)
+        self._shift = shift if shift % 8 == 0 else 0
 
     @property
     def path(self) -> str:
@@ -145,18 +172,33 @@ class ServedPartition:
         """Bytes of the partition that come from checkpoint files (the rest are zeros)."""
         return sum(e.nbytes for e in self.extents)
 
+    def lead(self, offset: int) -> int:
+        """Where a buffer for bytes from `offset` on should start modulo ALIGN (see PartitionSource)."""
+        return (offset + self._shift) % ALIGN
+
     def read_into(self, handle: Any, buf: torch.Tensor, offset: int, asynchronous: bool = False) -> None:
-        """One request per extent the range touches; the gaps are zeroed now (see PartitionSource)."""
+        """Per extent the range touches: its aligned middle in one request when file offset and address
+        agree modulo ALIGN, with its unaligned head and tail as requests of their own, else one request;
+        the gaps are zeroed now (see PartitionSource)."""
         end = offset + buf.numel()
         at = offset  # bytes of the range before `at` are placed (read or zeroed)
         read = handle.async_pread if asynchronous else handle.sync_pread
+        base = buf.data_ptr() - offset  # the address partition byte 0 would have
         for e in self.extents:
             lo, hi = max(offset, e.part_offset), min(end, e.part_offset + e.nbytes)
             if lo >= hi:
                 continue
             if lo > at:
                 buf[at - offset : lo - offset].zero_()
-            read(buf[lo - offset : hi - offset], e.fd, e.file_offset + (lo - e.part_offset))
+            f = e.file_offset + (lo - e.part_offset)  # the file offset of partition byte lo
+            cuts = [lo, hi]
+            if (base + lo) % ALIGN == f % ALIGN:
+                a = lo + (-f) % ALIGN  # first aligned byte, last aligned end
+                z = hi - (f + hi - lo) % ALIGN
+                if a < z:
+                    cuts = sorted({lo, a, z, hi})
+            for x, y in zip(cuts, cuts[1:]):
+                read(buf[x - offset : y - offset], e.fd, f + (x - lo))
             at = hi
         if at < end:
             buf[at - offset :].zero_()

@@ -19,6 +19,18 @@ class StagingSlot:
     unit: Optional[int] = None  # unit index of a prefetch in flight, None when free
     event: Any = None  # CUDA event of the last copy out of this slot
     lent: Optional[int] = None  # unit index whose gathered tensor is a view of this slot (`lend`)
+    lead: int = 0  # where in `buf` the bytes of the last read start (PartitionSource.lead)
+
+    def data(self, nbytes: int) -> torch.Tensor:
+        """The `nbytes` bytes of the last read (from `lead` on)."""
+        return self.buf[self.lead : self.lead + nbytes]
+
+    def land(self, source: Any, offset: int, nbytes: int) -> torch.Tensor:
+        """Where a read of `nbytes` from `offset` of `source` (a PartitionSource) goes: at the source's lead,
+        so that the read goes straight to the device, when the buffer has room for it, else at 0."""
+        lead = source.lead(offset)
+        self.lead = lead if lead + nbytes <= self.buf.numel() else 0
+        return self.data(nbytes)
 
 
 def storage_uses(t: torch.Tensor) -> int:

@@ -45,7 +45,7 @@ from zero.stage3.pinned_budget import Stage3PinnedBudgetError, partitions_budget
 from zero.stage3.placement import auto_keeps_unit, auto_max_in_cpu
 from zero.stage3.quant import PartitionCodec, QuantTarget, segment_totals, unit_codec
 from zero.stage3.read_ahead import ReadAhead
-from zero.stage3.served import CheckpointFds, ServedPartition
+from zero.stage3.served import ALIGN, CheckpointFds, ServedPartition
 from zero.stage3.staging_slot import StagingSlot as _Slot
 from zero.stage3.staging_slot import storage_uses as _storage_uses
 from zero.stage3.store_stats import StoreStats, UnitSize
@@ -102,7 +102,8 @@ class PartitionStore:
         self._units: Dict[int, Unit] = {}  # by index: a prefetch sets its parameters' ds_status (INFLIGHT)
         self._largest: Optional[Unit] = None  # largest unit on NVMe: sizes the staging slots
         self._slots: List[_Slot] = []
-        self._slot_bytes = 0
+        self._slot_bytes = 0  # the most bytes a slot holds
+        self._slot_alloc = 0  # a slot buffer's bytes: `_slot_bytes`, plus ALIGN with served partitions
         self._inflight: Dict[int, List[_Slot]] = {}  # unit index -> the slots its prefetch reads into
         self._lent: Dict[int, _Slot] = {}  # unit index -> the slot its gathered tensor views
         self._slot_uses = -1  # storage uses of a slot's buffer that nothing outside the store holds
@@ -274,16 +275,23 @@ class PartitionStore:
             return
         big = self._largest
         self._slot_bytes = min(self.buffer_size * big.element_size, self.stored_nbytes(big))
-        for _ in range(self.buffer_count):
+        # with served partitions, room for a read to start at its file's alignment (PartitionSource.lead)
+        # when the budget has it; without it such reads start at 0 (bounced by the I/O core)
+        for pad in (ALIGN, 0) if self.files.served_bytes else (0,):
             try:
-                buf = self.pool.allocate(self._slot_bytes, torch.uint8)
+                for _ in range(self.buffer_count):
+                    buf = self.pool.allocate(self._slot_bytes + pad, torch.uint8)
+                    self._slots.append(_Slot(buf, self._aio.handle()))
+                self._slot_alloc = self._slot_bytes + pad
+                break
             except PinnedMemoryBudgetError as e:
                 for s in self._slots:
+                    s.handle.close()
                     self.pool.free(s.buf)
                 self._slots = []
-                stored, n, size = self.stored_nbytes(big), self.buffer_count, self.buffer_size
-                raise staging_budget_error(e, big, stored, n, self._slot_bytes, size) from e
-            self._slots.append(_Slot(buf, self._aio.handle()))
+                if pad == 0:
+                    stored, n, size = self.stored_nbytes(big), self.buffer_count, self.buffer_size
+                    raise staging_budget_error(e, big, stored, n, self._slot_bytes, size) from e
         self._slot_uses = _storage_uses(self._slots[0].buf)
 
     def _idle_slots(self) -> List[_Slot]:
@@ -341,7 +349,7 @@ class PartitionStore:
 
     def _copy_out(self, s: _Slot, dst_bytes: torch.Tensor, nbytes: int, fresh: bool = False) -> None:
         # on a GPU: a side stream (device_copy); `fresh`: dst_bytes is part of a `device_buffer`
-        s.event = self._copies.copy(dst_bytes, s.buf[:nbytes], fresh)
+        s.event = self._copies.copy(dst_bytes, s.data(nbytes), fresh)
 
     def device_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised buffer on the compute device for `read(..., fresh=True)`: on a GPU allocated on
@@ -386,7 +394,7 @@ class PartitionStore:
             for i, s in enumerate(free):
                 self._wait_copy(s)
                 off = i * piece
-                path.read_into(s.handle, s.buf[: min(piece, nbytes - off)], off, asynchronous=True)
+                path.read_into(s.handle, s.land(path, off, min(piece, nbytes - off)), off, asynchronous=True)
         except BaseException:
             self._drop_inflight(unit.index)  # a refused request: no slot may pass for holding the unit
             raise
@@ -428,7 +436,7 @@ class PartitionStore:
         if unit.index in self._codecs:
             return None
         s = self._land(unit, unit.part_nbytes, lend=True)
-        return s.buf[: unit.part_nbytes].view(unit.dtype) if s is not None else None
+        return s.data(unit.part_nbytes).view(unit.dtype) if s is not None else None
 
     def encoded(self, unit: Unit, lend: bool = True) -> torch.Tensor:
         """The stored (quantized) bytes of the unit's partition in host memory, for a product that reads
@@ -447,7 +455,7 @@ class PartitionStore:
             return entry[2][: codec.nbytes]
         s = self._land(unit, codec.nbytes, lend=True) if lend else None
         if s is not None:
-            return s.buf[: codec.nbytes]
+            return s.data(codec.nbytes)
         stored = torch.empty(codec.nbytes, dtype=torch.uint8)
         self._read_stored(unit, stored, codec.nbytes)
         return stored
@@ -481,7 +489,7 @@ class PartitionStore:
                     s.handle.wait()  # raises AioError naming the file if the read failed
                 else:
                     self._wait_copy(s)
-                    path.read_into(s.handle, s.buf[:nbytes], 0)
+                    path.read_into(s.handle, s.land(path, 0, nbytes), 0)
         except BaseException:
             self._done(s)
             self.give_back(unit)
@@ -509,7 +517,7 @@ class PartitionStore:
             if _storage_uses(s.buf) != self._slot_uses:
                 # someone still views the old memory (it lives on until they drop it): never refill it
                 self.pool.free(s.buf)
-                s.buf = self.pool.allocate(self._slot_bytes, torch.uint8)
+                s.buf = self.pool.allocate(self._slot_alloc, torch.uint8)
                 self.stats.slots_replaced += 1
             s.lent = None
         return True
@@ -538,7 +546,7 @@ class PartitionStore:
         s = self._land(unit, codec.nbytes, lend=False) if dst.device.type == "cpu" else None
         if s is not None:  # decoded straight from the staging slot: no copy of the bytes
             try:
-                codec.decode(s.buf[: codec.nbytes], dst)
+                codec.decode(s.data(codec.nbytes), dst)
             finally:
                 self._done(s)
             return
@@ -612,7 +620,7 @@ class PartitionStore:
             n = min(chunk, nbytes - off)
             self._wait_copy(s)
             with self._waiting():
-                path.read_into(s.handle, s.buf[:n], off)
+                path.read_into(s.handle, s.land(path, off, n), off)
             self._copy_out(s, dst_bytes[off : off + n], n, fresh)
 
     def write(self, unit: Unit, src: torch.Tensor, only: Optional[set] = None) -> None:
