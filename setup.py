@@ -2,23 +2,99 @@
 
 Only a C++17 compiler and the Python headers are required. Nothing here imports torch, links a system
 library beyond libc/libpthread, or uses -march=native: ISA-specific kernels select themselves at run time.
+
+The translation units of both extensions compile in one pool of ZO_BUILD_JOBS jobs (default: one per
+core), the slowest first, so that no core idles while another finishes a long unit; the links follow.
 """
 
 import glob
 import os
+from multiprocessing.pool import ThreadPool
 
-from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
+from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import setup
 
-# Each extension's translation units compile in parallel: ZO_BUILD_JOBS=N jobs (default: one per core).
-ParallelCompile("ZO_BUILD_JOBS", default=0).install()
-
 COMMON_ARGS = ["-O3", "-fvisibility=hidden", "-fno-strict-aliasing", "-Wall", "-Wextra", "-pthread"]
+
+
+# Flags appended for one translation unit after COMMON_ARGS (the last -O wins), measured in
+# benchmarks/RESULTS.md ("Setup and build times"). The pybind11 glue converts arguments around calls that
+# release the GIL: -O1 compiles it faster at the same per-call cost. The AVX2 and AVX-512 optimizer
+# kernels are explicit intrinsics, so -O3's extra loop passes buy them no measurable speed: -O2 halves
+# their compile time. The scalar kernels (-O2 saves nothing there) and everything else keep -O3.
+def _unit_args(source: str) -> list:
+    name = os.path.basename(source)
+    if name == "bindings.cpp":
+        return ["-O1"]
+    if name.startswith(("kernels_avx2_", "kernels_avx512_")):
+        return ["-O2"]
+    return []
+
+
+def _cost_rank(source: str) -> int:
+    """Compile order, highest first: the bindings and the optimizer kernels (over 10 s each), the rest."""
+    name = os.path.basename(source)
+    optimizer_kernels = name.startswith(("kernels_avx2_", "kernels_avx512_", "kernels_scalar_"))
+    return 2 if name == "bindings.cpp" else 1 if optimizer_kernels else 0
 
 
 def _sources(directory: str) -> list:
     # Sanitizer test programs live in tests/ subfolders and are built by the test suite, not here.
     return sorted(glob.glob(os.path.join(directory, "*.cpp")))
+
+
+def _jobs() -> int:
+    jobs = int(os.environ.get("ZO_BUILD_JOBS", "0"))
+    return jobs if jobs > 0 else (os.cpu_count() or 1)
+
+
+class BuildExt(build_ext):
+    """Runs every extension's compile step in one job pool, then every link.
+
+    build_extension is run first with the compiler's compile and link recorded instead of run (the
+    arguments are the ones setuptools computes for each extension); the recorded units then compile in
+    one pool, slowest first, and the links run in order.
+    """
+
+    def build_extensions(self) -> None:
+        compiler = self.compiler
+        units, links = [], []
+
+        def record_compile(
+            sources,
+            output_dir=None,
+            macros=None,
+            include_dirs=None,
+            debug=False,
+            extra_preargs=None,
+            extra_postargs=None,
+            depends=None,
+        ):
+            macros, objects, postargs, pp_opts, build = compiler._setup_compile(
+                output_dir, macros, include_dirs, sources, depends, extra_postargs
+            )
+            cc_args = compiler._get_cc_args(pp_opts, debug, extra_preargs)
+            for obj in objects:
+                src, ext = build[obj]
+                extra = postargs + _unit_args(src)
+                units.append((obj, src, ext, cc_args, extra, pp_opts))
+            return objects
+
+        def record_link(*args, **kwargs):
+            links.append((args, kwargs))
+
+        compiler.compile = record_compile
+        compiler.link_shared_object = record_link
+        try:
+            super().build_extensions()
+        finally:
+            del compiler.compile, compiler.link_shared_object
+        units.sort(key=lambda unit: _cost_rank(unit[1]), reverse=True)
+        with ThreadPool(min(_jobs(), max(len(units), 1))) as pool:
+            for _ in pool.imap_unordered(lambda unit: compiler._compile(*unit), units):
+                pass
+        for args, kwargs in links:
+            compiler.link_shared_object(*args, **kwargs)
 
 
 EXTENSIONS = {
@@ -44,4 +120,4 @@ EXTENSIONS = {
 _only = os.environ.get("ZO_BUILD_ONLY")
 ext_modules = [EXTENSIONS[_only]] if _only else list(EXTENSIONS.values())
 
-setup(ext_modules=ext_modules, cmdclass={"build_ext": build_ext})
+setup(ext_modules=ext_modules, cmdclass={"build_ext": BuildExt})
