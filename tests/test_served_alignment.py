@@ -149,3 +149,39 @@ def test_served_weights_land_at_their_files_alignment_and_equal_the_copied_ones(
         engine.close()
     assert torch.equal(out["auto"], out[False])
     assert seen["down"] % ALIGN == offsets["model.layers.0.mlp.down_proj.weight"] % ALIGN
+
+
+class _Handle:
+    def __init__(self, opened: list) -> None:
+        self.closed = False
+        opened.append(self)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.mark.parametrize("room, want", [(3 * (8192 + ALIGN), 8192 + ALIGN), (3 * 8192, 8192)])
+def test_staging_slots_take_the_alignment_pad_only_when_the_budget_has_room(room, want):
+    """allocate_slots: slots with room for the file's alignment when they fit, else without it; the
+    try that did not fit is given back whole (its memory and its handles)."""
+    from offload.pinned import PinnedPool
+    from zero.stage3.staging_slot import allocate_slots
+
+    pool, opened = PinnedPool(room), []
+    slots, nbytes = allocate_slots(pool, 3, 8192, (ALIGN, 0), lambda: _Handle(opened))
+    assert nbytes == want and [s.buf.numel() for s in slots] == [want] * 3
+    assert pool.bytes_in_use == 3 * want
+    live = [s.handle for s in slots]
+    assert all(h.closed for h in opened if h not in live) and not any(h.closed for h in live)
+    for s in slots:
+        pool.free(s.buf)
+
+
+def test_staging_slots_that_never_fit_hold_nothing():
+    from offload.pinned import PinnedMemoryBudgetError, PinnedPool
+    from zero.stage3.staging_slot import allocate_slots
+
+    pool, opened = PinnedPool(2 * 8192), []
+    with pytest.raises(PinnedMemoryBudgetError):
+        allocate_slots(pool, 3, 8192, (ALIGN, 0), lambda: _Handle(opened))
+    assert pool.bytes_in_use == 0 and opened and all(h.closed for h in opened)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["StagingSlot", "storage_uses"]
+from offload.pinned import PinnedMemoryBudgetError, PinnedPool
+
+__all__ = ["StagingSlot", "allocate_slots", "storage_uses"]
 
 
 @dataclass
@@ -37,3 +39,24 @@ def storage_uses(t: torch.Tensor) -> int:
     """How many tensors (and storage objects) share `t`'s memory; -1 where torch cannot say."""
     uses = getattr(torch._C, "_storage_Use_Count", None)
     return int(uses(t.untyped_storage()._cdata)) if uses is not None else -1
+
+
+def allocate_slots(
+    pool: PinnedPool, count: int, nbytes: int, pads: Sequence[int], handle: Callable[[], Any]
+) -> Tuple[List[StagingSlot], int]:
+    """`count` slots of `nbytes` plus the first of `pads` the pool has room for (each a new aio `handle()`),
+    and the bytes of each buffer. A try that does not fit is given back whole before the next; when the
+    last does not fit either, its PinnedMemoryBudgetError is raised with nothing held."""
+    for i, pad in enumerate(pads):
+        slots: List[StagingSlot] = []
+        try:
+            for _ in range(count):
+                slots.append(StagingSlot(pool.allocate(nbytes + pad, torch.uint8), handle()))
+            return slots, nbytes + pad
+        except PinnedMemoryBudgetError:
+            for s in slots:
+                s.handle.close()
+                pool.free(s.buf)
+            if i == len(pads) - 1:
+                raise
+    raise ValueError("allocate_slots needs at least one pad")

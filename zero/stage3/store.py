@@ -47,6 +47,7 @@ from zero.stage3.quant import PartitionCodec, QuantTarget, segment_totals, unit_
 from zero.stage3.read_ahead import ReadAhead
 from zero.stage3.served import ALIGN, CheckpointFds, ServedPartition
 from zero.stage3.staging_slot import StagingSlot as _Slot
+from zero.stage3.staging_slot import allocate_slots
 from zero.stage3.staging_slot import storage_uses as _storage_uses
 from zero.stage3.store_stats import StoreStats, UnitSize
 from zero.stage3.unit import PartitionStatus, Unit, set_status
@@ -277,21 +278,14 @@ class PartitionStore:
         self._slot_bytes = min(self.buffer_size * big.element_size, self.stored_nbytes(big))
         # with served partitions, room for a read to start at its file's alignment (PartitionSource.lead)
         # when the budget has it; without it such reads start at 0 (bounced by the I/O core)
-        for pad in (ALIGN, 0) if self.files.served_bytes else (0,):
-            try:
-                for _ in range(self.buffer_count):
-                    buf = self.pool.allocate(self._slot_bytes + pad, torch.uint8)
-                    self._slots.append(_Slot(buf, self._aio.handle()))
-                self._slot_alloc = self._slot_bytes + pad
-                break
-            except PinnedMemoryBudgetError as e:
-                for s in self._slots:
-                    s.handle.close()
-                    self.pool.free(s.buf)
-                self._slots = []
-                if pad == 0:
-                    stored, n, size = self.stored_nbytes(big), self.buffer_count, self.buffer_size
-                    raise staging_budget_error(e, big, stored, n, self._slot_bytes, size) from e
+        pads = (ALIGN, 0) if self.files.served_bytes else (0,)
+        try:
+            self._slots, self._slot_alloc = allocate_slots(
+                self.pool, self.buffer_count, self._slot_bytes, pads, self._aio.handle
+            )
+        except PinnedMemoryBudgetError as e:
+            stored, n, size = self.stored_nbytes(big), self.buffer_count, self.buffer_size
+            raise staging_budget_error(e, big, stored, n, self._slot_bytes, size) from e
         self._slot_uses = _storage_uses(self._slots[0].buf)
 
     def _idle_slots(self) -> List[_Slot]:
