@@ -26,7 +26,7 @@ import resource
 import sys
 import threading
 import warnings
-from typing import TYPE_CHECKING, Any, Dict, List, Literal, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Literal, Mapping, Optional, Tuple
 
 from offload import _aio
 
@@ -508,22 +508,7 @@ class PinnedPool:
         `populate`: when its pages fault in (see the module doc); the bytes are charged now either way."""
         if numel <= 0:
             raise ValueError(f"numel must be positive, got {numel}")
-        nbytes = numel * _itemsize(dtype)
-        with self._lock:
-            # Charge before allocating so concurrent callers can never overshoot the cap together.
-            if self._in_use + nbytes > self._cap:
-                raise PinnedMemoryBudgetError(nbytes, self._in_use, self._cap)
-            self._in_use += nbytes
-            self._peak = max(self._peak, self._in_use)
-        try:
-            t = pinned_tensor(numel, dtype, populate=populate)
-        except BaseException:
-            with self._lock:
-                self._in_use -= nbytes
-            raise
-        with self._lock:
-            self._live[t.data_ptr()] = nbytes
-        return t
+        return self._charged(numel * _itemsize(dtype), lambda: pinned_tensor(numel, dtype, populate=populate))
 
     def allocate_partly(self, numel: int, dtype: torch.dtype, start: int, end: int) -> torch.Tensor:
         """A 1-D tensor of `numel` zeros of which only elements [start, end) are pinned (the whole pages
@@ -533,14 +518,19 @@ class PinnedPool:
             raise ValueError(f"numel must be positive, got {numel}")
         size = _itemsize(dtype)
         lo, hi = _page_range((start * size, end * size), numel * size)
-        nbytes = hi - lo
+        pinned = (start, end)
+        return self._charged(hi - lo, lambda: pinned_tensor(numel, dtype, populate="none", pinned=pinned))
+
+    def _charged(self, nbytes: int, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """`make()`'s tensor, with `nbytes` charged to the pool until `free`."""
         with self._lock:
+            # Charge before allocating so concurrent callers can never overshoot the cap together.
             if self._in_use + nbytes > self._cap:
                 raise PinnedMemoryBudgetError(nbytes, self._in_use, self._cap)
             self._in_use += nbytes
             self._peak = max(self._peak, self._in_use)
         try:
-            t = pinned_tensor(numel, dtype, populate="none", pinned=(start, end))
+            t = make()
         except BaseException:
             with self._lock:
                 self._in_use -= nbytes
