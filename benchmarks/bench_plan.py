@@ -44,6 +44,7 @@ import torch
 
 from benchmarks.deepspeed_runner import batch, make_model
 from benchmarks.harness import markdown_table, write_outputs
+from offload.estimate import count_parameters
 from offload.estimate.machine import load_machine_profile
 from offload.estimate.plan import ModelShape, predict_training
 from offload.estimate.plan_inference import predict_inference
@@ -75,13 +76,10 @@ SUB_GROUP = 20_000_000
 
 def _shape(c: Dict[str, Any]) -> ModelShape:
     s = SIZES[c["size"]]
-    model = make_model({"size": {**s, "vocab_size": 32000, "seq_len": c["seq"]}})
-    params = sum(p.numel() for p in model.parameters())
-    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
-    del model
+    count = count_parameters(make_model({"size": {**s, "vocab_size": 32000, "seq_len": c["seq"]}}))
     return ModelShape(
-        params=params,
-        largest_layer_params=largest,
+        params=count.params,
+        largest_layer_params=count.largest_layer_params,
         hidden_size=s["d_model"],
         num_layers=s["n_layer"],
         seq_len=c["seq"],
@@ -96,13 +94,10 @@ def _checkpoint_shape(ckpt: str, c: Dict[str, Any]) -> ModelShape:
 
     cfg = transformers.AutoConfig.from_pretrained(ckpt)
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(cfg)
-    params = sum(p.numel() for p in model.parameters())
-    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
-    del model
+        count = count_parameters(transformers.AutoModelForCausalLM.from_config(cfg))
     return ModelShape(
-        params=params,
-        largest_layer_params=largest,
+        params=count.params,
+        largest_layer_params=count.largest_layer_params,
         hidden_size=cfg.hidden_size,
         num_layers=cfg.num_hidden_layers,
         seq_len=c["seq"],
