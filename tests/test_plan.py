@@ -7,12 +7,13 @@ import json
 
 import pytest
 import torch
+from plan_helpers import GPT125, llama7
 
 import zero
 from offload.cli.estimate_memory import run
 from offload.config import load_config
 from offload.estimate.machine import MachineProfile
-from offload.estimate.plan import ModelShape, plan_training
+from offload.estimate.plan import plan_training
 from offload.estimate.plan_inference import plan_inference
 from offload.estimate.probe import ComputeProfile, load_compute_profile
 from zero.engine.auto_values import auto_keys, fill_auto_values
@@ -22,14 +23,7 @@ RATES = ComputeProfile(cpu_optimizer_elems_per_s=5e8, matmul_flops=1e11, host_co
 GPU_RATES = ComputeProfile(
     cpu_optimizer_elems_per_s=5e8, matmul_flops=4e14, device="cuda", h2d_gbps=25.0, d2h_gbps=25.0
 )
-GPT125 = ModelShape(
-    params=134_000_000, largest_layer_params=24_576_000, hidden_size=768, num_layers=12, seq_len=128,
-    vocab_size=32000,
-)  # fmt: skip
-LLAMA7 = ModelShape(
-    params=6_738_000_000, largest_layer_params=131_072_000, hidden_size=4096, num_layers=32, seq_len=16,
-    vocab_size=32000,
-)  # fmt: skip
+LLAMA7 = llama7(seq_len=16)
 
 
 def cpu_box(ram: int) -> MachineProfile:

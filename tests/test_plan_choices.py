@@ -7,21 +7,15 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from plan_helpers import GPT125, llama7
 
 from offload.config import load_config
 from offload.estimate.machine import MachineProfile
-from offload.estimate.plan import ModelShape, plan_training, predict_training
+from offload.estimate.plan import plan_training, predict_training
 from offload.estimate.probe import ComputeProfile
 
 GiB = 1 << 30
-LLAMA7 = ModelShape(
-    params=6_738_000_000, largest_layer_params=131_072_000, hidden_size=4096, num_layers=32, seq_len=2048,
-    vocab_size=32000,
-)  # fmt: skip
-GPT125 = ModelShape(
-    params=134_000_000, largest_layer_params=24_576_000, hidden_size=768, num_layers=12, seq_len=128,
-    vocab_size=32000,
-)  # fmt: skip
+LLAMA7 = llama7(seq_len=2048)
 
 
 def test_a_fast_gpu_takes_a_device_share_of_the_optimizer() -> None:
