@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from typing import Callable
 
 from offload.cli.plan_args import add_plan_arguments
 from offload.config.zero import OffloadOptimizerConfig, OffloadParamConfig
@@ -61,17 +62,23 @@ def _count(what: str):
     return parse
 
 
-def _positive_int(what: str):
-    def parse(text: str) -> int:
+def _positive(convert: Callable[[str], float], kind: str) -> Callable[[str], float]:
+    """An argparse type: `text` converted, finite and above zero, else "must be a positive {kind}"."""
+
+    def parse(text: str) -> float:
         try:
-            value = int(text)
+            value = convert(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+            raise argparse.ArgumentTypeError(f"must be a positive {kind}, got {text!r}") from None
+        if not value > 0 or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"must be a positive {kind}, got {text!r}")
         return value
 
     return parse
+
+
+_positive_int = _positive(int, "integer")
+_positive_float = _positive(float, "number")
 
 
 def _ratio(text: str) -> float:
@@ -88,19 +95,6 @@ def _stage(text: str) -> int:
     if text not in ("0", "1", "2", "3"):
         raise argparse.ArgumentTypeError(f"must be 0, 1, 2 or 3, got {text!r}")
     return int(text)
-
-
-def _positive_float(what: str):
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
-        if not value > 0 or value == float("inf"):
-            raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
-        return value
-
-    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -127,14 +121,14 @@ def build_parser() -> argparse.ArgumentParser:
     hw = parser.add_argument_group("hardware")
     hw.add_argument(
         "--gpus-per-node",
-        type=_positive_int("--gpus-per-node"),
+        type=_positive_int,
         default=1,
         help="ranks (GPUs) per node, sharing its host memory and NVMe (default 1; on a machine without a "
         "GPU: training processes per node)",
     )
     hw.add_argument(
         "--nodes",
-        type=_positive_int("--nodes"),
+        type=_positive_int,
         default=1,
         help="nodes; ZeRO partitions over all gpus-per-node x nodes ranks (default 1)",
     )
@@ -147,12 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     zero.add_argument(
         "--sub-group-size", type=_count("--sub-group-size"), help="elements per optimizer sub-group"
     )
-    zero.add_argument(
-        "--buffer-count", type=_positive_int("--buffer-count"), help="offload_optimizer.buffer_count (NVMe)"
-    )
-    zero.add_argument(
-        "--param-buffer-count", type=_positive_int("--param-buffer-count"), help="offload_param.buffer_count"
-    )
+    zero.add_argument("--buffer-count", type=_positive_int, help="offload_optimizer.buffer_count (NVMe)")
+    zero.add_argument("--param-buffer-count", type=_positive_int, help="offload_param.buffer_count")
     zero.add_argument(
         "--param-buffer-size", type=_count("--param-buffer-size"), help="offload_param.buffer_size"
     )
@@ -201,12 +191,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     act = parser.add_argument_group("activations (counted when --batch-size and --seq-len are given)")
-    act.add_argument("--batch-size", type=_positive_int("--batch-size"), help="micro-batch per GPU")
-    act.add_argument("--seq-len", type=_positive_int("--seq-len"))
-    act.add_argument("--hidden-size", type=_positive_int("--hidden-size"))
-    act.add_argument("--num-layers", type=_positive_int("--num-layers"))
-    act.add_argument("--num-heads", type=_positive_int("--num-heads"))
-    act.add_argument("--vocab-size", type=_positive_int("--vocab-size"), help="adds the logits")
+    act.add_argument("--batch-size", type=_positive_int, help="micro-batch per GPU")
+    act.add_argument("--seq-len", type=_positive_int)
+    act.add_argument("--hidden-size", type=_positive_int)
+    act.add_argument("--num-layers", type=_positive_int)
+    act.add_argument("--num-heads", type=_positive_int)
+    act.add_argument("--vocab-size", type=_positive_int, help="adds the logits")
     act.add_argument("--attention", choices=("flash", "eager"), default="flash")
     act.add_argument("--activation-checkpointing", action="store_true")
     act.add_argument(
@@ -224,17 +214,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="estimate ZeRO-Inference: weights per tier, gathered layer, prefetch buffers and KV cache",
     )
-    inf.add_argument("--kv-heads", type=_positive_int("--kv-heads"), help="key/value heads (default: heads)")
-    inf.add_argument("--head-dim", type=_positive_int("--head-dim"), help="default hidden size / heads")
+    inf.add_argument("--kv-heads", type=_positive_int, help="key/value heads (default: heads)")
+    inf.add_argument("--head-dim", type=_positive_int, help="default hidden size / heads")
     inf.add_argument(
         "--weight-bits",
         type=int,
         choices=(4, 8),
         help="quantized weights (weight_quantization.quantized_initialization.num_bits)",
     )
-    inf.add_argument(
-        "--weight-group-size", type=_positive_int("--weight-group-size"), help="quantization group (64)"
-    )
+    inf.add_argument("--weight-group-size", type=_positive_int, help="quantization group (64)")
 
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -245,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     out.add_argument(
         "--additional-buffer-factor",
-        type=_positive_float("--additional-buffer-factor"),
+        type=_positive_float,
         default=DEFAULT_ADDITIONAL_BUFFER_FACTOR,
         help="DeepSpeed's host-memory factor, for --deepspeed-compat (default 1.5)",
     )
