@@ -35,6 +35,9 @@ class ParamWriter(Protocol):
     def finish(self) -> None:
         """The pass ended: complete or drop what is still being written."""
 
+    def settle(self) -> None:
+        """Wait for the parameter writes a pass left in flight; raise a failure that is held."""
+
     def close(self) -> None:
         """Wait for pending copies and free the staging buffers."""
 
@@ -119,6 +122,9 @@ class FlatParamWriter:
         if self.cuda and not self.aliased:
             torch.cuda.current_stream(self.target.device).wait_stream(self._stream)
 
+    def settle(self) -> None:
+        """Nothing is left in flight past `finish`."""
+
     def close(self) -> None:
         """Wait for the CUDA copies and free the pinned staging buffers."""
         if self.cuda and not self.aliased:
@@ -135,8 +141,10 @@ class UnitParamWriter:
     A memory-tier unit is written in place as its pieces arrive; an NVMe unit is assembled in a host buffer
     and written to its swap file once all its elements arrived, whatever the order of the chunks (forward
     order after backward, reverse order when sub-groups are stepped during backward): a unit spans at most
-    the chunks in flight, so few buffers are ever held. Gathered copies (persistent units) are refreshed by
-    `write_partition`.
+    the chunks in flight, so few buffers are ever held. The write is left in flight, the buffer handed
+    over to it (zero.stage3.write_back): the pass goes on with the next chunks while up to `queue_depth`
+    writes run, and the next read of the unit waits for its write. Gathered copies (persistent units) are
+    refreshed by `write_partition`.
     """
 
     def __init__(self, units: UnitMap, dtype: torch.dtype, chunk_numel: int) -> None:
@@ -174,8 +182,8 @@ class UnitParamWriter:
                 self._missing[unit.index] = missing
                 continue
             self._missing.pop(unit.index, None)
-            if mem is None:
-                self.part.write_partition(unit, self._assembly.pop(unit.index))
+            if mem is None:  # the assembled buffer is the write's own until it ended
+                self.part.write_partition(unit, self._assembly.pop(unit.index), asynchronous=True)
             elif unit.full is not None:
                 self.part.write_partition(unit, mem)  # refresh the gathered copy of a persistent unit
 
@@ -196,6 +204,10 @@ class UnitParamWriter:
         """Drop partly assembled units of a pass stopped early (the caller restores from the master)."""
         self._assembly.clear()
         self._missing.clear()
+
+    def settle(self) -> None:
+        """Wait for the partition writes left in flight (DeferredWriteError while one keeps failing)."""
+        self.part.settle_writes()
 
     def close(self) -> None:
         """Drop partial units and the staging buffer."""

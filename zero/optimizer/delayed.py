@@ -50,6 +50,9 @@ class NullWriter:
     def finish(self) -> None:
         """Nothing in flight."""
 
+    def settle(self) -> None:
+        """Nothing in flight."""
+
     def close(self) -> None:
         """No buffers."""
 

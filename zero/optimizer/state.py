@@ -220,6 +220,7 @@ class OptimizerState:
         only its swapped share: `run_resident` finishes it."""
         self.pass_updates = 0
         self.torn = False
+        self.writer.settle()  # the last step's parameter writes: one held raises before anything changes
         if self.device_part is not None:
             held = self.tier.take_lost()  # the last step's write-back first: nothing is updated before it
             if held is not None:
@@ -330,9 +331,11 @@ class OptimizerState:
     def settle_write_back(self) -> None:
         """Wait for the writes the last step left in flight. If one failed, the tier is back at the state
         before that step: undo the rest of it too (parameters, step count, gradients computed on its
-        weights) and raise the `DeferredWriteError`."""
+        weights) and raise the `DeferredWriteError`. Then the parameter writes the step left in flight:
+        one held (failing again) raises its `DeferredWriteError` (steps_lost 0)."""
         err = self.tier.take_lost()
         if err is None:
+            self.writer.settle()
             return
         if _held(err):
             raise err  # the last step is held and its write is still failing: nothing to undo

@@ -32,6 +32,14 @@ class ParamIOReport:
     param_in_place_bytes: int = 0  # NVMe bytes used where they landed: viewed (or decoded) in a staging slot
     param_direct_bytes: int = 0  # NVMe bytes read straight into a gathered buffer in host memory
     param_read_wait_s: float = 0.0  # seconds gathers blocked on NVMe reads (not hidden by a prefetch)
+    # partition writes left in flight (zero.stage3.write_back): bytes queued without waiting, most at once,
+    # still in flight when the report was taken (after a step: the ones the next forward overlaps), seconds
+    # spent waiting for them, and failed ones written again
+    param_async_write_bytes: int = 0
+    param_peak_writes_in_flight: int = 0
+    param_writes_in_flight: int = 0
+    param_write_wait_s: float = 0.0
+    param_write_retries: int = 0
     quantized_matmuls: int = 0  # Linear/Conv1D/Embedding forwards computed from quantized codes (fused.py)
     quantized_block_matmuls: int = 0  # of those, Linear/Conv1D forwards decoded block by block for a GEMM
     transposed_linears: int = 0  # fp32 Linear forwards computed as (W x^T)^T, same bits (linear_layout.py)
@@ -63,13 +71,20 @@ def take_io_report(part: Any) -> ParamIOReport:
         param_in_place_bytes=st.in_place_bytes,
         param_direct_bytes=st.direct_bytes,
         param_read_wait_s=st.read_wait_s,
+        param_async_write_bytes=st.async_bytes_written,
+        param_peak_writes_in_flight=st.peak_writes_in_flight,
+        param_writes_in_flight=part.store.writes_in_flight,
+        param_write_wait_s=st.write_wait_s,
+        param_write_retries=st.write_retries,
         quantized_matmuls=part.hooks.fused.forwards if part.hooks is not None else 0,
         quantized_block_matmuls=part.hooks.fused.block_forwards if part.hooks is not None else 0,
         transposed_linears=layouts.transposed if layouts is not None else 0,
     )
     st.bytes_read = st.bytes_written = st.reads = st.prefetches = st.prefetch_hits = st.cpu_bytes_read = 0
     st.staged_bytes = st.in_place_bytes = st.direct_bytes = 0
-    st.read_wait_s = 0.0
+    st.read_wait_s = st.write_wait_s = 0.0
+    st.async_writes = st.async_bytes_written = st.write_retries = 0
+    st.peak_writes_in_flight = part.store.writes_in_flight
     st.peak_inflight = len([u for u in part.units if part.store.prefetching(u)])
     st.peak_ahead_bytes = st.ahead_bytes
     part.gathers = part.grads.device_to_host_bytes = part.host_to_device_bytes = 0

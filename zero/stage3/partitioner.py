@@ -533,13 +533,17 @@ class Stage3Partitioner:
         own: for the thread that writes partitions (the optimizer's) while the main thread gathers."""
         self.store.read_private(unit, out)
 
-    def write_partition(self, unit: Unit, values: torch.Tensor, only: Optional[set] = None) -> None:
+    def write_partition(
+        self, unit: Unit, values: torch.Tensor, only: Optional[set] = None, asynchronous: bool = False
+    ) -> None:
         """Replace this rank's partition (updated weights); a gathered copy is refreshed or dropped.
         `only` (indices of the unit's parameters), for a unit stored quantized: re-encode just those
-        parameters and keep the others as stored (no second rounding).
+        parameters and keep the others as stored (no second rounding). `asynchronous`: a swap file write
+        is left in flight (zero.stage3.write_back; `settle_writes`), holding `values`: hand over a host
+        tensor nothing changes afterwards.
 
         Collective for world_size > 1 while the unit is held (its full buffer is re-gathered)."""
-        self.store.write(unit, values, only)
+        self.store.write(unit, values, only, asynchronous)
         if unit.full is None or unit.full is self.partition_as_full(unit):
             return
         if self.world_size == 1:
@@ -549,6 +553,18 @@ class Stage3Partitioner:
             all_gather_flat(unit.full, own, self.group)
         else:
             self._free(unit)
+
+    def settle_writes(self) -> None:
+        """Wait for every partition write left in flight (`write_partition(..., asynchronous=True)`); one
+        that failed is written again, and while that fails too this raises
+        offload.swap.optimizer_swapper.DeferredWriteError (steps_lost 0: the values are held, nothing is
+        lost). Reads of a unit settle its own write first."""
+        self.store.settle_writes()
+
+    @property
+    def writes_in_flight(self) -> int:
+        """Partition writes queued and not waited for yet."""
+        return self.store.writes_in_flight
 
     def write_share(self, unit: Unit, index: int, values: Optional[torch.Tensor]) -> None:
         """A write to the `ds_tensor` of parameter `index` of `unit` (zero.stage3.shard): `values` (this

@@ -37,7 +37,7 @@ from offload.config.aio import AioConfig
 from offload.config.zero import OffloadParamConfig
 from offload.pinned import PinnedMemoryBudgetError, PinnedPool
 from offload.swap.resident import resident_plan
-from offload.swap.space import SwapFile, check_nvme_path
+from offload.swap.space import check_nvme_path
 from zero.stage3.arena import Arena
 from zero.stage3.device_copy import SideStream
 from zero.stage3.nvme_files import NvmeFiles
@@ -51,6 +51,7 @@ from zero.stage3.staging_slot import allocate_slots
 from zero.stage3.staging_slot import storage_uses as _storage_uses
 from zero.stage3.store_stats import StoreStats, UnitSize
 from zero.stage3.unit import PartitionStatus, Unit, set_status
+from zero.stage3.write_back import WriteBack
 
 __all__ = ["PartitionStore", "Stage3PinnedBudgetError", "StoreStats", "UnitSize"]
 
@@ -119,7 +120,9 @@ class PartitionStore:
         # unit index -> (its stored bytes or values on the device, the copy's event)
         self.read_ahead_device: Optional[torch.device] = None
         self._ahead = ReadAhead(self._copies, self.stats, self._slots_lock, self._prefetch_over)
-        self._write_handle: Any = None
+        # the writer's I/O (its own handle: a write never waits on a prefetch) and the writes it left in
+        # flight (`write(..., asynchronous=True)`), settled before the unit's file is used again
+        self._write_back = WriteBack(aio.handle, aio.queue_depth, self.stats)
         on_device = tier == "none"
         self.arena = Arena(self._memory_allocator(on_device), exact=self.pin_memory, zeroed=self.pin_memory)
 
@@ -367,7 +370,7 @@ class PartitionStore:
         not enough slots are free, or the device has no memory for the copy."""
         if self._reads_ahead(unit):
             return self._read_ahead(unit)
-        path = self.files.source(unit)  # a swap file (by its directory fd) or checkpoint fds
+        path = self._source(unit)  # a swap file (by its directory fd) or checkpoint fds
         if path is None or unit.index in self._inflight:
             return False
         self.ensure_slots()
@@ -458,7 +461,7 @@ class PartitionStore:
         """Read the unit's stored bytes into a staging slot (its prefetch's, else a free one) and return
         the slot, counted as used in place: lent to the unit (`lend`), else taken until `_done(slot)`.
         None when the unit is not on NVMe, does not fit a slot, or no slot is free."""
-        path = self.files.source(unit)  # a swap file (by its directory fd) or checkpoint fds
+        path = self._source(unit)  # a swap file (by its directory fd) or checkpoint fds
         if path is None:
             return None
         self.ensure_slots()
@@ -568,7 +571,7 @@ class PartitionStore:
             else:
                 dst.copy_(mem)
             return
-        path = self.files.source(unit)  # a swap file (by its directory fd) or checkpoint fds
+        path = self._source(unit)  # a swap file (by its directory fd) or checkpoint fds
         if path is None:
             raise KeyError(f"unit {unit.name!r} has no partition in this store")
         dst_bytes = dst.view(torch.uint8)
@@ -617,10 +620,13 @@ class PartitionStore:
                 path.read_into(s.handle, s.land(path, off, n), off)
             self._copy_out(s, dst_bytes[off : off + n], n, fresh)
 
-    def write(self, unit: Unit, src: torch.Tensor, only: Optional[set] = None) -> None:
+    def write(
+        self, unit: Unit, src: torch.Tensor, only: Optional[set] = None, asynchronous: bool = False
+    ) -> None:
         """Replace the unit's partition with `src` (part_numel elements, any device). A quantized unit is
         encoded; `only` (indices of its parameters) re-encodes just those parameters' quantized shares and
-        keeps the others as stored (no second rounding of values already quantized)."""
+        keeps the others as stored (no second rounding of values already quantized). `asynchronous`: a swap
+        file write is left in flight (zero.stage3.write_back): `src` must not change after the call."""
         src = src.reshape(-1)
         if src.numel() != unit.part_numel or src.dtype != unit.dtype:
             raise ValueError(
@@ -642,12 +648,30 @@ class PartitionStore:
         if codec is not None:
             encoded = torch.empty(codec.nbytes, dtype=torch.uint8)
             if only is not None:
-                self._own_handle().sync_pread(encoded, path, 0)
+                self._write_back.settle(unit.index)
+                self._write_back.own.sync_pread(encoded, path, 0)
                 self.stats.bytes_read += codec.nbytes
             codec.encode(host, encoded, only)
             host = encoded
-        self._aio_write(host, path)  # failures raise AioError naming the file, offset and errno
+        if asynchronous:
+            self._write_back.submit(unit.index, unit.name, host, path)
+        else:  # failures raise AioError naming the file, offset and errno
+            self._write_back.write_now(unit.index, host, path)
         self.stats.bytes_written += self.stored_nbytes(unit)
+
+    def _source(self, unit: Unit) -> Any:
+        """Where the unit's partition is read from (None: not on NVMe), once its write in flight ended."""
+        self._write_back.settle(unit.index)  # DeferredWriteError while it keeps failing
+        return self.files.source(unit)
+
+    def settle_writes(self) -> None:
+        """Wait for every write in flight; DeferredWriteError (steps_lost 0) while one keeps failing."""
+        self._write_back.settle_all()
+
+    @property
+    def writes_in_flight(self) -> int:
+        """Partition writes queued and not waited for yet."""
+        return self._write_back.in_flight
 
     def forget_ahead(self, unit: Unit) -> None:
         """Drop the unit's copy read ahead to the device, if any: its memory partition changed in place."""
@@ -656,30 +680,28 @@ class PartitionStore:
     def read_private(self, unit: Unit, dst: torch.Tensor) -> None:
         """`read` into a host tensor through the writer's own handle, never a staging slot: for the thread
         that writes partitions (the optimizer), while the main thread's gathers use the slots."""
-        path = self.files.source(unit)  # a swap file (by its directory fd) or checkpoint fds
+        path = self._source(unit)  # a swap file (by its directory fd) or checkpoint fds
         if path is None:
             self.read(unit, dst)  # memory tier: a plain copy, no slot
             return
         codec = self._codecs.get(unit.index)
         if codec is None:
-            path.read_into(self._own_handle(), dst.view(torch.uint8), 0)
+            path.read_into(self._write_back.own, dst.view(torch.uint8), 0)
         else:
             stored = torch.empty(codec.nbytes, dtype=torch.uint8)
-            path.read_into(self._own_handle(), stored, 0)
+            path.read_into(self._write_back.own, stored, 0)
             codec.decode(stored, dst)
         self.stats.bytes_read += self.stored_nbytes(unit)
 
-    def _own_handle(self) -> Any:
-        if self._write_handle is None:
-            self._write_handle = self._aio.handle()  # its own handle: a write never waits on a prefetch
-        return self._write_handle
-
-    def _aio_write(self, host: torch.Tensor, path: SwapFile) -> int:
-        return int(self._own_handle().sync_pwrite(host, path, 0))
-
     # ---------------------------------------------------------------------------------------------- close
     def close(self) -> None:
-        """Drop prefetches, give slots and pinned segments back to the pool, remove the swap files."""
+        """Drop prefetches, give slots and pinned segments back to the pool, remove the swap files. A write
+        in flight that keeps failing is raised (DeferredWriteError, steps_lost 1) once all that is done."""
+        lost: Optional[BaseException] = None
+        try:
+            self._write_back.close()
+        except OSError as e:
+            lost = e
         for index in list(self._inflight):
             self._drop_inflight(index)
         self.drop_read_ahead()
@@ -689,10 +711,9 @@ class PartitionStore:
             s.handle.close()
             self.pool.free(s.buf)
         self._slots = []
-        for h in (self._write_handle, self._direct_handle):
-            if h is not None:
-                h.close()
-        self._write_handle = self._direct_handle = None
+        if self._direct_handle is not None:
+            self._direct_handle.close()
+        self._direct_handle = None
         if self.pin_memory:
             for seg in self.arena.segments:
                 self.pool.free(seg)
@@ -701,3 +722,5 @@ class PartitionStore:
         self.charged_bytes = 0
         self._mem.clear()
         self.files.close()
+        if lost is not None:
+            raise lost

@@ -28,7 +28,9 @@ class StoreStats:
     in flight at once; `ahead_bytes` / `peak_ahead_bytes`: bytes of host partitions copied ahead to the
     read-ahead device, now and at most; `slots_replaced`: lent slots still referenced from outside when
     given back (see the module doc); `read_wait_s`: time the reading thread waited for the disk (the rest
-    of a gather's time is copies, decoding and bookkeeping)."""
+    of a gather's time is copies, decoding and bookkeeping). Writes left in flight (zero.stage3.write_back):
+    `async_writes` / `async_bytes_written` queued without waiting, `peak_writes_in_flight` most at once,
+    `write_wait_s` time spent waiting for them, `write_retries` failed writes written again."""
 
     bytes_read: int = 0
     cpu_bytes_read: int = 0
@@ -44,3 +46,8 @@ class StoreStats:
     peak_ahead_bytes: int = 0
     slots_replaced: int = 0
     read_wait_s: float = 0.0  # seconds a gather blocked on NVMe reads (a prefetch not done, a read on demand)
+    async_writes: int = 0
+    async_bytes_written: int = 0
+    peak_writes_in_flight: int = 0
+    write_wait_s: float = 0.0
+    write_retries: int = 0
