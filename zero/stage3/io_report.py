@@ -73,7 +73,7 @@ def take_io_report(part: Any) -> ParamIOReport:
         param_read_wait_s=st.read_wait_s,
         param_async_write_bytes=st.async_bytes_written,
         param_peak_writes_in_flight=st.peak_writes_in_flight,
-        param_writes_in_flight=part.store.writes_in_flight,
+        param_writes_in_flight=part.store.write_back.in_flight,
         param_write_wait_s=st.write_wait_s,
         param_write_retries=st.write_retries,
         quantized_matmuls=part.hooks.fused.forwards if part.hooks is not None else 0,
@@ -84,7 +84,7 @@ def take_io_report(part: Any) -> ParamIOReport:
     st.staged_bytes = st.in_place_bytes = st.direct_bytes = 0
     st.read_wait_s = st.write_wait_s = 0.0
     st.async_writes = st.async_bytes_written = st.write_retries = 0
-    st.peak_writes_in_flight = part.store.writes_in_flight
+    st.peak_writes_in_flight = part.store.write_back.in_flight
     st.peak_inflight = len([u for u in part.units if part.store.prefetching(u)])
     st.peak_ahead_bytes = st.ahead_bytes
     part.gathers = part.grads.device_to_host_bytes = part.host_to_device_bytes = 0

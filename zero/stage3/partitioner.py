@@ -559,12 +559,12 @@ class Stage3Partitioner:
         that failed is written again, and while that fails too this raises
         offload.swap.optimizer_swapper.DeferredWriteError (steps_lost 0: the values are held, nothing is
         lost). Reads of a unit settle its own write first."""
-        self.store.settle_writes()
+        self.store.write_back.settle_all()
 
     @property
     def writes_in_flight(self) -> int:
         """Partition writes queued and not waited for yet."""
-        return self.store.writes_in_flight
+        return self.store.write_back.in_flight
 
     def write_share(self, unit: Unit, index: int, values: Optional[torch.Tensor]) -> None:
         """A write to the `ds_tensor` of parameter `index` of `unit` (zero.stage3.shard): `values` (this

@@ -19,7 +19,10 @@ Read ahead to an accelerator (`read_ahead_device`, set by the partitioner for an
 `prefetch` of a partition in host memory copies it to the device ahead (zero.stage3.read_ahead) and
 `take_ahead` hands the copy over; a write, or a pass that does not read ahead (`drop_read_ahead`), drops it.
 
-The module is longer than most (some 700 lines): reads, prefetches, loans and writes share one piece of
+Partition writes may be left in flight (`write(..., asynchronous=True)`, zero.stage3.write_back): any
+read of the unit's file waits for its write first.
+
+The module is longer than most (some 720 lines): reads, prefetches, loans and writes share one piece of
 bookkeeping - which slot holds what, under one lock taken by the main thread and the optimizer's writer
 thread - and splitting it would spread that invariant over modules.
 """
@@ -121,8 +124,8 @@ class PartitionStore:
         self.read_ahead_device: Optional[torch.device] = None
         self._ahead = ReadAhead(self._copies, self.stats, self._slots_lock, self._prefetch_over)
         # the writer's I/O (its own handle: a write never waits on a prefetch) and the writes it left in
-        # flight (`write(..., asynchronous=True)`), settled before the unit's file is used again
-        self._write_back = WriteBack(aio.handle, aio.queue_depth, self.stats)
+        # flight (`write(..., asynchronous=True)`: settled before the unit's file is used again, `settle_all`)
+        self.write_back = WriteBack(aio.handle, aio.queue_depth, self.stats)
         on_device = tier == "none"
         self.arena = Arena(self._memory_allocator(on_device), exact=self.pin_memory, zeroed=self.pin_memory)
 
@@ -648,30 +651,21 @@ class PartitionStore:
         if codec is not None:
             encoded = torch.empty(codec.nbytes, dtype=torch.uint8)
             if only is not None:
-                self._write_back.settle(unit.index)
-                self._write_back.own.sync_pread(encoded, path, 0)
+                self.write_back.settle(unit.index)
+                self.write_back.own.sync_pread(encoded, path, 0)
                 self.stats.bytes_read += codec.nbytes
             codec.encode(host, encoded, only)
             host = encoded
         if asynchronous:
-            self._write_back.submit(unit.index, unit.name, host, path)
+            self.write_back.submit(unit.index, unit.name, host, path)
         else:  # failures raise AioError naming the file, offset and errno
-            self._write_back.write_now(unit.index, host, path)
+            self.write_back.write_now(unit.index, host, path)
         self.stats.bytes_written += self.stored_nbytes(unit)
 
     def _source(self, unit: Unit) -> Any:
         """Where the unit's partition is read from (None: not on NVMe), once its write in flight ended."""
-        self._write_back.settle(unit.index)  # DeferredWriteError while it keeps failing
+        self.write_back.settle(unit.index)  # DeferredWriteError while it keeps failing
         return self.files.source(unit)
-
-    def settle_writes(self) -> None:
-        """Wait for every write in flight; DeferredWriteError (steps_lost 0) while one keeps failing."""
-        self._write_back.settle_all()
-
-    @property
-    def writes_in_flight(self) -> int:
-        """Partition writes queued and not waited for yet."""
-        return self._write_back.in_flight
 
     def forget_ahead(self, unit: Unit) -> None:
         """Drop the unit's copy read ahead to the device, if any: its memory partition changed in place."""
@@ -686,10 +680,10 @@ class PartitionStore:
             return
         codec = self._codecs.get(unit.index)
         if codec is None:
-            path.read_into(self._write_back.own, dst.view(torch.uint8), 0)
+            path.read_into(self.write_back.own, dst.view(torch.uint8), 0)
         else:
             stored = torch.empty(codec.nbytes, dtype=torch.uint8)
-            path.read_into(self._write_back.own, stored, 0)
+            path.read_into(self.write_back.own, stored, 0)
             codec.decode(stored, dst)
         self.stats.bytes_read += self.stored_nbytes(unit)
 
@@ -699,7 +693,7 @@ class PartitionStore:
         in flight that keeps failing is raised (DeferredWriteError, steps_lost 1) once all that is done."""
         lost: Optional[BaseException] = None
         try:
-            self._write_back.close()
+            self.write_back.close()
         except OSError as e:
             lost = e
         for index in list(self._inflight):
