@@ -13,7 +13,7 @@ import zero
 from offload.cli.estimate_memory import run
 from offload.config import load_config
 from offload.estimate.machine import MachineProfile
-from offload.estimate.plan import plan_training
+from offload.estimate.plan import plan_training, predict_training
 from offload.estimate.plan_inference import plan_inference
 from offload.estimate.probe import ComputeProfile, load_compute_profile
 from zero.engine.auto_values import auto_keys, fill_auto_values
@@ -59,9 +59,13 @@ def test_a_cpu_only_machine_is_planned_as_one() -> None:
     )
     assert "nvme" in (plan.chosen.offload_optimizer, plan.chosen.offload_param)
     assert plan.chosen.fits and plan.chosen.nvme_read_bytes > 0
-    t = plan.chosen.times  # the CPU computes, copies and steps in turn while the disk streams under it
-    serial = t["compute"] + t["copies"] + t["cpu optimizer"] + t["disk (not overlapped)"]
-    assert plan.chosen.seconds == pytest.approx(max(serial, t["disk"]))
+    # forward and backward while the parameter reads stream, then the optimizer pass while its disk
+    # traffic (the state's, the parameters' write-back) streams, then what nothing runs under
+    t = plan.chosen.times
+    fwd_bwd = max(t["compute"] + 0.75 * t["copies"], t["disk"])
+    opt_pass = max(t["cpu optimizer"] + 0.25 * t["copies"], t["disk (optimizer pass)"])
+    assert t["disk (optimizer pass)"] > 0
+    assert plan.chosen.seconds == pytest.approx(fwd_bwd + opt_pass + t["disk (not overlapped)"])
     never = [c for c, why in plan.rejected if c.offload_optimizer == "none" and c.offload_param == "none"]
     assert never and all("does not fit: no (cpu" in why for c, why in plan.rejected if c in never)
     load_config(plan.config)
@@ -70,6 +74,29 @@ def test_a_cpu_only_machine_is_planned_as_one() -> None:
     on_gpu = plan_training(LLAMA7, gpu, GPU_RATES, precision="bf16")
     assert "nvme" not in (on_gpu.chosen.offload_optimizer, on_gpu.chosen.offload_param)
     assert "on the GPU" in on_gpu.format()
+
+
+def test_the_parameter_write_back_streams_under_the_optimizer_pass() -> None:
+    """Stage 3 with every parameter on NVMe: the updated partitions' writes are left in flight during the
+    optimizer pass, so they are priced with the pass's disk traffic beside the update, not after it; the
+    reads stream under forward and backward."""
+    c = predict_training(
+        GPT125,
+        cpu_box(24 * GiB),
+        RATES,
+        stage=3,
+        offload_param="nvme",
+        offload_optimizer="cpu",
+        precision="fp32",
+        param_max_in_cpu=0,
+    )
+    t, nbytes = c.times, GPT125.params * 4
+    assert t["disk (not overlapped)"] == 0
+    assert t["disk (optimizer pass)"] == pytest.approx(nbytes / 1.5e9)  # written once
+    assert t["disk"] == pytest.approx(nbytes / 2e9)  # read once (kept gathered for reuse)
+    fwd_bwd = max(t["compute"] + 0.75 * t["copies"], t["disk"])
+    opt_pass = max(t["cpu optimizer"] + 0.25 * t["copies"], t["disk (optimizer pass)"])
+    assert c.seconds == pytest.approx(fwd_bwd + opt_pass)
 
 
 def test_inference_plan_streams_only_what_the_budget_cannot_hold() -> None:

@@ -13,18 +13,22 @@ The time model, one optimizer step of one rank (training) or one forward (infere
 * CPU optimizer: the host share of the rank's partition over the measured CPU AdamW rate (offloaded
   optimizer, or a CPU-only machine); device optimizer: the share `offload_optimizer.ratio` leaves on the
   GPU over the device's AdamW rate;
-* disk: NVMe bytes read over the read bandwidth plus bytes written over the write bandwidth (the optimizer
-  state's swapped share read and written once; the parameters' swapped share read in forward and backward,
-  written after the step); "disk (not overlapped)" is the part nothing runs under: the parameters' writes
-  (made during the optimizer pass), and a tier's traffic when its buffer_count is 1;
+* disk: NVMe bytes read over the read bandwidth plus bytes written over the write bandwidth, in two parts
+  by what streams under what: "disk" the parameters' swapped share read in forward and backward (prefetched
+  under compute), "disk (optimizer pass)" the optimizer state's swapped share read and written once and the
+  parameters' swapped share written back, all during the optimizer pass (the engine leaves the parameter
+  writes in flight, `aio.queue_depth` at a time, so they stream under the update as the state's do);
+  "disk (not overlapped)" is the part nothing runs under: a tier's traffic when its buffer_count is 1;
 * PCIe (GPU): bytes between host and device over the probed copy bandwidths.
 
-On a CPU-only machine the CPU does compute, copies, the optimizer and the not-overlapped disk one after the
-other while the disk streams under them. With a GPU the device, the link and the CPU optimizer overlap one
-another: step = max(compute, PCIe) + max(optimizer + not-overlapped disk, disk not hidden under compute,
-device optimizer). The largest term is what bounds the plan. `plan_training` then weighs the chosen
-configuration's `offload_optimizer.ratio` and NVMe buffer counts (`_refine`), each count's staging slots
-charged to the pinned budget.
+On a CPU-only machine forward and backward (compute and the gathers' copies) run while the parameter reads
+stream, then the optimizer pass (the CPU update and the copy of the updated master into the partitions)
+while its disk traffic streams, then the not-overlapped disk: step = max(compute + 3/4 copies, disk) +
+max(cpu optimizer + 1/4 copies, disk (optimizer pass)) + disk (not overlapped). With a GPU the device, the
+link and the CPU optimizer overlap one another: step = max(compute, PCIe) + max(optimizer + not-overlapped
+disk, disk not hidden under compute, device optimizer). The largest term is what bounds the plan.
+`plan_training` then weighs the chosen configuration's `offload_optimizer.ratio` and NVMe buffer counts
+(`_refine`), each count's staging slots charged to the pinned budget.
 """
 
 from __future__ import annotations
@@ -257,12 +261,14 @@ def disk_seconds(read: float, write: float, machine: MachineProfile) -> float:
 def _combine(times: Dict[str, float], machine: MachineProfile) -> Tuple[float, str]:
     """Seconds of the step from the resources' times, and the resource that bounds it (module doc)."""
     serial = times.get("disk (not overlapped)", 0.0)  # on the CPU's path (training only)
+    in_pass = times.get("disk (optimizer pass)", 0.0)
     if machine.cpu_only:
-        cpu = times["compute"] + times["copies"] + times["cpu optimizer"] + serial
-        total = max(cpu, times["disk"])
+        # of the 4 copies, the updated master into the partitions is the optimizer pass's
+        fwd_bwd = max(times["compute"] + 0.75 * times["copies"], times["disk"])
+        total = fwd_bwd + max(times["cpu optimizer"] + 0.25 * times["copies"], in_pass) + serial
     else:
         front = max(times["compute"], times["pcie"])
-        hidden = max(0.0, times["disk"] - times["compute"])
+        hidden = max(0.0, times["disk"] + in_pass - times["compute"])
         # the device share (ratio below 1) steps on the device while the host share steps on the CPU
         total = front + max(times["cpu optimizer"] + serial, hidden, times.get("device optimizer", 0.0))
     bound = max(times, key=lambda k: times[k])
@@ -332,14 +338,17 @@ def training_candidate(
     tokens = act.batch_size * act.seq_len
     passes = 4.0 if act.checkpointing else 3.0
     copy_rate = _host_copy_gbps(compute) * 1e9
-    # Off the compute's path only with staging slots to run ahead in: the updated parameters' swap files
-    # are written during the optimizer pass (always on its path); with one optimizer slot each chunk's
-    # read and write wait for its update, with one parameter slot each unit's read waits for compute.
+    # Off the compute's path only with staging slots to run ahead in: with one optimizer slot each chunk's
+    # read and write wait for its update, with one parameter slot each unit's read waits for compute. The
+    # updated parameters' swap files are written during the optimizer pass, left in flight (the engine's
+    # write-back, `aio.queue_depth` at a time): they stream under the update with the state's traffic.
     serial_read = par_reads * par_swapped * cb if b.param_buffer_count < 2 else 0
-    serial_write = par_swapped * cb
+    serial_write = 0
+    pass_read, pass_write = opt_swapped * state_bytes, opt_swapped * state_bytes + par_swapped * cb
     if b.optimizer_buffer_count < 2:
         serial_read += opt_swapped * state_bytes
         serial_write += opt_swapped * state_bytes
+        pass_read, pass_write = 0, par_swapped * cb
     times = {
         "compute": compute_seconds(shape, tokens, passes, compute),
         # stage 3 without a GPU: the gathers of forward and backward, the gradient copied back, and the
@@ -351,7 +360,8 @@ def training_candidate(
         "device optimizer": share.device / compute.device_optimizer_elems_per_s
         if share.device and compute.device_optimizer_elems_per_s and not machine.cpu_only
         else 0.0,
-        "disk": disk_seconds(read - serial_read, write - serial_write, machine),
+        "disk": disk_seconds(read - serial_read - pass_read, write - serial_write - pass_write, machine),
+        "disk (optimizer pass)": disk_seconds(pass_read, pass_write, machine),
         "disk (not overlapped)": disk_seconds(serial_read, serial_write, machine),
         "pcie": 0.0,
     }
