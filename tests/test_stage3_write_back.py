@@ -11,51 +11,11 @@ import os
 import pytest
 import torch
 from engine_helpers import DATA, TINY, make_model, s3_config, train
+from state_helpers import ParamWriteFault
 
 import zero
-from offload.aio import AioHandle
 from offload.swap.optimizer_swapper import DeferredWriteError
 from zero.examples.models import get_batch
-
-
-class ParamWriteFault:
-    """From arming on, the `nth` asynchronous write to a parameter swap file writes nothing and the next
-    wait on its handle reports EIO naming the file; the next `sync_failures` synchronous writes to that file
-    report EIO too (a disk that keeps refusing it). Patches AioHandle itself: the handles are the store's."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, nth: int, sync_failures: int = 0) -> None:
-        self.nth, self.sync_failures = nth, sync_failures
-        self.count = 0
-        self.target = ""
-        self.sync_refused = 0
-        real_async, real_sync = AioHandle.async_pwrite, AioHandle.sync_pwrite
-        fault = self
-
-        def async_pwrite(h, buf, path=None, file_offset=0, **kw):
-            if str(getattr(path, "name", "")).endswith(".param.swp"):
-                fault.count += 1
-                if fault.count == fault.nth:
-                    fault.target = path.path
-                    real_wait = h.wait
-
-                    def failing_wait():
-                        del h.wait  # once
-                        real_wait()
-                        raise OSError(errno.EIO, "injected write failure", path.path)
-
-                    h.wait = failing_wait
-                    return 0  # nothing written: the file keeps the previous step's weights
-            return real_async(h, buf, path, file_offset, **kw)
-
-        def sync_pwrite(h, buf, path=None, file_offset=0, **kw):
-            if fault.target and getattr(path, "path", None) == fault.target and fault.sync_failures > 0:
-                fault.sync_failures -= 1
-                fault.sync_refused += 1
-                raise OSError(errno.EIO, "injected write failure", path.path)
-            return real_sync(h, buf, path, file_offset, **kw)
-
-        monkeypatch.setattr(AioHandle, "async_pwrite", async_pwrite)
-        monkeypatch.setattr(AioHandle, "sync_pwrite", sync_pwrite)
 
 
 def _engine(tmp_path):

@@ -22,7 +22,7 @@ import os
 import pytest
 import torch
 from engine_helpers import DATA, TINY, base_config, make_model, train
-from state_helpers import assert_same, fail_nth_write, weights
+from state_helpers import ParamWriteFault, assert_same, fail_nth_write, weights
 
 import zero
 from zero import StateCorruptedError
@@ -199,32 +199,24 @@ def test_stage3_single_copy_write_error_poisons_until_a_checkpoint_is_loaded(tmp
     assert all(torch.equal(a, b) for a, b in zip(state["states"], ref_state["states"]))
 
 
-def test_stage3_memory_tier_torn_by_a_parameter_write_error_is_poisoned(tmp_path):
+def test_stage3_memory_tier_torn_by_a_parameter_write_error_is_poisoned(tmp_path, monkeypatch):
     """Optimizer state in host memory is updated in place; when writing the new weights of a unit to its
-    NVMe partition fails part way through the pass, neither master nor partitions are the previous state."""
+    NVMe partition fails part way through the pass (and again when written anew), neither master nor
+    partitions are the previous state."""
     nvme, ckpt = tmp_path / "nvme", tmp_path / "ckpt"
     nvme.mkdir()
     cfg = s3_config("nvme", "cpu", nvme)
     engine, *_ = zero.initialize(model=make_model(), config=cfg)
     train(engine, 2)
     engine.save_checkpoint(str(ckpt), tag="good")
-    store = engine.partitioner.store
-    real = store._aio_write
-    calls = [0]
-
-    def failing(host, path):
-        calls[0] += 1
-        if calls[0] == 3:
-            raise OSError(errno.EIO, "injected write failure", path)
-        return real(host, path)
-
-    store._aio_write = failing
+    # the step's first write: waited for inside the pass (more units than writes in flight)
+    fault = ParamWriteFault(monkeypatch, nth=1, sync_failures=1)
     x, y = get_batch(DATA, 4, TINY.seq_len, 2)
     engine.backward(engine(x, y))
     with pytest.raises(StateCorruptedError, match="load a checkpoint") as info:
         engine.step()
-    assert info.value.errno == errno.EIO
-    store._aio_write = real
+    assert info.value.errno == errno.EIO and fault.sync_refused == 1
+    monkeypatch.undo()
     with pytest.raises(StateCorruptedError):
         engine.step()
     losses, w, _ = _continue_after_load(engine, str(ckpt), "good", 2, 2)
@@ -272,37 +264,28 @@ def test_two_copies_write_error_keeps_the_previous_state(tmp_path, stage):
     assert all(torch.equal(a, b) for a, b in zip(state["states"], ref_state["states"]))
 
 
-def test_two_copies_parameter_write_error_keeps_the_previous_state(tmp_path):
-    """Stage 3, parameters and optimizer on NVMe: a unit's partition write fails part way through the pass.
-    The committed optimizer state is intact and every partition is rewritten from it; the retry is exact."""
+def test_two_copies_parameter_write_error_keeps_the_previous_state(tmp_path, monkeypatch):
+    """Stage 3, parameters and optimizer on NVMe: a unit's partition write fails part way through the pass,
+    and again when written anew. The committed optimizer state is intact and every partition is rewritten
+    from it; the retry is exact."""
     cfg = s3_config("nvme", "nvme", tmp_path)
     ref_losses, ref_w, _ = _uninterrupted(cfg, 4)
     engine, *_ = zero.initialize(model=make_model(), config=cfg)
     assert engine.optimizer_state_info().copies == 2
     losses = train(engine, 2)
     before = weights(engine)
-    store = engine.partitioner.store
-    real = store._aio_write
-    calls = [0]
-
-    def failing(host, path):
-        calls[0] += 1
-        if calls[0] == 3:
-            half = host.view(torch.uint8)[: host.numel() * host.element_size() // 2]
-            real(half, path)  # torn on disk
-            raise OSError(errno.EIO, "injected write failure", path)
-        return real(host, path)
-
-    store._aio_write = failing
+    # the step's first write (nothing reaches the disk): waited for inside the pass
+    fault = ParamWriteFault(monkeypatch, nth=1, sync_failures=1)
     x, y = get_batch(DATA, 4, TINY.seq_len, 2)
     loss = engine(x, y)
     engine.backward(loss)
     with pytest.raises(OSError, match="previous state is kept") as info:
         engine.step()
-    assert info.value.errno == errno.EIO and calls[0] > 3  # the restore rewrote the partitions
+    assert info.value.errno == errno.EIO and fault.sync_refused == 1
+    assert fault.count > len(engine.layout.units)  # the restore rewrote the partitions
     assert engine.state_error is None
     assert_same(weights(engine), before)
-    store._aio_write = real
+    monkeypatch.undo()
     loss = engine(x, y)  # the one retry: forward, backward and step on the same batch
     engine.backward(loss)
     engine.step()

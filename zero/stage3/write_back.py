@@ -92,16 +92,14 @@ class WriteBack:
         writes every byte); with `depth` writes in flight the oldest is waited for (a failure there,
         written again and failing again, raises: the pass that submits fails)."""
         self.discard(index)
-        with self._lock:
+        with self._lock:  # queued before another thread's settle can look for it
             handle = self._take_handle()
-            self._writes[index] = _Write(name, src, path, handle)
-        try:
-            handle.async_pwrite(src, path, 0)
-        except BaseException:
-            with self._lock:
-                self._writes.pop(index, None)
+            try:
+                handle.async_pwrite(src, path, 0)
+            except BaseException:
                 self._idle.append(handle)
-            raise
+                raise
+            self._writes[index] = _Write(name, src, path, handle)
         st = self._stats
         st.async_writes += 1
         st.async_bytes_written += src.numel() * src.element_size()
