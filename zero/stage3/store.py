@@ -22,7 +22,7 @@ Read ahead to an accelerator (`read_ahead_device`, set by the partitioner for an
 Partition writes may be left in flight (`write(..., asynchronous=True)`, zero.stage3.write_back): any
 read of the unit's file waits for its write first.
 
-The module is longer than most (some 720 lines): reads, prefetches, loans and writes share one piece of
+The module is longer than most (some 710 lines): reads, prefetches, loans and writes share one piece of
 bookkeeping - which slot holds what, under one lock taken by the main thread and the optimizer's writer
 thread - and splitting it would spread that invariant over modules.
 """
@@ -123,8 +123,7 @@ class PartitionStore:
         # unit index -> (its stored bytes or values on the device, the copy's event)
         self.read_ahead_device: Optional[torch.device] = None
         self._ahead = ReadAhead(self._copies, self.stats, self._slots_lock, self._prefetch_over)
-        # the writer's I/O (its own handle: a write never waits on a prefetch) and the writes it left in
-        # flight (`write(..., asynchronous=True)`: settled before the unit's file is used again, `settle_all`)
+        # the writer's I/O (its own handle: a write never waits on a prefetch), writes left in flight
         self.write_back = WriteBack(aio.handle, aio.queue_depth, self.stats)
         on_device = tier == "none"
         self.arena = Arena(self._memory_allocator(on_device), exact=self.pin_memory, zeroed=self.pin_memory)
@@ -679,11 +678,9 @@ class PartitionStore:
             self.read(unit, dst)  # memory tier: a plain copy, no slot
             return
         codec = self._codecs.get(unit.index)
-        if codec is None:
-            path.read_into(self.write_back.own, dst.view(torch.uint8), 0)
-        else:
-            stored = torch.empty(codec.nbytes, dtype=torch.uint8)
-            path.read_into(self.write_back.own, stored, 0)
+        stored = dst.view(torch.uint8) if codec is None else torch.empty(codec.nbytes, dtype=torch.uint8)
+        path.read_into(self.write_back.own, stored, 0)
+        if codec is not None:
             codec.decode(stored, dst)
         self.stats.bytes_read += self.stored_nbytes(unit)
 
@@ -691,11 +688,7 @@ class PartitionStore:
     def close(self) -> None:
         """Drop prefetches, give slots and pinned segments back to the pool, remove the swap files. A write
         in flight that keeps failing is raised (DeferredWriteError, steps_lost 1) once all that is done."""
-        lost: Optional[BaseException] = None
-        try:
-            self.write_back.close()
-        except OSError as e:
-            lost = e
+        lost = self.write_back.close()  # (its handles: before the swap files go)
         for index in list(self._inflight):
             self._drop_inflight(index)
         self.drop_read_ahead()

@@ -15,7 +15,7 @@ for the oldest write) a second failure is raised as the OSError it is: the pass 
 put back from the committed master, which writes every partition anew. Found after the step returned, the
 write is *held*: its source stays here, every later `settle` of that unit (and `settle_all`) writes it
 again and, while that fails, raises `DeferredWriteError` with `steps_lost` 0 - nothing is lost and the call
-that raised changed nothing. `close` with a write still held raises it with `steps_lost` 1.
+that raised changed nothing. `close` with a write still held returns it with `steps_lost` 1.
 """
 
 from __future__ import annotations
@@ -197,9 +197,9 @@ class WriteBack:
             w.error = err
             raise err from cause
 
-    def close(self) -> None:
-        """Wait for every write and close the handles; a write still failing then is lost: its
-        DeferredWriteError (steps_lost 1) is raised once everything is closed."""
+    def close(self) -> Optional[DeferredWriteError]:
+        """Wait for every write and close the handles. A write still failing then is lost: returns its
+        DeferredWriteError (steps_lost 1) for the caller to raise once it closed the rest, else None."""
         lost: Optional[DeferredWriteError] = None
         try:
             self.settle_all()
@@ -216,5 +216,4 @@ class WriteBack:
             for h in self._idle + ([self._own] if self._own is not None else []):
                 h.close()
             self._idle, self._handles, self._own = [], 0, None
-        if lost is not None:
-            raise lost
+        return lost
