@@ -85,14 +85,15 @@ def test_a_failed_write_back_is_written_again_bit_identically(tmp_path, monkeypa
 
 def test_a_write_back_that_keeps_failing_holds_the_step(tmp_path, monkeypatch):
     """The last write of a step fails, and again when written anew: the next forward raises
-    DeferredWriteError (steps_lost 0, errno and file), and so does a checkpoint save, while the disk refuses
-    it; once it takes the write, redoing the batch gives the undisturbed run bit for bit."""
+    DeferredWriteError (steps_lost 0, errno and file), and so do a checkpoint save and the optimizer's
+    state_dict, while the disk refuses it; once it takes the write, redoing the batch gives the undisturbed
+    run bit for bit."""
     (tmp_path / "ref").mkdir()
     (tmp_path / "run").mkdir()
     ref = _reference(tmp_path, 4)
     e = _engine(tmp_path / "run")
     losses = train(e, 2)
-    fault = ParamWriteFault(monkeypatch, nth=_nvme_units(e), sync_failures=2)
+    fault = ParamWriteFault(monkeypatch, nth=_nvme_units(e), sync_failures=3)
     losses += train(e, 1, start=2)
     x, y = get_batch(DATA, 4, TINY.seq_len, 3)
     with pytest.raises(DeferredWriteError) as info:
@@ -103,7 +104,9 @@ def test_a_write_back_that_keeps_failing_holds_the_step(tmp_path, monkeypatch):
     with pytest.raises(DeferredWriteError):
         e.save_checkpoint(str(tmp_path / "ckpt"))
     assert not os.path.exists(tmp_path / "ckpt" / "latest")
-    assert fault.sync_refused == 2 and e.optimizer.step_count == 3
+    with pytest.raises(DeferredWriteError):
+        e.optimizer.state_dict()
+    assert fault.sync_refused == 3 and e.optimizer.step_count == 3
     losses += train(e, 1, start=3)  # the disk takes it now: the batch redone as the retry rule says
     _assert_same_run(e, losses, ref)
     e.close()
