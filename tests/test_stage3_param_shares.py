@@ -15,6 +15,7 @@ from stage3_helpers import attach, s3_config
 from torch import nn
 
 import zero
+import zero.utils as ds_utils
 from zero.checkpoint.to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from zero.stage3 import GatheredParameters
 
@@ -138,6 +139,10 @@ def _train_and_checkpoint(rank, world_size, nvme_dir, out_dir):
     losses = _steps(engine, 0, 3)
     engine.save_checkpoint(f"{out_dir}/ckpt", tag="t3")
     saved = _fp32(engine)
+    named = list(engine.module.named_parameters())
+    local = {n: ds_utils.safe_get_local_fp32_param(p) for n, p in named}  # DeepSpeed's: the padded chunk
+    full = {n: ds_utils.safe_get_full_fp32_param(p) for n, p in named}
+    shares = (shares, local, full)
     want_next = _steps(engine, 3, 2)
     want_params = _fp32(engine)
     engine.close()
@@ -165,8 +170,15 @@ def test_two_ranks_train_as_one_and_their_checkpoint_round_trips(tmp_path):
         opt.step()
         opt.zero_grad()
     sizes = {"odd.a": 4, "odd.b": 5, "odd.c": 17, "head.weight": 8, "head.bias": 3}  # ceil(numel / 2)
-    for shares, losses, saved, loaded, want, got in (r0, r1):
+    for r, (shares, losses, saved, loaded, want, got) in enumerate((r0, r1)):
+        shares, local, full = shares
         assert shares == sizes
+        for n, c in sizes.items():
+            flat = saved[n].reshape(-1)
+            expect = torch.zeros(c)
+            expect[: len(flat[r * c : (r + 1) * c])] = flat[r * c : (r + 1) * c]
+            assert torch.equal(local[n], expect), (r, n)
+            assert torch.equal(full[n], saved[n]), (r, n)
         assert losses == one_losses  # the same batch on both ranks: bit for bit the one-rank run
         for n, v in one_params.items():
             assert torch.equal(saved[n], v), n
