@@ -157,7 +157,7 @@ class Unit:
         self.grads_seen = 0
 
     def set_shares(self) -> None:
-        """Compute the ranks' shares from `numels` (again after they change: zero.stage3.adopt)."""
+        """Compute the ranks' shares (`chunks`, `part_offsets`, `part_numel`) from `numels`."""
         self.chunks, self.part_offsets, self.part_numel = param_shares(
             self.numels, self.world_size, self.rank
         )
