@@ -122,6 +122,7 @@ def _set(name, key, value):
         (_set("rank0_states.pt", "digests", ["zz"]), "rank0_states.pt: a checksum"),
         (lambda b: b["files"].update({"../escape": EMPTY}), "not a plain name"),
         (lambda b: b.update(world_size=-1), "'world_size'"),
+        (lambda b: b.update(stage3_layout=7), "'stage3_layout'"),
         (lambda b: b.update(files=[]), "'files'"),
     ],
     ids=[
@@ -133,6 +134,7 @@ def _set(name, key, value):
         "bad-digest",
         "name-escapes",
         "world-size",
+        "stage3-layout",
         "files-list",
     ],
 )

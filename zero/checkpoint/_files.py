@@ -30,6 +30,12 @@ from zero.errors import CheckpointIntegrityError
 # Test hook: SIGKILL this process when the save reaches the named point (see crash_point calls).
 CRASH_ENV = "ZERO_OFFLOAD_TEST_CRASH_AT"
 FORMAT_VERSION = 2
+# How a stage-3 checkpoint's partition files (optim_rank<r>.bin, param_rank<r>.bin) split each unit over the
+# ranks (zero.stage3.unit), the manifest's and model_states.pt's `stage3_layout`: 1 (checkpoints without
+# the key), a unit's parameters back to back split evenly into one share per rank; 2, each parameter split
+# on its own (DeepSpeed's per-parameter partitions), a rank's chunks back to back. One rank: the same bytes.
+STAGE3_LAYOUT = 2
+STAGE3_LAYOUTS = {1: "a unit's parameters split together", 2: "each parameter split on its own"}
 HASH = "xxh3_64"
 MANIFEST = "manifest.json"
 PICKLED = "pickled_states.pt"  # only objects that need pickle (see save.py); loaded only with allow_pickle
@@ -258,6 +264,8 @@ def check_manifest(sealed: Any, file: str) -> Dict[str, Any]:
         raise CheckpointIntegrityError(f"{file}: 'world_size' is not an int in [1, {_MAX_WORLD}]")
     if not _int_in(body.get("stage"), 0, 3):
         raise CheckpointIntegrityError(f"{file}: 'stage' is not 0, 1, 2 or 3")
+    if body.get("stage3_layout", 1) not in STAGE3_LAYOUTS:
+        raise CheckpointIntegrityError(f"{file}: 'stage3_layout' is not one of {sorted(STAGE3_LAYOUTS)}")
     files = body.get("files")
     if not isinstance(files, dict) or not files:
         raise CheckpointIntegrityError(f"{file}: 'files' is not a list of files")

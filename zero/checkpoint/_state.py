@@ -8,6 +8,7 @@ code from the file. RNG states are stored in that form too (python's and numpy's
 from __future__ import annotations
 
 import io
+import math
 import os
 import random
 import re
@@ -28,7 +29,12 @@ def is_stage3(engine: CheckpointEngine) -> bool:
 
 
 def trainable_numel(engine: CheckpointEngine) -> int:
-    return engine.trainable_numel
+    """Elements of the trained parameters, the same on every rank (at stage 3 the whole parameters', not
+    this rank's share)."""
+    if not is_stage3(engine):
+        return engine.trainable_numel
+    units = engine.layout.master_index()["units"]
+    return sum(math.prod(shape) for params in units for _, shape, trained in params if trained)
 
 
 def check_tag(tag: Any) -> str:

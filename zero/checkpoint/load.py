@@ -29,7 +29,16 @@ from zero.checkpoint._check import (
 )
 from zero.checkpoint._dir import OpenDir
 from zero.checkpoint._engine import CheckpointEngine
-from zero.checkpoint._files import FORMAT_VERSION, MANIFEST, PICKLED, read_manifest, verify_file, verify_size
+from zero.checkpoint._files import (
+    FORMAT_VERSION,
+    MANIFEST,
+    PICKLED,
+    STAGE3_LAYOUT,
+    STAGE3_LAYOUTS,
+    read_manifest,
+    verify_file,
+    verify_size,
+)
 from zero.errors import CheckpointError, CheckpointIntegrityError, CheckpointPickleError
 
 _LEGACY_FORMAT = 1
@@ -135,6 +144,13 @@ def _check_meta(engine: CheckpointEngine, plan: _Plan, strict: bool, optimizer: 
     if ms.get("format_version") not in (FORMAT_VERSION, _LEGACY_FORMAT):
         raise ValueError(f"{path}: checkpoint format {ms.get('format_version')}, expected {FORMAT_VERSION}")
     check_plan_types(ms, rs, optimizer, st.is_stage3(engine), path)
+    layout = ms.get("stage3_layout", 1)
+    if st.is_stage3(engine) and ms.get("stage") == 3 and ms["world_size"] > 1 and layout != STAGE3_LAYOUT:
+        raise ValueError(
+            f"{path}: stage-3 partition layout {layout} ({STAGE3_LAYOUTS.get(layout, 'unknown')}); this "
+            f"version reads layout {STAGE3_LAYOUT} ({STAGE3_LAYOUTS[STAGE3_LAYOUT]}) on several ranks: "
+            "convert the checkpoint with zero-to-fp32 (which reads both) and load the weights"
+        )
     check_counters(ms, path)
     if engine.optimizer is not None:
         mismatch, shape = param_mismatch(ms.get("master_index"), engine.layout.master_index())

@@ -20,6 +20,7 @@ from zero.checkpoint._files import (
     HASH,
     MANIFEST,
     PICKLED,
+    STAGE3_LAYOUT,
     Entry,
     crash_point,
     create_private,
@@ -131,6 +132,7 @@ def _write_into(
         "skipped_steps": engine.skipped_steps,
         "world_size": engine.world_size,
         "stage": engine.stage,
+        "stage3_layout": STAGE3_LAYOUT,
         "numel": st.trainable_numel(engine),
         "padded_numel": engine.layout.padded_numel,
         "dtype": str(engine.dtype),
@@ -181,6 +183,7 @@ def _publish(
         "tag": tag,
         "world_size": engine.world_size,
         "stage": engine.stage,
+        "stage3_layout": STAGE3_LAYOUT,
         "files": files,
     }
     fd = _open_tmp(tmp)

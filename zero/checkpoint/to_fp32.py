@@ -6,8 +6,9 @@
 or `zero-to-fp32 ckpt out/` (zero/cli_to_fp32.py; docs/engine.md). Any stage, any tier: every rank's
 `optim_rank<r>.bin` starts with its partition of the fp32 master, wherever the optimizer states lived while
 training, and `master_index` (model_states.pt) says which parameter each element is - stages 0-2: the trained
-parameters back to back in one flat buffer, a slice [lo, hi) per rank; stage 3: one flat buffer per module
-(unit), split evenly over the ranks, the units with trained parameters back to back in each rank's master.
+parameters back to back in one flat buffer, a slice [lo, hi) per rank; stage 3: the parameters of one module
+(unit), each split over the ranks on its own (`stage3_layout` 2; 1, of older checkpoints: the unit's
+parameters back to back, split evenly), the units with trained parameters back to back in each rank's master.
 Frozen parameters and buffers come in the model's dtype: from model_states.pt, at stage 3 from the ranks'
 `param_rank<r>.bin`.
 
@@ -41,6 +42,7 @@ from zero.checkpoint._state import check_tag, partition_of, weights_only_reason
 from zero.checkpoint.hf_files import OutputTarget, write_state_dict
 from zero.checkpoint.load import open_tag, read_latest
 from zero.errors import CheckpointError, CheckpointIntegrityError
+from zero.stage3.unit import chunk_range, param_shares
 
 __all__ = [
     "DTYPES",
@@ -215,6 +217,7 @@ class _Checkpoint:
             raise CheckpointError(f"{path}: checkpoint format {manifest['format_version']}")
         self.listed: Dict[str, Any] = manifest["files"]
         self.world: int = manifest["world_size"]
+        self.layout: int = manifest.get("stage3_layout", 1)  # checked by read_manifest
         self.ms = self._load("model_states.pt")
         self.index = self.ms.get("master_index")
         _check_index(self.index, path)
@@ -320,32 +323,47 @@ def _unit_pieces(ck: _Checkpoint) -> List[List[Pieces]]:
     result, moff, poff = [], 0, 0
     for params, (name, part, dtype) in zip(ck.index["units"], saved):
         numels = [math.prod(shape) for _, shape, _ in params]
-        if int(part) != max(1, -(-sum(numels) // ck.world)):
+        spans = _unit_spans(numels, ck.world, ck.layout)
+        if int(part) != spans[0]:
             raise CheckpointError(
-                f"{ck.path}: unit {name}: partition of {part} elements, not its parameters'"
+                f"{ck.path}: unit {name}: partition of {part} elements, not its parameters' "
+                f"(stage-3 layout {ck.layout}, {ck.world} rank(s))"
             )
         dt = getattr(torch, str(dtype).replace("torch.", ""), None)
         if not isinstance(dt, torch.dtype):
             raise CheckpointError(f"{ck.path}: unit {name}: unknown dtype {dtype!r}")
-        size, unit, start = torch.empty(0, dtype=dt).element_size(), [], 0
-        for (_, _, trained), n in zip(params, numels):
+        size, unit = torch.empty(0, dtype=dt).element_size(), []
+        for (_, _, trained), ranks in zip(params, spans[1]):
             pieces = []
-            for r in range(ck.world):
-                a, z = max(start, r * part), min(start + n, (r + 1) * part)
-                if a < z:
-                    at = a - r * part
-                    if trained:
-                        pieces.append(
-                            (f"optim_rank{r}.bin", (moff + at) * 4, a - start, z - start, torch.float32)
-                        )
-                    else:
-                        pieces.append((f"param_rank{r}.bin", poff + at * size, a - start, z - start, dt))
-            unit.append(pieces)
-            start += n
+            for r, (at, a, z) in enumerate(ranks):
+                if trained:
+                    pieces.append((f"optim_rank{r}.bin", (moff + at) * 4, a, z, torch.float32))
+                else:
+                    pieces.append((f"param_rank{r}.bin", poff + at * size, a, z, dt))
+            unit.append([p for p in pieces if p[3] > p[2]])
         result.append(unit)
         moff += int(part) if any(t for _, _, t in params) else 0
         poff += int(part) * size
     return result
+
+
+def _unit_spans(numels: List[int], world: int, layout: int) -> Tuple[int, List[List[Tuple[int, int, int]]]]:
+    """(partition elements, per parameter per rank (offset in the rank's partition, [a, z) of the
+    parameter)) of a stage-3 unit of parameters of `numels` split over `world` ranks in `layout`."""
+    if layout == 1:  # the parameters back to back, split evenly
+        part, start, spans = max(1, -(-sum(numels) // world)), 0, []
+        for n in numels:
+            ranks = []
+            for r in range(world):
+                a, z = max(start, r * part), min(start + n, (r + 1) * part)
+                ranks.append((a - r * part, a - start, max(a, z) - start))
+            spans.append(ranks)
+            start += n
+        return part, spans
+    chunks, starts, part = param_shares(numels, world, 0)
+    return part, [
+        [(at, *chunk_range(n, c, r)) for r in range(world)] for n, c, at in zip(numels, chunks, starts)
+    ]
 
 
 def _dtype(dtype: Union[torch.dtype, str]) -> torch.dtype:

@@ -6,7 +6,8 @@ elements are spread over the rank's flat optimizer partition as one or more frag
 
 * stages 0-2 (`FlatLayout`): the parameter's slice of the flat buffer that falls into the rank's
   partition `[lo, hi)` (the whole parameter at stage 0 or with one rank);
-* stage 3 (`UnitLayout`): the parameter's share in each trained unit's partition (its `ds_tensor`).
+* stage 3 (`UnitLayout`): the parameter's share in each trained unit's partition (its `ds_tensor`); the
+  local forms are its whole chunk, DeepSpeed's `ds_tensor.ds_numel` elements, the padding zeros.
 
 Master and states are read and written through the state's tier (`StateTier.read_all` / `rewrite`): device
 or pinned memory in place, NVMe through the swap files (with two copies a write is atomic) - never a copy
@@ -56,6 +57,9 @@ class StateAccess:
         self.world_size, self.rank = engine.world_size, engine.rank
         self.device = engine.device
         self.frags: Dict[int, List[Fragment]] = {}
+        # stage 3: (partition offset, elements) of each parameter's whole chunk, padding included: the local
+        # forms are DeepSpeed's, `ds_tensor.ds_numel` elements on every rank, the padding reading as zeros
+        self.chunks: Dict[int, Tuple[int, int]] = {}
         self.params: Dict[int, nn.Parameter] = {}
         if layout.partitioner is None:
             flat = layout.flat
@@ -67,14 +71,13 @@ class StateAccess:
         else:
             self.partitioned = self.world_size > 1
             for u in layout.units:
-                trained = {id(u.params[i]) for i in layout._trained.get(u.index, u.trainable)}
                 base = layout.offsets[u.index]
-                for s in u.slices():
-                    if id(s.param) in trained:
-                        self.frags.setdefault(id(s.param), [])
-                        self._add(s.param, [(base + s.part_lo, s.param_lo, s.param_hi - s.param_lo)])
                 for i in layout._trained.get(u.index, u.trainable):
-                    self._add(u.params[i], [])  # a parameter with no share on this rank
+                    lo, hi = u.share(i)
+                    at = base + u.part_offsets[i]
+                    # no fragment on a rank past a small parameter's end (its chunk is all padding)
+                    self._add(u.params[i], [(at, lo, hi - lo)] if lo < hi else [])
+                    self.chunks[id(u.params[i])] = (at, u.chunks[i])
         me = weakref.ref(self)
         for p in self.params.values():
             setattr(p, _ATTR, me)
@@ -113,8 +116,10 @@ class StateAccess:
         return getattr(p, "ds_shape", p.shape)
 
     def local_numel(self, p: nn.Parameter) -> int:
-        """Elements of the parameter in this rank's partition."""
-        return sum(n for _, _, n in self.frags[id(p)])
+        """Elements of the parameter's local forms: its elements in this rank's partition, at stage 3 its
+        whole chunk (`ds_tensor.ds_numel`, padding included)."""
+        chunk = self.chunks.get(id(p))
+        return chunk[1] if chunk is not None else sum(n for _, _, n in self.frags[id(p)])
 
     def state_index(self, key: Optional[str]) -> int:
         """0 for the master (key None), 1 + the state's position for an optimizer state's name."""
@@ -148,7 +153,7 @@ class StateAccess:
         e = self._engine_open()
         self._settle(e)
         outs = [torch.zeros(self.local_numel(p), dtype=torch.float32) for p in params]
-        spans = [self._local_spans(p) for p in params]
+        spans = [self._read_spans(p) for p in params]
 
         def take(start: int, n: int, master: torch.Tensor, states: List[torch.Tensor]) -> None:
             src = master if index == 0 else states[index - 1]
@@ -187,6 +192,14 @@ class StateAccess:
         if index == 0:
             e._opt.restore_params()  # the weights follow the master, as after a step
 
+    def _read_spans(self, p: nn.Parameter) -> List[Tuple[int, int, int]]:
+        """`_local_spans`, at stage 3 the whole chunk (its padding reads as the zeros the partition holds
+        there; writes take only the real elements, so the padding stays zero)."""
+        chunk = self.chunks.get(id(p))
+        if chunk is None:
+            return self._local_spans(p)
+        return [(chunk[0], 0, chunk[1])] if chunk[1] else []
+
     def _local_spans(self, p: nn.Parameter) -> List[Tuple[int, int, int]]:
         """(partition offset, offset in the local value, count) of each fragment."""
         spans, k = [], 0
@@ -213,7 +226,7 @@ class StateAccess:
         out = torch.zeros(self.local_numel(p), dtype=torch.float32, device=g.device)
         if e._window_backwards == 0:
             return out  # no backward since the last step: nothing accumulated (buffers may hold the last)
-        for poff, loff, cnt in self._local_spans(p):
+        for poff, loff, cnt in self._read_spans(p):
             out[loff : loff + cnt].copy_(g[poff : poff + cnt])
         return out.div_(self.grad_scale(e)) if self.world_size > 1 else out
 
@@ -255,6 +268,9 @@ class StateAccess:
             )
         flat = full.detach().reshape(-1)
         parts = [flat[lo : lo + cnt] for _, lo, cnt in self.frags[id(p)]]
+        real = sum(cnt for _, _, cnt in self.frags[id(p)])
+        if self.local_numel(p) > real:  # a stage-3 chunk's padding
+            parts.append(flat.new_zeros(self.local_numel(p) - real))
         return torch.cat(parts) if parts else flat[:0]
 
     def check_local(self, p: nn.Parameter, value: torch.Tensor) -> torch.Tensor:

@@ -250,10 +250,9 @@ def _stream(
                         values = torch.zeros(unit.part_numel, dtype=unit.dtype)
                     for key, i in by_unit[index]:
                         flat = f.get_tensor(key).reshape(-1)  # a view of the mapped file
-                        a, z = unit.param_range(i)
-                        lo, hi = max(a, unit.lo), min(z, unit.hi)
-                        if lo < hi:
-                            values[lo - unit.lo : hi - unit.lo].copy_(flat[lo - a : hi - a])
+                        lo, hi = unit.share(i)
+                        at = unit.part_offsets[i]
+                        values[at : at + hi - lo].copy_(flat[lo:hi])
                         nbytes += flat.numel() * flat.element_size()
                         bar.update(flat.numel() * flat.element_size())
                         del flat

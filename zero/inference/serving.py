@@ -167,11 +167,9 @@ class PartitionServer:
                 reason = f"{t.dtype} tensors cast to {str(unit.dtype).replace('torch.', '')}"
                 self.copied[reason] = self.copied.get(reason, 0) + 1
                 return None
-            a, z = unit.param_range(i)
-            lo, hi = max(a, unit.lo), min(z, unit.hi)
+            lo, hi = unit.share(i)  # this rank's elements of the parameter, at part_offsets[i]
             if lo < hi:
                 fd = self._held.fd(t.file)
-                extents.append(
-                    Extent((lo - unit.lo) * es, fd, t.offset + (lo - a) * es, (hi - lo) * es, t.file, key)
-                )
+                at = unit.part_offsets[i]
+                extents.append(Extent(at * es, fd, t.offset + lo * es, (hi - lo) * es, t.file, key))
         return ServedPartition(unit.name, extents, unit.part_nbytes)

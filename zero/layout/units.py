@@ -17,16 +17,15 @@ import bisect
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from offload.config.loader import ZeroOffloadConfig
 from offload.pinned import PinnedPool
-from zero.comm import settle
 from zero.layout.base import Fill, Placement, allocate_pinned, cast_parameters, index_names
 from zero.layout.grad_fetch import DeviceGradFetch
 from zero.layout.param_writer import ParamWriter, UnitParamWriter
 from zero.layout.partition import GradReadiness
+from zero.stage3.comm import all_gather_unit
 from zero.stage3.partitioner import Stage3Partitioner
 from zero.stage3.unit import Unit, is_partitioned
 
@@ -283,7 +282,7 @@ class UnitLayout:
             if world > 1:
                 comm_dev = device if device.type == "cuda" else torch.device("cpu")
                 full = torch.empty(u.padded_numel, dtype=torch.float32, device=comm_dev)
-                settle(dist.all_gather_into_tensor(full, own.to(comm_dev), async_op=True))
+                all_gather_unit(u, full, own.to(comm_dev), None)
                 full = full.cpu()
             else:
                 full = own
@@ -296,7 +295,8 @@ class UnitLayout:
     def master_index(self) -> Dict[str, Any]:
         """What each element of the master and of the parameter partitions is, for readers of checkpoints
         (zero.checkpoint.to_fp32): every unit of the partitioner in order, as a list of its parameters
-        `[[name, *tied aliases], shape, trained]` (split over ranks as `Unit` does; units with a trained
+        `[[name, *tied aliases], shape, trained]` (each parameter split over ranks as `Unit` does, a rank's
+        chunks back to back in its partition of the unit; units with a trained
         parameter are the master's, back to back); the state dict's keys and buffers. Plain types only."""
         names, keys, buffers = index_names(self.module)
         units = []

@@ -22,6 +22,7 @@ from zero.stage3.unit import (
     UnitOwner,
     fill_partition,
     is_partitioned,
+    param_shares,
     set_param_attributes,
     set_partition_tensors,
 )
@@ -142,6 +143,6 @@ class UnitBuilder:
     def _planned_size(self, name: str, module: nn.Module) -> UnitSize:
         params = {id(p): p for p in module._parameters.values() if p is not None and not is_partitioned(p)}
         first = next(iter(params.values()))
-        numel = sum(p.numel() for p in params.values())
-        part = max(1, -(-numel // self.owner.world_size))
-        return UnitSize(name or type(module).__name__, first.dtype, part, part * first.element_size())
+        world = self.owner.world_size
+        _, _, part = param_shares([p.numel() for p in params.values()], world, self.owner.rank)
+        return UnitSize(name or type(module).__name__, first.dtype, part, part * first.element_size(), world)

@@ -184,8 +184,7 @@ class QuantizedForwards:
             if codec is None:
                 continue
             i = weight.ds_index
-            lo, _ = unit.param_range(i)
-            if not codec.covers(i, lo, unit.numels[i], kind[1]):
+            if not codec.covers(i, unit.part_offsets[i], unit.numels[i], kind[1]):
                 continue
             self._patches.set(m, _Forward(self, m, unit, kind[0]))
             self._owners.setdefault(unit.index, {})[m] = i

@@ -170,6 +170,7 @@ class GatheredParameters:
                 if owner.group is not None:
                     src = dist.get_global_rank(owner.group, src)
                 settle(dist.broadcast(full, src=src, group=owner.group, async_op=True))
+            own = u.partition_of(full)
             owner.write_partition(
-                u, full[u.lo : u.hi].clone() if owner.partition_as_full(u) is None else full[u.lo : u.hi]
+                u, own.clone() if owner.partition_as_full(u) is None and u.rank_major else own
             )

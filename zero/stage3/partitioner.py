@@ -38,7 +38,7 @@ from offload.pinned import PinnedPool
 from zero.accelerator import compute_device
 from zero.stage3.adopt import choose_owner, move_foreign_units
 from zero.stage3.builder import UnitBuilder
-from zero.stage3.comm import all_gather_flat, dist_info
+from zero.stage3.comm import all_gather_unit, dist_info
 from zero.stage3.config import default_pinned_pool, load_stage3_config
 from zero.stage3.grads import GradSink
 from zero.stage3.hooks import Stage3Hooks
@@ -258,7 +258,7 @@ class Stage3Partitioner:
                 full = _empty(unit.padded_numel, unit.dtype, self.device)
                 own = torch.empty(unit.part_numel, dtype=unit.dtype, device=self.device)
                 self.store.read(unit, own)
-                all_gather_flat(full, own, self.group)
+                all_gather_unit(unit, full, own, self.group)
         self._gathered(unit, full)
 
     def _gathered(self, unit: Unit, full: torch.Tensor) -> None:
@@ -547,10 +547,10 @@ class Stage3Partitioner:
         if unit.full is None or unit.full is self.partition_as_full(unit):
             return
         if self.world_size == 1:
-            unit.full[unit.lo : unit.hi].copy_(values.reshape(-1))
+            unit.full[: unit.part_numel].copy_(values.reshape(-1))
         elif unit.refs or unit.bwd_hold:
             own = values.reshape(-1).to(self.device, unit.dtype)
-            all_gather_flat(unit.full, own, self.group)
+            all_gather_unit(unit, unit.full, own, self.group)
         else:
             self._free(unit)
 
@@ -572,14 +572,15 @@ class Stage3Partitioner:
         is read, patched and written back - or, None, the share in memory was changed in place. Then copies
         follow: reads ahead are dropped, and a gathered unit gets this rank's share in its full buffer at
         once (other ranks' copies follow at their next gather). Not collective."""
-        lo, hi = unit.params[index].ds_partition_range
-        start, n = unit.offsets[index] + lo, hi - lo  # the share's place in the unit's flat buffer
+        lo, hi = unit.share(index)
+        start, n = unit.offsets[index] + lo, hi - lo  # the share's real elements in the unit's flat buffer
+        at, c = unit.part_offsets[index], unit.chunks[index]  # the chunk (padding included) in the partition
         mem = self.store.memory_partition(unit)
         if values is not None and mem is not None:
-            mem[start - unit.lo : start - unit.lo + n].copy_(values)
+            mem[at : at + c].copy_(values)
         elif values is not None:
             whole = self.read_partition(unit, torch.empty(unit.part_numel, dtype=unit.dtype))
-            whole[start - unit.lo : start - unit.lo + n].copy_(values)
+            whole[at : at + c].copy_(values)
             self.store.write(unit, whole, only={index})
         if mem is not None:
             self.store.forget_ahead(unit)
@@ -594,8 +595,8 @@ class Stage3Partitioner:
             return
         if values is None:
             assert mem is not None  # only a memory partition is changed in place
-            values = mem[start - unit.lo : start - unit.lo + n]
-        full[start : start + n].copy_(values)
+            values = mem[at : at + c]
+        full[start : start + n].copy_(values[:n])
 
     def load_state_dict_shard(self, shard: Dict[str, torch.Tensor]) -> List[str]:
         """Write full tensors of some parameters (by qualified name) into their partitions, one unit in

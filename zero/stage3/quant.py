@@ -33,6 +33,7 @@ from torch import nn
 from offload.config._reader import ConfigError
 from offload.config.quantization import WeightQuantizationConfig, WeightQuantSpec
 from offload.ops.qmatmul import dequantize_into
+from zero.stage3.unit import chunk_range, param_shares
 
 __all__ = [
     "segment_totals",
@@ -367,32 +368,32 @@ def _slices_by_param(unit: Any) -> List[Any]:
 
 
 def planned_nbytes(
-    numels: Sequence[int], target_index: int, part_numel: int, rank: int, spec: WeightQuantSpec, dtype: Any
+    numels: Sequence[int], target_index: int, world_size: int, rank: int, spec: WeightQuantSpec, dtype: Any
 ) -> int:
     """`PartitionCodec.nbytes` of a unit not built yet: parameters of `numels` (the one at `target_index`
-    quantized), this rank's partition [rank * part_numel, (rank + 1) * part_numel)."""
-    lo, hi = rank * part_numel, (rank + 1) * part_numel
-    slices, off = [], 0
-    for i, n in enumerate(numels):
-        a, z = max(off, lo), min(off + n, hi)
-        if a < z:
-            slices.append((a - lo, z - lo, i, i == target_index))
-        off += n
+    quantized), this rank's partition of them split over `world_size` ranks (zero.stage3.unit)."""
+    chunks, starts, part_numel = param_shares(numels, world_size, rank)
+    slices = []
+    for i, (n, c, at) in enumerate(zip(numels, chunks, starts)):
+        lo, hi = chunk_range(n, c, rank)
+        if lo < hi:
+            slices.append((at, at + hi - lo, i, i == target_index))
     return PartitionCodec(part_numel, slices, spec, dtype).nbytes
 
 
 def segment_totals(
     units: Sequence[Any], keep: Sequence[bool], plan: Dict[str, QuantTarget], rank: int
 ) -> Dict[torch.dtype, int]:
-    """Elements per storage dtype of the `units` kept in memory: a unit `plan` quantizes as its codec's
-    bytes (uint8), any other as its partition's elements in its own dtype."""
+    """Elements per storage dtype of the `units` kept in memory (Units or UnitSizes: `name`, `dtype`,
+    `part_numel`, `world_size`): a unit `plan` quantizes as its codec's bytes (uint8), any other as its
+    partition's elements in its own dtype."""
     totals: Dict[torch.dtype, int] = {}
     for u, k in zip(units, keep):
         if not k:
             continue
         t = plan.get(u.name)
         if t is not None:
-            n = planned_nbytes(t.numels, t.index, u.part_numel, rank, t.spec, u.dtype)
+            n = planned_nbytes(t.numels, t.index, u.world_size, rank, t.spec, u.dtype)
             totals[torch.uint8] = totals.get(torch.uint8, 0) + n
         else:
             totals[u.dtype] = totals.get(u.dtype, 0) + u.part_numel

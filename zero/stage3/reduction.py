@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zero.stage3.comm import reduce_scatter_flat
+from zero.stage3.comm import reduce_scatter_unit
 from zero.stage3.grads import GradSink, SummingSink
 from zero.stage3.unit import Unit
 
@@ -107,7 +107,7 @@ class GradReduction:
                 part = flat
             else:
                 part = torch.empty(unit.part_numel, dtype=flat.dtype, device=flat.device)
-                reduce_scatter_flat(part, flat, self.group)
+                reduce_scatter_unit(unit, part, flat, self.group)
             self.sink.partition_ready(unit, part)
         unit.grad_flat = None
         unit.grads_seen = 0

@@ -5,9 +5,9 @@ asynchronous)` puts bytes [offset, offset + len(buf)) of the partition into `buf
 `SwapSource` is one swap file (the partition's bytes from offset 0). `ServedPartition` is a partition whose
 values lie, unconverted, in the tensors of a safetensors checkpoint (zero.from_pretrained serves them
 directly): a list of `Extent`s, each a byte range of a checkpoint file held open by descriptor
-(`CheckpointFds`), and zeros everywhere else (the padding at the end of the last rank's share, a
-parameter the checkpoint does not hold). A served partition is read-only: nothing is ever written into a
-checkpoint file.
+(`CheckpointFds`), and zeros everywhere else (the padding after a parameter's share on the last ranks, a
+parameter the checkpoint does not hold). On several ranks each parameter's share is its own extent. A
+served partition is read-only: nothing is ever written into a checkpoint file.
 
 Alignment: a checkpoint's tensors lie at offsets that are not multiples of the 4 KiB O_DIRECT needs (the
 data starts after the JSON header), and the I/O core copies every piece of a request whose file offset and

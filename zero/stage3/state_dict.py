@@ -61,9 +61,8 @@ def load_shard(part: UnitOwner, shard: Dict[str, torch.Tensor]) -> List[str]:
         u = part.units[index]
         values = part.read_partition(u, torch.empty(u.part_numel, dtype=u.dtype))
         for i, value in items:
-            a, z = u.param_range(i)
-            lo, hi = max(a, u.lo), min(z, u.hi)
-            if lo < hi:
-                values[lo - u.lo : hi - u.lo].copy_(value.reshape(-1)[lo - a : hi - a])
+            lo, hi = u.share(i)
+            at = u.part_offsets[i]
+            values[at : at + hi - lo].copy_(value.reshape(-1)[lo:hi])
         part.write_partition(u, values)
     return [n for n in shard if n in by_name]

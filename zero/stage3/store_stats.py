@@ -17,6 +17,7 @@ class UnitSize(NamedTuple):
     dtype: torch.dtype
     part_numel: int
     part_nbytes: int
+    world_size: int  # the ranks its parameters are split over
 
 
 @dataclass
