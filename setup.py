@@ -8,7 +8,11 @@ core), the slowest first, so that no core idles while another finishes a long un
 """
 
 import glob
+import json
 import os
+import subprocess
+import threading
+import time
 from multiprocessing.pool import ThreadPool
 
 from pybind11.setup_helpers import Pybind11Extension, build_ext
@@ -48,12 +52,27 @@ def _jobs() -> int:
     return jobs if jobs > 0 else (os.cpu_count() or 1)
 
 
+def _run_measured(cmd, env=None) -> dict:
+    """Runs one compiler command; returns its exit code, CPU seconds (user + system, of the compiler and
+    its own children) and wall seconds."""
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, env=env)
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return {
+        "rc": proc.returncode,
+        "cpu_s": round(usage.ru_utime + usage.ru_stime, 2),
+        "wall_s": round(time.monotonic() - start, 2),
+    }
+
+
 class BuildExt(build_ext):
     """Runs every extension's compile step in one job pool, then every link.
 
     build_extension is run first with the compiler's compile and link recorded instead of run (the
     arguments are the ones setuptools computes for each extension); the recorded units then compile in
-    one pool, slowest first, and the links run in order.
+    one pool, slowest first, and the links run in order. Each unit's compile CPU and wall time are printed
+    and written to <build_temp>/compile_times.json.
     """
 
     def build_extensions(self) -> None:
@@ -90,11 +109,45 @@ class BuildExt(build_ext):
         finally:
             del compiler.compile, compiler.link_shared_object
         units.sort(key=lambda unit: _cost_rank(unit[1]), reverse=True)
-        with ThreadPool(min(_jobs(), max(len(units), 1))) as pool:
-            for _ in pool.imap_unordered(lambda unit: compiler._compile(*unit), units):
-                pass
+        times, lock = {}, threading.Lock()
+        # setuptools runs a compile through compiler.call (newer) or compiler.spawn (older); either is
+        # replaced by a measured run that fails the same way.
+        runner = "call" if hasattr(compiler, "call") else "spawn"
+
+        def measured(cmd, env=None, **kwargs):
+            source = next((str(arg) for arg in cmd if str(arg).endswith(".cpp")), str(cmd[0]))
+            result = _run_measured([str(arg) for arg in cmd], env=env)
+            if result["rc"] != 0:
+                if runner == "call":
+                    raise subprocess.CalledProcessError(result["rc"], cmd)
+                from setuptools.errors import ExecError
+
+                raise ExecError(f"command {cmd[0]!r} failed with exit code {result['rc']}")
+            with lock:
+                times[os.path.relpath(source)] = {"cpu_s": result["cpu_s"], "wall_s": result["wall_s"]}
+
+        start = time.monotonic()
+        setattr(compiler, runner, measured)
+        try:
+            with ThreadPool(min(_jobs(), max(len(units), 1))) as pool:
+                for _ in pool.imap_unordered(lambda unit: compiler._compile(*unit), units):
+                    pass
+        finally:
+            delattr(compiler, runner)
+        wall = time.monotonic() - start
         for args, kwargs in links:
             compiler.link_shared_object(*args, **kwargs)
+        if times:
+            self._report_times(times, wall)
+
+    def _report_times(self, times: dict, wall: float) -> None:
+        total = sum(t["cpu_s"] for t in times.values())
+        for source, t in sorted(times.items(), key=lambda item: -item[1]["cpu_s"]):
+            print(f"compile {source}: {t['cpu_s']:.1f} s CPU, {t['wall_s']:.1f} s wall")
+        print(f"compile total: {total:.1f} s CPU, {wall:.1f} s wall, {len(times)} units, {_jobs()} jobs")
+        os.makedirs(self.build_temp, exist_ok=True)
+        with open(os.path.join(self.build_temp, "compile_times.json"), "w") as f:
+            json.dump({"units": times, "cpu_s": round(total, 2), "wall_s": round(wall, 2)}, f, indent=1)
 
 
 EXTENSIONS = {
