@@ -9,6 +9,7 @@ core), the slowest first, so that no core idles while another finishes a long un
 
 import glob
 import json
+import logging
 import os
 import subprocess
 import threading
@@ -119,8 +120,10 @@ class BuildExt(build_ext):
         runner = "call" if hasattr(compiler, "call") else "spawn"
 
         def measured(cmd, env=None, **kwargs):
-            source = next((str(arg) for arg in cmd if str(arg).endswith(".cpp")), str(cmd[0]))
-            result = _run_measured([str(arg) for arg in cmd], env=env)
+            cmd = [str(arg) for arg in cmd]
+            source = next((arg for arg in cmd if arg.endswith(".cpp")), cmd[0])
+            self.announce(subprocess.list2cmdline(cmd), level=logging.INFO)  # as setuptools logs it
+            result = _run_measured(cmd, env=env)
             if result["rc"] != 0:
                 if runner == "call":
                     raise subprocess.CalledProcessError(result["rc"], cmd)
