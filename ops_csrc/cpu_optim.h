@@ -52,6 +52,9 @@ struct Arrays {
     bool stochastic = false;
     uint32_t sr_k0 = 0;
     uint32_t sr_k1 = 0;
+    // The caller's element index of element 0 of these arrays: nonzero only for the kernels' own views
+    // into a range (stochastic rounding hashes the caller's index).
+    uint64_t first_index = 0;
 };
 
 // Per-element constants, already rounded to fp32 the way torch rounds its Python scalars (see adam.py's

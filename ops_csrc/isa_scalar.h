@@ -1,7 +1,7 @@
-// Included by kernels_scalar_{adam,adagrad,lion}.cpp, each of which first defines ZO_ISA_ENTRY_POINTS(isa, I)
-// to the ZO_DEFINE_*_ENTRY_POINT macros (kernels_impl.h) of its optimizer: every optimizer of every ISA is
-// instantiated for all its dtype combinations, and one translation unit per optimizer lets a parallel
-// build keep every core busy. No include guard: each translation unit includes this once.
+// Included by kernels_scalar.cpp, which first defines ZO_ISA_ENTRY_POINTS(isa, I) to the
+// ZO_DEFINE_*_ENTRY_POINT macros (kernels_impl.h) of every optimizer: each is instantiated for every dtype
+// combination (fused or in fp32 chunks, see dispatch_dtypes). One translation unit per ISA parses the
+// intrinsics headers once. No include guard: the translation unit includes this once.
 // Portable kernels: one element at a time, any CPU, any architecture. Also the reference the SIMD paths
 // are tested against: it performs the same operations with the same roundings.
 #include <cstdint>

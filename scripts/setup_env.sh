@@ -44,7 +44,7 @@ fi
 # (setuptools, pybind11) are already in the venv, so nothing is fetched and torch is never needed.
 if ! _zo_reason=$("$py" -I "$root/scripts/build_stamp.py" "$root" --check "$_zo_stamp" 2>&1); then
     _zo_jobs="${ZO_BUILD_JOBS:-$(nproc 2>/dev/null || echo 1)}"
-    _zo_say "building the C++ extensions (${_zo_reason}; ${_zo_jobs} jobs, ~1-2 min on 2 cores)"
+    _zo_say "building the C++ extensions (${_zo_reason}; ${_zo_jobs} jobs, ~40 s on 2 idle cores)"
     _zo_t0=$(date +%s)
     rm -f "$_zo_stamp"
     (unset ZO_BUILD_ONLY && export ZO_BUILD_JOBS="$_zo_jobs" && _zo_pip --no-build-isolation --no-deps -e "$root")

@@ -1,6 +1,7 @@
 // Runs the 8-bit and stochastically rounded state paths of every optimizer over exactly sized heap arrays
-// (so AddressSanitizer sees any access past an array or a block), at every SIMD level this CPU has and with
-// 1 and 3 threads, and checks that all of them write the same bytes as the scalar path on one thread.
+// (so AddressSanitizer sees any access past an array or a block), with an fp32 param and grad or a bf16
+// param and fp16 grad (the chunked conversion path), at every SIMD level this CPU has and with 1 and 3
+// threads, and checks that all of them write the same bytes as the scalar path on one thread.
 // Built with -fsanitize=address,undefined by tests/test_cpu_optim_lowbit.py; prints "ALL OK".
 #include <cstdint>
 #include <cstdio>
@@ -21,6 +22,7 @@ struct Buffers {
     std::vector<float> param, grad, absmax_a, absmax_b;
     std::vector<uint8_t> qa, qb;
     std::vector<uint16_t> ha, hb, copy;
+    std::vector<uint16_t> hparam, hgrad;  // bf16 param, fp16 grad
 };
 
 Buffers make(size_t n, uint32_t seed) {
@@ -35,6 +37,8 @@ Buffers make(size_t n, uint32_t seed) {
     b.ha.resize(n);
     b.hb.resize(n);
     b.copy.resize(n);
+    b.hparam.resize(n);
+    b.hgrad.resize(n);
     b.absmax_a.resize(blocks);
     b.absmax_b.resize(blocks);
     for (size_t i = 0; i < n; ++i) {
@@ -44,6 +48,10 @@ Buffers make(size_t n, uint32_t seed) {
         b.qb[i] = static_cast<uint8_t>(rng() % 249);
         b.ha[i] = static_cast<uint16_t>(0x3C00 + (rng() & 0x3FF));
         b.hb[i] = static_cast<uint16_t>(0x3800 + (rng() & 0x3FF));
+        uint32_t bits;
+        std::memcpy(&bits, &b.param[i], sizeof bits);
+        b.hparam[i] = static_cast<uint16_t>(bits >> 16);
+        b.hgrad[i] = static_cast<uint16_t>((rng() & 0x8000) | (0x1C00 + (rng() & 0x7FF)));  // +-2^-8..2^-6
     }
     for (size_t k = 0; k < blocks; ++k) {
         b.absmax_a[k] = 0.01f * static_cast<float>(k + 1);
@@ -52,11 +60,14 @@ Buffers make(size_t n, uint32_t seed) {
     return b;
 }
 
-// Runs optimizer `opt` (0 Adam, 1 Lion, 2 Adagrad) with 8-bit (u8) or stochastically rounded bf16 states.
-void run(Buffers& b, size_t n, int opt, bool u8) {
+// Runs optimizer `opt` (0 Adam, 1 Lion, 2 Adagrad) with 8-bit (u8) or stochastically rounded bf16 states,
+// on the fp32 param and grad or (half) the bf16 param and fp16 grad.
+void run(Buffers& b, size_t n, int opt, bool u8, bool half) {
     Arrays a;
-    a.param = b.param.data();
-    a.grad = b.grad.data();
+    a.param = half ? static_cast<void*>(b.hparam.data()) : static_cast<void*>(b.param.data());
+    a.grad = half ? static_cast<const void*>(b.hgrad.data()) : static_cast<const void*>(b.grad.data());
+    a.param_dtype = half ? kBF16 : kF32;
+    a.grad_dtype = half ? kF16 : kF32;
     a.state_a = u8 ? static_cast<void*>(b.qa.data()) : static_cast<void*>(b.ha.data());
     a.state_b = opt == 0 ? (u8 ? static_cast<void*>(b.qb.data()) : static_cast<void*>(b.hb.data())) : nullptr;
     a.copy = b.copy.data();
@@ -86,8 +97,8 @@ bool same(const std::vector<T>& x, const std::vector<T>& y) {
 }
 
 bool same(const Buffers& x, const Buffers& y) {
-    return same(x.param, y.param) && same(x.qa, y.qa) && same(x.qb, y.qb) && same(x.ha, y.ha) &&
-           same(x.hb, y.hb) && same(x.copy, y.copy) && same(x.absmax_a, y.absmax_a) &&
+    return same(x.param, y.param) && same(x.hparam, y.hparam) && same(x.qa, y.qa) && same(x.qb, y.qb) &&
+           same(x.ha, y.ha) && same(x.hb, y.hb) && same(x.copy, y.copy) && same(x.absmax_a, y.absmax_a) &&
            same(x.absmax_b, y.absmax_b);
 }
 
@@ -102,20 +113,22 @@ int main() {
     for (size_t n : sizes) {
         for (int opt = 0; opt < 3; ++opt) {
             for (bool u8 : {true, false}) {
-                set_simd_level("scalar");
-                set_num_threads(1);
-                Buffers ref = make(n, static_cast<uint32_t>(n * 7 + opt));
-                run(ref, n, opt, u8);
-                for (const std::string& level : levels) {
-                    for (int threads : {1, 3}) {
-                        set_simd_level(level);
-                        set_num_threads(threads);
-                        Buffers b = make(n, static_cast<uint32_t>(n * 7 + opt));
-                        run(b, n, opt, u8);
-                        if (!same(b, ref)) {
-                            std::printf("MISMATCH n=%zu opt=%d u8=%d level=%s threads=%d\n", n, opt,
-                                        u8 ? 1 : 0, level.c_str(), threads);
-                            ++failures;
+                for (bool half : {false, true}) {
+                    set_simd_level("scalar");
+                    set_num_threads(1);
+                    Buffers ref = make(n, static_cast<uint32_t>(n * 7 + opt));
+                    run(ref, n, opt, u8, half);
+                    for (const std::string& level : levels) {
+                        for (int threads : {1, 3}) {
+                            set_simd_level(level);
+                            set_num_threads(threads);
+                            Buffers b = make(n, static_cast<uint32_t>(n * 7 + opt));
+                            run(b, n, opt, u8, half);
+                            if (!same(b, ref)) {
+                                std::printf("MISMATCH n=%zu opt=%d u8=%d half=%d level=%s threads=%d\n", n,
+                                            opt, u8 ? 1 : 0, half ? 1 : 0, level.c_str(), threads);
+                                ++failures;
+                            }
                         }
                     }
                 }

@@ -1,4 +1,0 @@
-// The portable Lion kernels and the finiteness check (isa_scalar.h).
-#define ZO_ISA_ENTRY_POINTS(isa, I) \
-    ZO_DEFINE_LION_ENTRY_POINT(isa, I) ZO_DEFINE_ALL_FINITE_ENTRY_POINT(isa, I)
-#include "isa_scalar.h"
