@@ -1,6 +1,6 @@
 // Included by kernels_avx2.cpp, which first defines ZO_ISA_ENTRY_POINTS(isa, I) to the
-// ZO_DEFINE_*_ENTRY_POINT macros (kernels_impl.h) of every optimizer: each is instantiated for every dtype
-// combination (fused or in fp32 chunks, see dispatch_dtypes). One translation unit per ISA parses the
+// ZO_DEFINE_*_ENTRY_POINT macros (kernels_dispatch.h) of every optimizer: each is instantiated for every
+// dtype combination (fused or in fp32 chunks, see dispatch_dtypes). One translation unit per ISA parses the
 // intrinsics headers once. No include guard: the translation unit includes this once.
 // AVX2 + FMA + F16C kernels, 8 fp32 lanes. Compiled for that target by pragma so the rest of the
 // extension keeps baseline x86-64 flags; dispatch.cpp only calls in here when the CPU reports all three.
@@ -128,7 +128,7 @@ struct Avx2Isa {
 }  // namespace
 }  // namespace zo_optim
 
-#include "kernels_impl.h"
+#include "kernels_dispatch.h"
 
 ZO_ISA_ENTRY_POINTS(avx2, Avx2Isa)
 

@@ -1,6 +1,6 @@
 // Included by kernels_scalar.cpp, which first defines ZO_ISA_ENTRY_POINTS(isa, I) to the
-// ZO_DEFINE_*_ENTRY_POINT macros (kernels_impl.h) of every optimizer: each is instantiated for every dtype
-// combination (fused or in fp32 chunks, see dispatch_dtypes). One translation unit per ISA parses the
+// ZO_DEFINE_*_ENTRY_POINT macros (kernels_dispatch.h) of every optimizer: each is instantiated for every
+// dtype combination (fused or in fp32 chunks, see dispatch_dtypes). One translation unit per ISA parses the
 // intrinsics headers once. No include guard: the translation unit includes this once.
 // Portable kernels: one element at a time, any CPU, any architecture. Also the reference the SIMD paths
 // are tested against: it performs the same operations with the same roundings.
@@ -85,6 +85,6 @@ struct ScalarIsa {
 }  // namespace
 }  // namespace zo_optim
 
-#include "kernels_impl.h"
+#include "kernels_dispatch.h"
 
 ZO_ISA_ENTRY_POINTS(scalar, ScalarIsa)

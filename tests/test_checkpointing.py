@@ -410,8 +410,9 @@ def test_engine_configures_from_its_config_and_reports(tmp_path, caplog):
     rep = engine.last_report.activations
     assert rep["checkpoints"] == 2 * 4 and rep["nvme_write_bytes"] > 0 and rep["restore_wait_s"] > 0
     # the recompute's gathers follow the same trace as with torch's checkpoint: prefetch is not confused
-    io = dict(engine.last_param_io, param_read_wait_s=0.0)  # every count, not the time spent waiting
-    assert io == dict(ref_engine.last_param_io, param_read_wait_s=0.0)
+    waits = {"param_read_wait_s": 0.0, "param_write_wait_s": 0.0}  # every count, not the time spent waiting
+    io = dict(engine.last_param_io, **waits)
+    assert io == dict(ref_engine.last_param_io, **waits)
     assert io["gathers"] > 0 and io["param_nvme_read_bytes"] > 0
     ours = engine.consolidated_state_dict()
     theirs = ref_engine.consolidated_state_dict()
