@@ -376,6 +376,20 @@ def test_config_sub_group_below_the_engines_minimum_is_rounded_up(tmp_path):
     assert read_ds_config(str(path)).buffers["sub_group_size"] == MIN_SUB_GROUP_SIZE
 
 
+def test_config_aio_queue_depth_sizes_the_write_back_buffers(tmp_path):
+    """The config's aio.queue_depth reaches the estimate (the writes in flight hold their buffers); a bad
+    value is refused naming the key."""
+    from offload.estimate import EstimateInputError
+    from offload.estimate.ds_config import read_ds_config
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3}, "aio": {"queue_depth": 3}}))
+    assert read_ds_config(str(path)).buffers["aio_queue_depth"] == 3
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3}, "aio": {"queue_depth": 0}}))
+    with pytest.raises(EstimateInputError, match="aio.queue_depth"):
+        read_ds_config(str(path))
+
+
 def test_model_module_is_not_looked_up_in_the_current_directory(tmp_path):
     """`--model mod:fn` imports `mod` from sys.path as it is: the current directory is not put first (a
     file there would shadow any module imported after it). Python run with -P adds nothing for -m either;

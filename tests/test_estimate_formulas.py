@@ -158,8 +158,20 @@ def test_nvme_offload_staging_buffers_and_io_bytes():
     # sub-groups of 100) x 100 x (4 + 8) + 5 parameter buffers x min(50, 25-element layer partition) x 2
     # = 3850; two ranks per node
     assert nonzero(est.cpu_pinned) == {"grads_16bit": 1000, "swap_buffers": 7700}
-    # pageable: one 100-element chunk of updated weights + one layer partition to assemble, x 2 B
-    assert nonzero(est.cpu_pageable) == {"swap_buffers": 2 * (200 + 50)}
+    # pageable: one 100-element chunk of updated weights + the units' assembled buffers held by the
+    # writes in flight (aio.queue_depth 8, one more being assembled: 9 x 25, under the 250 + 25 cap), x 2 B
+    assert nonzero(est.cpu_pageable) == {"swap_buffers": 2 * (200 + 2 * 9 * 25)}
+    # one write in flight at a time: that unit's buffer and the one being assembled
+    shallow = TrainingSetup(
+        params=1000,
+        largest_layer_params=100,
+        gpus_per_node=2,
+        nodes=2,
+        buffers=dataclasses.replace(buffers, aio_queue_depth=1),
+    )
+    assert nonzero(estimate(shallow, 3, "nvme", "nvme").cpu_pageable) == {
+        "swap_buffers": 2 * (200 + 2 * 2 * 25)
+    }
     # master and states twice on disk (the live copy and the one being written), in whole sub-group
     # regions: 3 x 100 elements per rank for a 250-element partition
     assert nonzero(est.nvme) == {"params_16bit": 1000, "master_params_fp32": 4800, "optimizer_states": 9600}

@@ -165,6 +165,10 @@ def read_ds_config(path: str) -> ConfigChoices:
     if overlap is not None:
         buffers["overlap_comm"] = overlap
 
+    depth = _positive_int(_section(config, "aio", where), "queue_depth", where, "aio.")
+    if depth is not None:
+        buffers["aio_queue_depth"] = depth
+
     precision = None
     for key in ("bf16", "bfloat16", "fp16"):
         enabled = _bool(_section(config, key, where), "enabled", where, key + ".")

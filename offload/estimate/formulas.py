@@ -148,11 +148,14 @@ def _stage3(
         ledger.add(tier, "optimizer_states", part * state_bytes + scales)
 
     # Staging: updated 16-bit weights pass through one pageable chunk; NVMe units are assembled in a
-    # pageable buffer of one partition and read through pinned slots of the largest layer's partition.
+    # pageable buffer of one partition, each held until its write ended (up to aio.queue_depth writes in
+    # flight, one more being assembled; never more than the NVMe partitions themselves), and read through
+    # pinned slots of the largest layer's partition.
     if mixed:
         ledger.add("cpu_pageable", "swap_buffers", plan.stage3_writer_chunks * chunk * cb)
     if on_nvme:
-        ledger.add("cpu_pageable", "swap_buffers", layer_part * cb)
+        held = min((bufs.aio_queue_depth + 1) * layer_part, on_nvme + layer_part)
+        ledger.add("cpu_pageable", "swap_buffers", held * cb)
         slot = min(bufs.param_buffer_size, layer_part)
         ledger.add("cpu_pinned", "swap_buffers", bufs.param_buffer_count * slot * cb)
         nvme_read += 2 * on_nvme * cb

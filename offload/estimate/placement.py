@@ -100,8 +100,9 @@ class EnginePlacement:
     # copies when nvme_path has room for them plus this headroom, else updates one copy in place.
     stage3_nvme_copies_headroom: float
     # Stage 3 updated-weights staging: one chunk of min(sub_group_size, partition) compute-dtype elements in
-    # pageable host memory (mixed precision only), and with NVMe parameters one pageable buffer of the
-    # largest layer's partition to assemble a unit before its swap file is written.
+    # pageable host memory (mixed precision only), and with NVMe parameters pageable buffers of the
+    # largest layer's partition to assemble a unit before its swap file is written (formulas._stage3:
+    # aio.queue_depth of them held by writes in flight, one more being assembled).
     stage3_writer_chunks: int
 
 

@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Union
 
+from offload.config.aio import AioConfig
 from offload.config.zero import OffloadParamConfig
 from offload.swap.resident import auto_resident_numel
 from offload.swap.slots import QUANT_BLOCK, state_chunk  # the engine's slot sizing
@@ -51,13 +52,22 @@ class SwapBufferSettings:
     # zero_optimization.reduce_bucket_size / overlap_comm: stage 2's gradient buckets on the GPU.
     reduce_bucket_size: int = DEFAULT_REDUCE_BUCKET_SIZE
     overlap_comm: bool = False
+    # aio.queue_depth: with NVMe parameters, how many updated units' writes the optimizer pass leaves in
+    # flight, each holding its assembled pageable buffer until it ended (zero.stage3.write_back)
+    aio_queue_depth: int = AioConfig.queue_depth
 
     def __post_init__(self) -> None:
         if self.optimizer_nvme_copies not in NVME_COPIES or isinstance(self.optimizer_nvme_copies, bool):
             raise EstimateInputError(
                 f'optimizer_nvme_copies must be "auto", 1 or 2, got {self.optimizer_nvme_copies!r}'
             )
-        for name in ("optimizer_buffer_count", "sub_group_size", "param_buffer_count", "param_buffer_size"):
+        for name in (
+            "optimizer_buffer_count",
+            "sub_group_size",
+            "param_buffer_count",
+            "param_buffer_size",
+            "aio_queue_depth",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise EstimateInputError(f"buffer setting {name} must be a positive integer, got {value!r}")
